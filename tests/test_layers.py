@@ -1,0 +1,106 @@
+"""The shared building blocks: patch embedding, the two attention paths, drop-path, the Block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vit.layers import Attention, Block, DropPath, LayerScale, PatchEmbed
+
+
+def test_patch_embed_is_a_strided_conv_flattened_row_major():
+    embed = PatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
+    x = torch.randn(2, 3, 32, 32)
+    tokens = embed(x)
+    assert tokens.shape == (2, 16, 16)
+    # token (row 1, col 2) is the conv of the patch at pixels [8:16, 16:24]
+    patch = x[:, :, 8:16, 16:24]
+    expected = torch.einsum("bchw,dchw->bd", patch, embed.proj.weight) + embed.proj.bias
+    torch.testing.assert_close(tokens[:, 1 * 4 + 2], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_patch_embed_rejects_sizes_not_divisible_by_the_patch():
+    with pytest.raises(ValueError, match="30x30 is not divisible by patch size 8x8"):
+        PatchEmbed(img_size=32, patch_size=8)(torch.randn(1, 3, 30, 30))
+    with pytest.raises(ValueError, match="not divisible"):
+        PatchEmbed(img_size=30, patch_size=8)
+
+
+def _reference_attention(attn: Attention, x, mask=None, causal=False):
+    """softmax(QK^T / sqrt(d) + mask) V written out by hand."""
+    B, N, C = x.shape
+    h, d = attn.num_heads, C // attn.num_heads
+    q, k, v = attn.qkv(x).split(C, dim=-1)
+    q, k, v = (t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / d**0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(N, N).triu(1).bool(), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = scores.softmax(-1)
+    out = (weights @ v).transpose(1, 2).reshape(B, N, C)
+    return attn.proj(out), weights
+
+
+MASKS = {
+    "none": lambda B, N: None,
+    "bool": lambda B, N: (torch.rand(B, 1, N, N) > 0.3) | torch.eye(N, dtype=torch.bool),
+    "float": lambda B, N: torch.randn(B, 1, N, N),
+}
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_and_explicit_attention_agree_with_the_formula(mask_kind, causal):
+    attn = Attention(dim=32, num_heads=4).eval()
+    x = torch.randn(3, 10, 32)
+    mask = MASKS[mask_kind](3, 10)
+    expected, expected_weights = _reference_attention(attn, x, mask, causal)
+
+    attn.fused_attn = True
+    fused = attn(x, attn_mask=mask, is_causal=causal)
+    attn.fused_attn = False
+    explicit, weights = attn(x, attn_mask=mask, is_causal=causal, return_attn=True)
+
+    torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(explicit, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(3, 4, 10))
+
+
+def test_return_attn_uses_the_explicit_path_while_fused_stays_on():
+    attn = Attention(dim=32, num_heads=4).eval()
+    x = torch.randn(2, 5, 32)
+    out, weights = attn(x, return_attn=True)
+    assert attn.fused_attn  # not switched off
+    assert weights.shape == (2, 4, 5, 5)
+    torch.testing.assert_close(out, attn(x), atol=1e-5, rtol=1e-5)
+
+
+def test_drop_path_drops_whole_samples_and_keeps_the_expectation():
+    drop = DropPath(0.25)
+    x = torch.ones(4000, 3, 2)
+    assert torch.equal(drop.eval()(x), x)
+    y = drop.train()(x)
+    per_sample = y.flatten(1)
+    # each sample is either dropped entirely or scaled by 1/keep_prob
+    torch.testing.assert_close(per_sample.unique(), torch.tensor([0.0, 1 / 0.75]))
+    assert (per_sample == per_sample[:, :1]).all()
+    assert abs(y.mean().item() - 1.0) < 0.05
+
+
+def test_block_is_pre_norm_with_two_residuals():
+    block = Block(dim=24, num_heads=3, init_values=0.5).eval()
+    x = torch.randn(2, 7, 24)
+    h = x + block.ls1(block.attn(block.norm1(x)))
+    expected = h + block.ls2(block.mlp(block.norm2(h)))
+    torch.testing.assert_close(block(x), expected)
+    assert isinstance(block.ls1, LayerScale) and torch.equal(block.ls1.gamma, torch.full((24,), 0.5))
+
+
+def test_block_passes_masks_to_attention():
+    block = Block(dim=16, num_heads=2).eval()
+    x = torch.randn(1, 6, 16)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    torch.testing.assert_close(block(x, is_causal=True), block(x, attn_mask=causal), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(block(x, is_causal=True), block(x), atol=1e-4)

@@ -1,0 +1,85 @@
+"""The command line of scripts/train.py: a LightningCLI with our checkpoint defaults and a summary."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from vit.lit import NonFiniteLossError
+
+
+def _checkpoint_dir(default_root_dir: str | None) -> str:
+    return os.path.join(default_root_dir or ".", "checkpoints")
+
+
+class TrainCLI(LightningCLI):
+    """`checkpoint:` configures the ModelCheckpoint every run has: the best (by `monitor`) and the
+    last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.monitor": "val/acc1",
+                "checkpoint.mode": "max",
+                "checkpoint.save_last": True,
+                "checkpoint.filename": "best-epoch{epoch:03d}-step{step}",
+                "checkpoint.auto_insert_metric_name": False,
+            }
+        )
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dir)
+
+    def before_fit(self) -> None:
+        """A fresh run must not mix its checkpoints with an earlier run's in the same directory:
+        move those aside (never delete them), so `last` and `best` are unambiguous."""
+        if self.config.fit.get("ckpt_path") is not None or not self.trainer.is_global_zero:
+            return
+        ckpt_dir = Path(self.trainer.checkpoint_callback.dirpath)
+        old = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
+        if old:
+            archive = ckpt_dir / "earlier" / time.strftime("%Y%m%d-%H%M%S")
+            archive.mkdir(parents=True)
+            for path in old:
+                path.rename(archive / path.name)
+            print(f"Moved {len(old)} checkpoint(s) of an earlier run to {archive} (resume it with --ckpt_path PATH)")
+
+    def after_fit(self) -> None:
+        """Say where the results went."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        ckpt = trainer.checkpoint_callback
+        lines = ["", "Done."]
+        if ckpt is not None and ckpt.best_model_score is not None:
+            lines.append(f"  best {ckpt.monitor}: {float(ckpt.best_model_score):.4f}  ({ckpt.best_model_path})")
+        if ckpt is not None and ckpt.last_model_path:
+            lines.append(f"  last checkpoint: {ckpt.last_model_path}")
+        if trainer.logger is not None and trainer.logger.log_dir:
+            lines.append(
+                f"  TensorBoard logs: {trainer.logger.log_dir}  (tensorboard --logdir {trainer.logger.log_dir})"
+            )
+        print("\n".join(lines), flush=True)
+
+
+def main(args: list[str] | None = None) -> Any:
+    # Tensor cores: TF32 matmuls on Ampere+ GPUs; no effect on CPU.
+    torch.set_float32_matmul_precision("high")
+    try:
+        return TrainCLI(
+            args=args,
+            save_config_kwargs={"overwrite": True},
+        )
+    except NonFiniteLossError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Image sources: reading files safely, scanning folder layouts, and the two Dataset classes.
+
+Every image comes out as an RGB uint8 array (H, W, 3): greyscale, palette and RGBA files are
+converted, and a file that cannot be decoded raises an error naming it (or is skipped and counted,
+where configured) instead of feeding garbage to the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+
+class CorruptImageError(ValueError):
+    """An image file that exists but cannot be decoded."""
+
+
+def read_rgb(path: str | Path) -> np.ndarray:
+    """Decode an image file into an RGB uint8 array (H, W, 3)."""
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except FileNotFoundError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise CorruptImageError(f"cannot decode image {path}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Sample:
+    path: str
+    label: int
+    box: tuple[float, float, float, float] | None = None  # x0, y0, x1, y1 in pixels, where known
+
+
+def scan_image_folder(root: str | Path, classes: Sequence[str] | None = None) -> tuple[list[str], list[Sample]]:
+    """`root/<class>/<image>` (ImageNet / torchvision ImageFolder layout) -> (class names, samples).
+
+    Classes are the sorted sub-folder names unless given (a val split must use the train split's).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder {root} does not exist; expected {root}/<class name>/<image files>")
+    found = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if classes is None:
+        classes = found
+    elif missing := sorted(set(found) - set(classes)):
+        raise ValueError(f"{root} has class folders that the training split does not: {', '.join(missing[:10])}")
+    if not classes:
+        raise FileNotFoundError(f"{root} has no class sub-folders; expected {root}/<class name>/<image files>")
+    samples = []
+    for label, name in enumerate(classes):
+        folder = root / name
+        if not folder.is_dir():
+            continue  # a val split may lack a class
+        files = sorted(e.name for e in os.scandir(folder) if e.name.lower().endswith(IMAGE_EXTENSIONS))
+        samples += [Sample(str(folder / f), label) for f in files]
+    if not samples:
+        raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}/<class name>/")
+    return list(classes), samples
+
+
+def scan_tiny_imagenet(root: str | Path, split: str) -> tuple[list[str], list[Sample]]:
+    """Tiny-ImageNet-200 in its official layout, with each image's object box.
+
+    train: `train/<wnid>/images/*.JPEG`, boxes in `train/<wnid>/<wnid>_boxes.txt`;
+    val: `val/images/*.JPEG`, labels and boxes in `val/val_annotations.txt`.
+    """
+    root = Path(root)
+    wnids_file = root / "wnids.txt"
+    if not wnids_file.is_file():
+        raise FileNotFoundError(
+            f"{wnids_file} not found; expected the official Tiny-ImageNet layout under {root}: "
+            "wnids.txt, train/<wnid>/images/*.JPEG, val/images/*.JPEG and val/val_annotations.txt"
+        )
+    classes = sorted(line.strip() for line in wnids_file.read_text().splitlines() if line.strip())
+    index = {wnid: i for i, wnid in enumerate(classes)}
+    samples = []
+    if split == "train":
+        for wnid in classes:
+            boxes = _read_boxes(root / "train" / wnid / f"{wnid}_boxes.txt", with_label=False)
+            folder = root / "train" / wnid / "images"
+            if not folder.is_dir():
+                raise FileNotFoundError(f"{folder} not found (class {wnid} listed in {wnids_file})")
+            for name in sorted(os.listdir(folder)):
+                if name.lower().endswith(IMAGE_EXTENSIONS):
+                    box = boxes[name][0] if name in boxes else None
+                    samples.append(Sample(str(folder / name), index[wnid], box))
+    elif split == "val":
+        annotations = root / "val" / "val_annotations.txt"
+        if not annotations.is_file():
+            raise FileNotFoundError(f"{annotations} not found; it holds the val labels (file, wnid, x0, y0, x1, y1)")
+        for name, (wnid, box) in sorted(_read_boxes(annotations, with_label=True).items()):
+            if wnid not in index:
+                raise ValueError(f"{annotations}: {name} has class {wnid}, which is not in {wnids_file}")
+            samples.append(Sample(str(root / "val" / "images" / name), index[wnid], box))
+    else:
+        raise ValueError(f"Tiny-ImageNet split must be 'train' or 'val', got {split!r}")
+    return classes, samples
+
+
+def _read_boxes(path: Path, with_label: bool) -> dict:
+    """`file [wnid] x0 y0 x1 y1` per line -> {file: ([wnid,] box)}; missing file -> {}."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        expected = 6 if with_label else 5
+        if len(parts) != expected:
+            raise ValueError(f"{path}:{line_no}: expected {expected} fields, got {len(parts)}: {line!r}")
+        box = tuple(float(v) for v in parts[-4:])
+        out[parts[0]] = (parts[1], box) if with_label else (box,)
+    return out
+
+
+Transform = Callable[..., dict]  # an albumentations Compose: transform(image=array) -> {"image": ...}
+
+
+class _SeededTransform(Dataset):
+    """Applies the transform with the per-sample seed the ResumableSampler passes as (index, seed)."""
+
+    transform: Transform | None
+
+    def __getitem__(self, item: int | tuple[int, int]):
+        index, seed = item if isinstance(item, tuple) else (item, None)
+        image, label = self.load(index)
+        if self.transform is not None:
+            if seed is not None:
+                self.transform.set_random_seed(seed)
+            image = self.transform(image=image)["image"]
+        return image, label
+
+    def load(self, index: int) -> tuple[np.ndarray, int]:
+        raise NotImplementedError
+
+
+class ImageFiles(_SeededTransform):
+    """Images read from files. With `skip_corrupt`, an undecodable file is logged by name, counted,
+    and replaced by the next sample instead of stopping the run."""
+
+    def __init__(self, samples: Sequence[Sample], transform: Transform | None = None, skip_corrupt: bool = False):
+        self.samples = list(samples)
+        self.transform = transform
+        self.skip_corrupt = skip_corrupt
+        self.num_skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load(self, index: int) -> tuple[np.ndarray, int]:
+        for offset in range(len(self.samples)):
+            sample = self.samples[(index + offset) % len(self.samples)]
+            try:
+                return read_rgb(sample.path), sample.label
+            except CorruptImageError as e:
+                if not self.skip_corrupt:
+                    raise
+                self.num_skipped += 1
+                log.warning("skipped %s (%d corrupt images skipped so far in this process)", e, self.num_skipped)
+        raise CorruptImageError(f"none of the {len(self.samples)} images could be decoded")
+
+
+class ImageArrays(_SeededTransform):
+    """Images held in memory: uint8 (N, H, W, 3), or (N, H, W) greyscale, with integer labels."""
+
+    def __init__(self, images: np.ndarray, labels: Sequence[int], transform: Transform | None = None):
+        if images.ndim == 3:
+            images = np.repeat(images[..., None], 3, axis=-1)
+        if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
+            raise ValueError(f"expected uint8 images (N, H, W, 3), got {images.dtype} {images.shape}")
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = images
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def load(self, index: int) -> tuple[np.ndarray, int]:
+        return self.images[index], int(self.labels[index])

@@ -1,0 +1,69 @@
+"""Reproducible, resumable data order.
+
+The training sampler's shuffle depends only on (seed, epoch), and each sample gets its own
+augmentation seed from (seed, epoch, index). Together with the per-step seeding in `vit.lit`,
+a run interrupted and resumed from a checkpoint, even mid-epoch, sees exactly the batches and
+augmentations an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+def mix_seed(*values: int) -> int:
+    """A well-mixed 32-bit seed from several integers (e.g. seed, epoch, index)."""
+    return int(np.random.SeedSequence([int(v) % 2**63 for v in values]).generate_state(1)[0])
+
+
+class ResumableSampler(DistributedSampler):
+    """Shuffles by (seed, epoch) and shards across ranks like DistributedSampler (so Lightning
+    keeps it as is under DDP and calls `set_epoch`); yields `(index, sample_seed)` pairs; and can
+    start part-way through an epoch."""
+
+    def __init__(self, dataset: Dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        num_replicas, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.resume_epoch, self.resume_position = 0, 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        start = self.resume_position if self.epoch == self.resume_epoch else 0
+        self.resume_position = 0
+        indices = list(super().__iter__())
+        for i in indices[start:]:
+            yield i, mix_seed(self.seed, self.epoch, i)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader with `state_dict` / `load_state_dict`, which Lightning saves in checkpoints
+    and restores on resume, so training continues from the next unseen batch."""
+
+    sampler: ResumableSampler
+
+    def __iter__(self) -> Iterator[Any]:
+        self._start = self.sampler.resume_position if self.sampler.epoch == self.sampler.resume_epoch else 0
+        self._yielded, self._exhausted = 0, False
+        yield from self._count(super().__iter__())
+
+    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+        self._exhausted = True
+
+    def state_dict(self) -> dict[str, int]:
+        # Lightning's fetcher holds one batch beyond the one being trained on, until the loader runs out.
+        consumed = getattr(self, "_yielded", 0) - (0 if getattr(self, "_exhausted", True) else 1)
+        position = getattr(self, "_start", 0) + max(consumed, 0) * (self.batch_size or 1)
+        return {"epoch": self.sampler.epoch, "position": position, "seed": self.sampler.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.resume_epoch = state["epoch"]
+        self.sampler.resume_position = state["position"]
+        self.sampler.seed = state["seed"]

@@ -1,0 +1,85 @@
+"""Albumentations pipelines: train (crop, flip, RandAugment-like ops, normalise) and eval
+(resize, centre crop, normalise). Inputs are RGB uint8 arrays; outputs float CHW tensors."""
+
+from __future__ import annotations
+
+import albumentations as A
+import cv2
+from albumentations.pytorch import ToTensorV2
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+CROPS = ("rrc", "pad_crop", "resize")
+
+
+def rand_augment_ops(magnitude: float) -> list[A.BasicTransform]:
+    """RandAugment's operations (Cubuk et al. 2020) with strength set by magnitude in [0, 10].
+
+    Each op draws its strength uniformly up to the magnitude, like timm's `mstd` variant.
+    """
+    m = max(0.0, min(magnitude, 10.0)) / 10.0
+    return [
+        A.Affine(rotate=(-30 * m, 30 * m), border_mode=cv2.BORDER_CONSTANT, p=1.0),
+        A.Affine(shear={"x": (-17 * m, 17 * m), "y": (0, 0)}, border_mode=cv2.BORDER_CONSTANT, p=1.0),
+        A.Affine(shear={"x": (0, 0), "y": (-17 * m, 17 * m)}, border_mode=cv2.BORDER_CONSTANT, p=1.0),
+        A.Affine(translate_percent={"x": (-0.45 * m, 0.45 * m), "y": (0, 0)}, border_mode=cv2.BORDER_CONSTANT, p=1.0),
+        A.Affine(translate_percent={"x": (0, 0), "y": (-0.45 * m, 0.45 * m)}, border_mode=cv2.BORDER_CONSTANT, p=1.0),
+        A.ColorJitter(brightness=0.9 * m, contrast=0, saturation=0, hue=0, p=1.0),
+        A.ColorJitter(brightness=0, contrast=0.9 * m, saturation=0, hue=0, p=1.0),
+        A.ColorJitter(brightness=0, contrast=0, saturation=0.9 * m, hue=0, p=1.0),
+        A.Sharpen(alpha=(0.0, 0.9 * m), p=1.0),
+        A.Posterize(num_bits=(max(1, round(8 - 4 * m)), 8), p=1.0),
+        A.Solarize(threshold_range=(1.0 - m, 1.0), p=1.0),
+        A.AutoContrast(p=1.0),
+        A.Equalize(p=1.0),
+    ]
+
+
+def train_transform(
+    img_size: int,
+    crop: str = "rrc",
+    crop_scale: tuple[float, float] = (0.08, 1.0),
+    crop_padding: int = 4,
+    hflip: bool = True,
+    randaugment_ops: int = 0,
+    randaugment_magnitude: float = 9.0,
+    mean: tuple[float, ...] = IMAGENET_MEAN,
+    std: tuple[float, ...] = IMAGENET_STD,
+) -> A.Compose:
+    """crop: "rrc" (random resized crop, ImageNet), "pad_crop" (resize, pad, random crop: CIFAR)
+    or "resize" (no crop)."""
+    if crop == "rrc":
+        ops = [A.RandomResizedCrop(size=(img_size, img_size), scale=tuple(crop_scale), interpolation=cv2.INTER_CUBIC)]
+    elif crop == "pad_crop":
+        ops = [
+            A.Resize(img_size, img_size, interpolation=cv2.INTER_CUBIC),
+            A.PadIfNeeded(img_size + 2 * crop_padding, img_size + 2 * crop_padding, border_mode=cv2.BORDER_CONSTANT),
+            A.RandomCrop(img_size, img_size),
+        ]
+    elif crop == "resize":
+        ops = [A.Resize(img_size, img_size, interpolation=cv2.INTER_CUBIC)]
+    else:
+        raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
+    if hflip:
+        ops.append(A.HorizontalFlip(p=0.5))
+    if randaugment_ops > 0:
+        ops.append(A.SomeOf(rand_augment_ops(randaugment_magnitude), n=randaugment_ops, replace=False, p=1.0))
+    return A.Compose([*ops, A.Normalize(mean=mean, std=std), ToTensorV2()])
+
+
+def eval_transform(
+    img_size: int,
+    crop_pct: float = 1.0,
+    mean: tuple[float, ...] = IMAGENET_MEAN,
+    std: tuple[float, ...] = IMAGENET_STD,
+) -> A.Compose:
+    """Resize the shorter side to img_size / crop_pct, then take the centre img_size crop
+    (crop_pct 0.875 is the ImageNet convention; 1.0 keeps the whole image)."""
+    resize = round(img_size / crop_pct)
+    return A.Compose([
+        A.SmallestMaxSize(max_size=resize, interpolation=cv2.INTER_CUBIC),
+        A.CenterCrop(img_size, img_size),
+        A.Normalize(mean=mean, std=std),
+        ToTensorV2(),
+    ])

@@ -1,0 +1,272 @@
+"""LightningModules: image classification (any registered model) and its training recipe.
+
+Optimisation: AdamW (or SGD) without weight decay on norms, biases, position embeddings and the
+CLS token; per-step linear warmup then cosine decay; optional weight EMA. Randomness inside a
+training step is a function of (seed, step, rank), which makes resuming from a checkpoint exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, OnExceptionCheckpoint
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torchmetrics.classification import MulticlassAccuracy
+
+from vit.data.sampling import mix_seed
+from vit.registry import create_model
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class InterruptCheckpoint(OnExceptionCheckpoint):
+    """Saves `interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is lost;
+    `--ckpt_path last` picks it up when it is the newest. Not after a NaN loss (that state is bad),
+    nor before the first optimizer step (nothing to save)."""
+
+    def __init__(self, dirpath: str | Path) -> None:
+        super().__init__(dirpath, filename="interrupted")
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, NonFiniteLossError) or trainer.global_step == 0:
+            return
+        if not all(torch.isfinite(p).all() for p in pl_module.parameters()):
+            return
+        super().on_exception(trainer, pl_module, exception)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        pass  # keep the file: it is the resume point until a newer checkpoint exists
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear from ~0 to 1 over warmup_steps, then cosine down to min_ratio."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: decayed weights (matrices, conv kernels) and everything else (norms, biases,
+    and the model's `no_weight_decay()` names such as pos_embed and cls_token)."""
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class ImageClassifier(L.LightningModule):
+    """Trains any registered model (`vit.list_models()`) as an image classifier.
+
+    Args:
+        model_name: registry name, e.g. "vit_small_patch16_224" or "resnet20".
+        model_kwargs: overrides of the model's config (img_size, drop_path_rate, global_pool, ...).
+        num_classes: None takes the datamodule's.
+        optimizer: "adamw" or "sgd" (momentum, nesterov).
+        lr: peak learning rate; with lr_base_batch_size set it is scaled by global_batch / lr_base_batch_size.
+        warmup_epochs: linear warmup length (fractions allowed), then cosine decay to min_lr.
+        label_smoothing: for the cross-entropy loss (works with Mixup's soft targets too).
+        ema_decay: keep an exponential moving average of the weights; validation also reports it.
+        compile: run the model through torch.compile (the checkpoint keeps the plain weights).
+        grad_checkpointing: recompute block activations in backward (ViT-L/H at larger batches).
+    """
+
+    def __init__(
+        self,
+        model_name: str = "vit_nano_patch4_16",
+        model_kwargs: dict[str, Any] | None = None,
+        num_classes: int | None = None,
+        optimizer: str = "adamw",
+        lr: float = 1e-3,
+        lr_base_batch_size: int | None = None,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+        momentum: float = 0.9,
+        warmup_epochs: float = 0.0,
+        min_lr: float = 0.0,
+        label_smoothing: float = 0.0,
+        ema_decay: float | None = None,
+        compile: bool = False,
+        grad_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        self.save_hyperparameters()
+        self.model: nn.Module | None = None
+        if num_classes is not None:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        """Build the model, once; num_classes comes from the datamodule unless it was given."""
+        if self.model is not None:
+            return
+        hp = self.hparams
+        if hp.num_classes is None:
+            datamodule = self.trainer.datamodule if self._trainer is not None else None
+            if datamodule is None or not hasattr(datamodule, "num_classes"):
+                raise ValueError("num_classes is not set and there is no datamodule with a num_classes to take it from")
+            hp.num_classes = datamodule.num_classes
+        self.model_kwargs = {**(hp.model_kwargs or {}), "num_classes": hp.num_classes}
+        self.model = create_model(hp.model_name, **self.model_kwargs)
+        if hp.grad_checkpointing:
+            if not hasattr(self.model, "set_grad_checkpointing"):
+                raise ValueError(f"{hp.model_name} does not support grad_checkpointing (only the ViTs do)")
+            self.model.set_grad_checkpointing(True)
+        self.ema = None
+        if hp.ema_decay is not None:
+            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(hp.ema_decay), use_buffers=True)
+            self.ema.requires_grad_(False)  # not trained by the optimizer; DDP must not wait for its grads
+        # Kept out of the module tree so checkpoints hold the plain model's weights, not `_orig_mod.` copies.
+        self.__dict__["_compiled"] = torch.compile(self.model) if hp.compile else None
+        top_k = min(5, hp.num_classes)
+        self.train_acc1 = MulticlassAccuracy(hp.num_classes, top_k=1)
+        self.val_acc1 = MulticlassAccuracy(hp.num_classes, top_k=1)
+        self.val_acc5 = MulticlassAccuracy(hp.num_classes, top_k=top_k)
+        self.val_ema_acc1 = MulticlassAccuracy(hp.num_classes, top_k=1)
+        self.test_acc1 = MulticlassAccuracy(hp.num_classes, top_k=1)
+        self.test_acc5 = MulticlassAccuracy(hp.num_classes, top_k=top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self._compiled if self._compiled is not None else self.model
+        return model(x)
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target, label_smoothing=self.hparams.label_smoothing)
+
+    # -- training -----------------------------------------------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Dropout and drop-path masks depend only on (seed, step, rank): exact resume, and ranks differ.
+        torch.manual_seed(mix_seed(_global_seed(), self.global_step, self.global_rank, 2))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, target = batch  # target: class ids (B,), or soft (B, classes) after Mixup/CutMix
+        logits = self(x)
+        loss = self.loss(logits, target)
+        check_finite(self, loss, batch_idx)
+        self.log("train/loss", loss, prog_bar=True)
+        if target.ndim == 1:
+            self.train_acc1(logits, target)
+            self.log("train/acc1", self.train_acc1, on_step=False, on_epoch=True)
+        return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        lr = hp.lr
+        if hp.lr_base_batch_size:
+            lr *= self.global_batch_size() / hp.lr_base_batch_size
+        groups = param_groups(self.model, hp.weight_decay)
+        if hp.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(hp.betas))
+        else:
+            optimizer = torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=True)
+        total = int(self.trainer.estimated_stepping_batches)
+        steps_per_epoch = total / self.trainer.max_epochs if (self.trainer.max_epochs or 0) > 0 else total
+        warmup = round(hp.warmup_epochs * steps_per_epoch)
+        min_ratio = hp.min_lr / lr if lr > 0 else 0.0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, warmup, total, min_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def global_batch_size(self) -> int:
+        per_device = self.trainer.datamodule.batch_size if self.trainer.datamodule is not None else 1
+        return per_device * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val/loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
+        self.val_acc1(logits, y)
+        self.val_acc5(logits, y)
+        self.log("val/acc1", self.val_acc1, prog_bar=True)
+        self.log("val/acc5", self.val_acc5)
+        if self.ema is not None:
+            self.val_ema_acc1(self.ema(x), y)
+            self.log("val/ema_acc1", self.val_ema_acc1)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("test/loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.test_acc1(logits, y)
+        self.test_acc5(logits, y)
+        self.log("test/acc1", self.test_acc1)
+        self.log("test/acc5", self.test_acc5)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).softmax(dim=-1)
+
+    # -- checkpoints and callbacks --------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Enough to rebuild the bare model without Lightning: vit.checkpoint.load_model(path).
+        checkpoint["vit"] = {"model_name": self.hparams.model_name, "model_kwargs": dict(self.model_kwargs)}
+        checkpoint["hyper_parameters"]["num_classes"] = self.hparams.num_classes  # resolved from the data
+        checkpoint["vit_seed"] = _global_seed()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "vit_seed" in checkpoint:
+            os.environ["PL_GLOBAL_SEED"] = str(checkpoint["vit_seed"])
+
+    def configure_callbacks(self) -> list[Callback]:
+        return default_callbacks(self.trainer)
+
+
+def default_callbacks(trainer: L.Trainer) -> list[Callback]:
+    """The safety net every task carries: a checkpoint on interruption, and the lr in the logs."""
+    callbacks: list[Callback] = [InterruptCheckpoint(checkpoint_dir(trainer))]
+    if trainer.loggers:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    return callbacks
+
+
+def checkpoint_dir(trainer: L.Trainer) -> Path:
+    """Where a run's checkpoints live: fixed per run directory (not per logger version), so
+    `--ckpt_path last` finds them from a new process."""
+    for cb in trainer.checkpoint_callbacks:
+        if getattr(cb, "dirpath", None):
+            return Path(cb.dirpath)
+    return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def check_finite(module: L.LightningModule, loss: torch.Tensor, batch_idx: int) -> None:
+    """Stop on a NaN/inf loss, on every rank together, before it reaches the weights or a checkpoint."""
+    bad = not bool(torch.isfinite(loss.detach()))
+    trainer = module.trainer
+    if trainer.world_size > 1:
+        bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+    if not bad:
+        return
+    last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+    raise NonFiniteLossError(
+        f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
+        f"batch {batch_idx}); stopped before updating the weights. "
+        f"The last good checkpoint is {last or '(none saved yet)'}. Lower the learning rate, enable gradient "
+        "clipping (--trainer.gradient_clip_val 1.0) or check the data, then resume with --ckpt_path last."
+    )
+
+
+def _global_seed() -> int:
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))

@@ -1,0 +1,68 @@
+"""Model registry: a name maps to a model class, its config dataclass and that name's defaults.
+
+`create_model("vit_small_patch16_224", num_classes=10)` is `VisionTransformer(ViTConfig(**defaults,
+num_classes=10))`. A name plus its overrides is all a checkpoint needs to rebuild the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    build: Callable[[Any], nn.Module]  # takes the config, returns the model
+    config_cls: type
+    defaults: dict[str, Any]
+
+
+_MODELS: dict[str, ModelEntry] = {}
+
+
+def register_model(name: str, build: Callable[[Any], nn.Module], config_cls: type, **defaults: Any) -> None:
+    if name in _MODELS:
+        raise ValueError(f"model {name!r} is registered twice")
+    _check_fields(name, config_cls, defaults)
+    _MODELS[name] = ModelEntry(build, config_cls, defaults)
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    """Registered model names matching a shell-style pattern, e.g. `list_models("vit_*")`."""
+    return sorted(n for n in _MODELS if fnmatch.fnmatch(n, pattern))
+
+
+def model_config(name: str, **overrides: Any) -> Any:
+    """The config dataclass `create_model(name, **overrides)` would build the model from."""
+    entry = _entry(name)
+    _check_fields(name, entry.config_cls, overrides)
+    return entry.config_cls(**{**entry.defaults, **overrides})
+
+
+def create_model(name: str, **overrides: Any) -> nn.Module:
+    """Build a registered model; `overrides` replace fields of its config (e.g. `num_classes=10`)."""
+    return _entry(name).build(model_config(name, **overrides))
+
+
+def _entry(name: str) -> ModelEntry:
+    if name not in _MODELS:
+        close = difflib.get_close_matches(name, _MODELS, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown model {name!r}.{hint} Registered models: {', '.join(list_models())}")
+    return _MODELS[name]
+
+
+def _check_fields(name: str, config_cls: type, kwargs: dict[str, Any]) -> None:
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise ValueError(
+            f"model {name!r} has no option(s) {', '.join(unknown)}; "
+            f"{config_cls.__name__} fields are: {', '.join(sorted(fields))}"
+        )

@@ -29,12 +29,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 class InterruptCheckpoint(OnExceptionCheckpoint):
-    """Saves `interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is lost;
-    `--ckpt_path last` picks it up when it is the newest. Not after a NaN loss (that state is bad),
-    nor before the first optimizer step (nothing to save)."""
+    """Saves `last-interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is
+    lost. Lightning's `ckpt_path="last"` takes the newest `last*.ckpt`, so resuming picks it up;
+    a run that completes removes it. Not written after a NaN loss (that state is bad), nor before
+    the first optimizer step (nothing to save)."""
 
     def __init__(self, dirpath: str | Path) -> None:
-        super().__init__(dirpath, filename="interrupted")
+        super().__init__(dirpath, filename="last-interrupted")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, NonFiniteLossError) or trainer.global_step == 0:
@@ -43,8 +44,11 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
             return
         super().on_exception(trainer, pl_module, exception)
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        pass  # keep the file: it is the resume point until a newer checkpoint exists
+
+def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:
+    """Top-k accuracy over samples (micro), synced across processes; torchmetrics' default is
+    the per-class (macro) mean, which is not what papers report."""
+    return MulticlassAccuracy(num_classes, top_k=min(top_k, num_classes), average="micro")
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -131,13 +135,12 @@ class ImageClassifier(L.LightningModule):
             self.ema.requires_grad_(False)  # not trained by the optimizer; DDP must not wait for its grads
         # Kept out of the module tree so checkpoints hold the plain model's weights, not `_orig_mod.` copies.
         self.__dict__["_compiled"] = torch.compile(self.model) if hp.compile else None
-        top_k = min(5, hp.num_classes)
-        self.train_acc1 = MulticlassAccuracy(hp.num_classes, top_k=1)
-        self.val_acc1 = MulticlassAccuracy(hp.num_classes, top_k=1)
-        self.val_acc5 = MulticlassAccuracy(hp.num_classes, top_k=top_k)
-        self.val_ema_acc1 = MulticlassAccuracy(hp.num_classes, top_k=1)
-        self.test_acc1 = MulticlassAccuracy(hp.num_classes, top_k=1)
-        self.test_acc5 = MulticlassAccuracy(hp.num_classes, top_k=top_k)
+        self.train_acc1 = accuracy(hp.num_classes, top_k=1)
+        self.val_acc1 = accuracy(hp.num_classes, top_k=1)
+        self.val_acc5 = accuracy(hp.num_classes, top_k=5)
+        self.val_ema_acc1 = accuracy(hp.num_classes, top_k=1)
+        self.test_acc1 = accuracy(hp.num_classes, top_k=1)
+        self.test_acc5 = accuracy(hp.num_classes, top_k=5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model = self._compiled if self._compiled is not None else self.model

@@ -94,13 +94,18 @@ class ImageDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         sampler = ResumableSampler(self.train_set, shuffle=True, seed=self._seed())
-        return ResumableLoader(
+        loader = ResumableLoader(
             self.train_set,
             batch_size=self.batch_size,
             sampler=sampler,
             drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
             **self._loader_options(),
         )
+        trainer = self.trainer
+        if trainer is not None:
+            # Batches of this epoch whose training step finished: where Lightning itself resumes.
+            loader.batches_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, **self._loader_options())

@@ -8,7 +8,7 @@ augmentations an uninterrupted run would have seen.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -42,26 +42,26 @@ class ResumableSampler(DistributedSampler):
 
 class ResumableLoader(DataLoader):
     """A DataLoader with `state_dict` / `load_state_dict`, which Lightning saves in checkpoints
-    and restores on resume, so training continues from the next unseen batch."""
+    and restores on resume, so training continues from the next unseen batch.
+
+    `batches_done` reports how many batches of the current epoch were trained on; the datamodule
+    points it at Lightning's own progress counter, so the saved position agrees with where
+    Lightning resumes even after a Ctrl-C in the middle of a step. Without it, batches handed out
+    are counted.
+    """
 
     sampler: ResumableSampler
+    batches_done: Callable[[], int] | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        self._start = self.sampler.resume_position if self.sampler.epoch == self.sampler.resume_epoch else 0
-        self._yielded, self._exhausted = 0, False
-        yield from self._count(super().__iter__())
-
-    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
-        for batch in batches:
-            self._yielded += 1
+        self._handed_out = 0
+        for batch in super().__iter__():
+            self._handed_out += 1
             yield batch
-        self._exhausted = True
 
     def state_dict(self) -> dict[str, int]:
-        # Lightning's fetcher holds one batch beyond the one being trained on, until the loader runs out.
-        consumed = getattr(self, "_yielded", 0) - (0 if getattr(self, "_exhausted", True) else 1)
-        position = getattr(self, "_start", 0) + max(consumed, 0) * (self.batch_size or 1)
-        return {"epoch": self.sampler.epoch, "position": position, "seed": self.sampler.seed}
+        done = self.batches_done() if self.batches_done is not None else getattr(self, "_handed_out", 0)
+        return {"epoch": self.sampler.epoch, "position": done * (self.batch_size or 1), "seed": self.sampler.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.resume_epoch = state["epoch"]

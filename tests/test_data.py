@@ -1,0 +1,203 @@
+"""Data: image decoding, folder layouts, augmentation, Mixup/CutMix and the resumable sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import shared_path
+from vit.data import (
+    CIFARDataModule,
+    CorruptImageError,
+    DigitsDataModule,
+    ImageFiles,
+    ImageFolderDataModule,
+    TinyImageNetDataModule,
+    read_rgb,
+)
+from vit.data.images import Sample, scan_image_folder
+from vit.data.mixup import MixupCutmix
+from vit.data.sampling import ResumableSampler
+from vit.data.transforms import eval_transform, train_transform
+
+
+def _write_image(path, mode: str = "RGB", size=(20, 12), value=100) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    array = np.full((size[1], size[0], channels), value, dtype=np.uint8).squeeze()
+    Image.fromarray(array, mode=mode).save(path)
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "RGB"])
+def test_greyscale_and_rgba_files_become_rgb(tmp_path, mode):
+    path = tmp_path / f"img_{mode}.png"
+    _write_image(path, mode, size=(20, 12), value=77)
+    image = read_rgb(path)
+    assert image.shape == (12, 20, 3) and image.dtype == np.uint8
+    assert (image == 77).all()
+
+
+def test_corrupt_file_raises_an_error_naming_it(tmp_path):
+    bad = tmp_path / "cat" / "broken.jpg"
+    bad.parent.mkdir()
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(CorruptImageError, match=r"broken\.jpg"):
+        read_rgb(bad)
+    with pytest.raises(CorruptImageError, match=r"broken\.jpg"):
+        ImageFiles([Sample(str(bad), 0)])[0]
+
+
+def test_skip_corrupt_logs_counts_and_substitutes_the_next_image(tmp_path, caplog):
+    good, bad = tmp_path / "good.png", tmp_path / "bad.png"
+    _write_image(good, value=9)
+    bad.write_bytes(b"garbage")
+    dataset = ImageFiles([Sample(str(bad), 0), Sample(str(good), 1)], skip_corrupt=True)
+    with caplog.at_level("WARNING"):
+        image, label = dataset[0]
+    assert label == 1 and (image == 9).all()
+    assert dataset.num_skipped == 1 and "bad.png" in caplog.text and "1 corrupt images skipped" in caplog.text
+
+
+def test_image_folder_layout_and_its_errors(tmp_path):
+    for split, n in (("train", 3), ("val", 2)):
+        for cls in ("b_dog", "a_cat"):
+            for i in range(n):
+                _write_image(tmp_path / split / cls / f"{i}.png")
+    (tmp_path / "train" / "a_cat" / "notes.txt").write_text("not an image")
+    dm = ImageFolderDataModule(root=str(tmp_path), img_size=16, batch_size=4, num_workers=0)
+    assert dm.num_classes == 2 and dm.classes == ["a_cat", "b_dog"]
+    dm.setup("fit")
+    assert len(dm.train_set) == 6 and len(dm.val_set) == 4
+    x, y = next(iter(dm.val_dataloader()))
+    assert x.shape == (4, 3, 16, 16) and y.tolist() == [0, 0, 1, 1]
+
+    with pytest.raises(FileNotFoundError, match=r"missing/train does not exist; expected .*<class name>"):
+        ImageFolderDataModule(root=str(tmp_path / "missing"))
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no class sub-folders"):
+        ImageFolderDataModule(root=str(tmp_path / "empty"))
+    _write_image(tmp_path / "val" / "c_extra" / "0.png")
+    with pytest.raises(ValueError, match="class folders that the training split does not: c_extra"):
+        dm.setup("fit")
+
+
+def test_tiny_imagenet_official_layout_reads_val_labels_and_boxes(tmp_path):
+    (tmp_path / "wnids.txt").write_text("n02\nn01\n")
+    for wnid in ("n01", "n02"):
+        for i in range(2):
+            _write_image(tmp_path / "train" / wnid / "images" / f"{wnid}_{i}.JPEG")
+        (tmp_path / "train" / wnid / f"{wnid}_boxes.txt").write_text(f"{wnid}_0.JPEG\t1\t2\t3\t4\n")
+    for i in range(3):
+        _write_image(tmp_path / "val" / "images" / f"val_{i}.JPEG")
+    (tmp_path / "val" / "val_annotations.txt").write_text(
+        "val_0.JPEG\tn02\t0\t0\t5\t5\nval_1.JPEG\tn01\t1\t1\t6\t6\nval_2.JPEG\tn02\t2\t2\t7\t7\n"
+    )
+    dm = TinyImageNetDataModule(root=str(tmp_path), img_size=16, batch_size=2, num_workers=0)
+    dm.setup("fit")
+    assert dm.classes == ["n01", "n02"] and dm.num_classes == 2
+    assert [(s.path.split("/")[-1], s.label, s.box) for s in dm.val_set.samples] == [
+        ("val_0.JPEG", 1, (0.0, 0.0, 5.0, 5.0)),
+        ("val_1.JPEG", 0, (1.0, 1.0, 6.0, 6.0)),
+        ("val_2.JPEG", 1, (2.0, 2.0, 7.0, 7.0)),
+    ]
+    train = {s.path.split("/")[-1]: (s.label, s.box) for s in dm.train_set.samples}
+    assert train["n01_0.JPEG"] == (0, (1.0, 2.0, 3.0, 4.0)) and train["n01_1.JPEG"] == (0, None)
+    with pytest.raises(FileNotFoundError, match=r"wnids\.txt not found; expected the official Tiny-ImageNet"):
+        TinyImageNetDataModule(root=str(tmp_path / "nope"))
+
+
+def test_real_tiny_imagenet_and_cifar10_folders():
+    tiny = TinyImageNetDataModule(root=str(shared_path("data/tiny-imagenet-200")), num_workers=0)
+    tiny.setup("fit")
+    assert tiny.num_classes == 200 and len(tiny.train_set) == 20_000 and len(tiny.val_set) == 10_000
+    assert all(s.box is not None for s in tiny.val_set.samples)
+    cifar = ImageFolderDataModule(root=str(shared_path("data/cifar10")), val_dir="test", img_size=32, num_workers=0)
+    cifar.setup("fit")
+    assert cifar.num_classes == 10 and len(cifar.train_set) == 50_000 and len(cifar.val_set) == 10_000
+
+
+def test_cifar_without_files_or_download_says_where_and_what(tmp_path):
+    dm = CIFARDataModule(root=str(tmp_path), dataset="cifar100", download=False)
+    assert dm.num_classes == 100
+    with pytest.raises(FileNotFoundError, match=r"cifar100 is not in .*cifar-100-python.*cifar-100-python\.tar\.gz"):
+        dm.setup("fit")
+
+
+def test_digits_default_needs_no_download_and_splits_stratified():
+    dm = DigitsDataModule(num_workers=0, batch_size=32)
+    dm.setup("fit")
+    assert len(dm.train_set) + len(dm.val_set) == 1797 and len(dm.val_set) == 360
+    assert np.bincount(dm.val_set.labels).min() >= 35  # every digit is in val
+    x, _ = next(iter(dm.train_dataloader()))
+    assert x.shape == (32, 3, 16, 16) and x.dtype == torch.float32
+
+
+def test_train_and_eval_transforms_produce_normalised_tensors():
+    image = np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    for crop in ("rrc", "pad_crop", "resize"):
+        out = train_transform(32, crop=crop, randaugment_ops=2)(image=image)["image"]
+        assert out.shape == (3, 32, 32) and out.dtype == torch.float32
+    out = eval_transform(224, crop_pct=0.875)(image=image)["image"]
+    assert out.shape == (3, 224, 224)
+    # eval: resize the short side to 256, centre-crop 224; a constant image stays constant after normalising
+    flat = eval_transform(8)(image=np.full((10, 10, 3), 124, np.uint8))["image"]
+    torch.testing.assert_close(flat[0], torch.full((8, 8), (124 / 255 - 0.485) / 0.229), atol=1e-3, rtol=0)
+    with pytest.raises(ValueError, match="crop must be one of"):
+        train_transform(32, crop="random")
+
+
+def test_augmentation_is_reproducible_from_the_sample_seed():
+    images = np.random.default_rng(0).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+    from vit.data import ImageArrays
+
+    dataset = ImageArrays(images, [0, 1, 2, 3], train_transform(32, crop="rrc", randaugment_ops=2))
+    a, b, c = dataset[(1, 1234)][0], dataset[(1, 1234)][0], dataset[(1, 99)][0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_mixup_and_cutmix_make_soft_targets_that_match_the_mixed_pixels():
+    x = torch.arange(4, dtype=torch.float32).view(4, 1, 1, 1).expand(4, 3, 8, 8).contiguous()
+    y = torch.tensor([0, 1, 2, 3])
+    mixed, target = MixupCutmix(4, mixup_alpha=1.0, cutmix_alpha=0.0)(x, y, np.random.default_rng(0))
+    lam = target[0, 0].item()
+    torch.testing.assert_close(target.sum(1), torch.ones(4))
+    torch.testing.assert_close(mixed[0], x[0] * lam + x[3] * (1 - lam))  # mixed with the reversed batch
+    assert target[0, 3].item() == pytest.approx(1 - lam)
+
+    mixed, target = MixupCutmix(4, mixup_alpha=0.0, cutmix_alpha=1.0)(x, y, np.random.default_rng(1))
+    pasted_fraction = (mixed[0, 0] == 3).float().mean().item()  # pixels that came from image 3
+    assert target[0, 3].item() == pytest.approx(pasted_fraction)
+    assert target[0, 0].item() == pytest.approx(1 - pasted_fraction)
+
+
+def test_sampler_order_depends_only_on_seed_and_epoch_and_shards_ranks():
+    dataset = list(range(10))
+    sampler = ResumableSampler(dataset, seed=3)
+    sampler.set_epoch(2)
+    first = list(sampler)
+    again = ResumableSampler(dataset, seed=3)
+    again.set_epoch(2)
+    assert list(again) == first and sorted(i for i, _ in first) == dataset
+    sampler.set_epoch(3)
+    assert list(sampler) != first
+
+    ranks = []
+    for rank in (0, 1):
+        s = ResumableSampler(dataset, seed=3)
+        s.num_replicas, s.rank, s.num_samples, s.total_size = 2, rank, 5, 10
+        s.set_epoch(2)
+        ranks.append([i for i, _ in s])
+    assert not set(ranks[0]) & set(ranks[1]) and len(ranks[0]) == len(ranks[1]) == 5
+
+    sampler.set_epoch(2)
+    sampler.resume_epoch, sampler.resume_position = 2, 4
+    assert list(sampler) == first[4:]  # resumed mid-epoch
+    assert list(sampler) == first  # and the next pass is whole again
+
+
+def test_image_folder_shapes_with_the_real_cifar_copy():
+    root = shared_path("data/cifar10")
+    classes, samples = scan_image_folder(root / "test")
+    assert classes[:3] == ["airplane", "automobile", "bird"] and len(samples) == 10_000

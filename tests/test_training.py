@@ -1,0 +1,286 @@
+"""Training: the CLI and its configs, the recipe, checkpoints, exact resume, and a NaN loss."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import signal
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from tests.conftest import ROOT, shared_path
+from tests.test_data import _write_image
+from vit.checkpoint import load_model, read_lightning_checkpoint
+from vit.cli import main
+from vit.data import DigitsDataModule
+from vit.lit import ImageClassifier, NonFiniteLossError, param_groups, warmup_cosine
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def fit(config: str, root: Path, *overrides: str):
+    """Run `scripts/train.py fit` in-process and return the LightningCLI."""
+    args = ["fit", "--config", str(ROOT / config), "--trainer.default_root_dir", str(root), *QUIET, *overrides]
+    return main(args)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses_and_prints_its_resolved_form(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "model:" in printed and "class_path: vit.lit.ImageClassifier" in printed and "checkpoint:" in printed
+
+
+def test_deit_recipe_config_holds_the_published_settings(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs/imagenet_vit_b16.yaml"), "--print_config"])
+    printed = capsys.readouterr().out
+    for line in (
+        "strategy: ddp", "devices: 8", "precision: bf16-mixed", "lr: 0.0005", "lr_base_batch_size: 512",
+        "drop_path_rate: 0.1", "mixup_alpha: 0.8", "cutmix_alpha: 1.0", "label_smoothing: 0.1", "randaugment_ops: 2",
+    ):  # fmt: skip
+        assert line in printed, line
+
+
+def test_command_line_overrides_config_values(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs/default.yaml"), "--model.lr", "3e-4",
+              "--trainer.max_epochs", "5", "--print_config"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "lr: 0.0003" in printed and "max_epochs: 5" in printed
+
+
+def test_default_job_learns_and_leaves_checkpoints_that_rebuild_the_model(tmp_path):
+    cli = fit("configs/default.yaml", tmp_path, "--trainer.max_epochs", "6", "--model.warmup_epochs", "1")
+    ckpt = cli.trainer.checkpoint_callback
+    assert float(ckpt.best_model_score) > 0.3  # 10 classes: chance is 0.1; 0.44 measured here
+    assert Path(ckpt.best_model_path).is_file() and (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert list((tmp_path / "lightning_logs").glob("version_0/events.out.tfevents.*"))
+
+    meta = read_lightning_checkpoint(ckpt.last_model_path)["vit"]
+    assert meta == {"model_name": "vit_nano_patch4_16", "model_kwargs": {"img_size": 16, "num_classes": 10}}
+    model = load_model(ckpt.last_model_path)  # from the file alone
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), cli.model.model.eval()(x))
+
+
+def test_fit_on_the_real_cifar10_image_folder(tmp_path):
+    root = shared_path("data/cifar10")
+    cli = fit(
+        "configs/cifar10_vit.yaml", tmp_path, "--data", "vit.data.ImageFolderDataModule", "--data.root", str(root),
+        "--data.val_dir", "test", "--data.batch_size", "16", "--data.num_workers", "0",
+        "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
+    )  # fmt: skip
+    assert cli.trainer.global_step == 3 and cli.model.hparams.num_classes == 10
+    assert math.isfinite(cli.trainer.callback_metrics["val/loss"])
+
+
+def test_fit_on_the_real_tiny_imagenet_layout(tmp_path):
+    root = shared_path("data/tiny-imagenet-200")
+    cli = fit(
+        "configs/tiny_imagenet_vit.yaml", tmp_path, "--data.root", str(root), "--data.batch_size", "16",
+        "--data.num_workers", "0", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
+        "--trainer.limit_val_batches", "2",
+    )  # fmt: skip
+    assert cli.trainer.global_step == 3 and cli.model.model.head.out_features == 200
+
+
+def test_resnet_baseline_trains_through_the_same_pipeline(tmp_path):
+    for split, n in (("train", 8), ("val", 4)):
+        for cls in ("cat", "dog", "frog"):
+            for i in range(n):
+                _write_image(tmp_path / "data" / split / cls / f"{i}.png", size=(32, 32), value=40 * len(cls) + i)
+    cli = fit(
+        "configs/cifar10_resnet.yaml", tmp_path / "run", "--data", "vit.data.ImageFolderDataModule",
+        "--data.root", str(tmp_path / "data"), "--data.batch_size", "8", "--data.num_workers", "0",
+        "--trainer.max_epochs", "2",
+    )  # fmt: skip
+    assert cli.trainer.global_step == 6 and cli.model.model.linear.out_features == 3
+
+
+def test_warmup_then_cosine_schedule():
+    lrs = [warmup_cosine(s, warmup_steps=4, total_steps=14, min_ratio=0.1) for s in range(15)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == 1.0 and lrs[9] == pytest.approx(0.55) and lrs[14] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
+
+
+def test_no_weight_decay_on_norms_biases_pos_embed_and_cls_token():
+    module = ImageClassifier("vit_nano_patch4_16", num_classes=3)
+    decay, no_decay = param_groups(module.model, 0.05)
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert {"pos_embed", "cls_token", "blocks.0.norm1.weight", "blocks.0.attn.qkv.bias", "norm.bias"} <= no_decay_names
+    assert {names[id(p)] for p in decay["params"]} >= {"blocks.0.attn.qkv.weight", "patch_embed.proj.weight"}
+    assert not {names[id(p)] for p in decay["params"]} & no_decay_names and no_decay["weight_decay"] == 0.0
+
+
+def test_lr_is_scaled_by_the_global_batch_and_follows_the_schedule(tmp_path):
+    seen = []
+
+    class RecordLR(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    module = ImageClassifier("vit_nano_patch4_16", lr=1e-3, lr_base_batch_size=32, warmup_epochs=1, min_lr=0.0)
+    data = DigitsDataModule(batch_size=64, num_workers=0)
+    trainer = _trainer(tmp_path, max_epochs=2, callbacks=[RecordLR()])
+    trainer.fit(module, data)
+    steps = trainer.global_step  # 22 per epoch
+    peak = 1e-3 * 64 / 32
+    expected = [peak * warmup_cosine(s, steps // 2, steps, 0.0) for s in range(steps)]
+    torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-6, atol=1e-12)
+
+
+def test_ema_follows_the_weights_at_the_configured_rate(tmp_path):
+    weights = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            weights.append({k: v.clone() for k, v in module.model.state_dict().items()})
+
+    for decay in (0.0, 0.5):
+        weights.clear()
+        module = ImageClassifier("vit_nano_patch4_16", num_classes=10, ema_decay=decay)
+        data = DigitsDataModule(batch_size=32, num_workers=0)
+        _trainer(tmp_path / str(decay), max_steps=3, callbacks=[Record()]).fit(module, data)
+        # the first update copies the weights; each later one keeps `decay` of the average
+        expected = weights[0]
+        for w in weights[1:]:
+            expected = {k: decay * expected[k] + (1 - decay) * w[k] for k in w}
+        for name, value in module.ema.module.state_dict().items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(module.ema.module.head.weight, weights[0]["head.weight"])
+
+
+def test_mixup_applies_to_training_batches_only(tmp_path):
+    targets = {}
+
+    class Spy(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            targets["train"] = batch[1]
+
+        def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+            targets["val"] = batch[1]
+
+    data = DigitsDataModule(batch_size=32, num_workers=0, mixup_alpha=0.8, cutmix_alpha=1.0)
+    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, callbacks=[Spy()])
+    trainer.fit(ImageClassifier(num_classes=10), data)
+    assert targets["train"].shape == (32, 10) and targets["train"].dtype == torch.float32
+    torch.testing.assert_close(targets["train"].sum(1), torch.ones(32))
+    assert targets["val"].ndim == 1 and targets["val"].dtype == torch.int64
+
+
+def _trainer(root: Path, **kwargs) -> L.Trainer:
+    defaults = dict(
+        default_root_dir=str(root), accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[], precision="32-true",
+    )  # fmt: skip
+    defaults.update(kwargs)
+    defaults["callbacks"] = [*defaults["callbacks"], _checkpointing(root)]
+    return L.Trainer(**defaults)
+
+
+def _checkpointing(root: Path) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=root / "checkpoints", monitor="val/acc1", mode="max", save_last=True)
+
+
+class InterruptAt(Callback):
+    """Presses Ctrl-C after the given optimizer step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def _recipe() -> tuple[ImageClassifier, DigitsDataModule]:
+    """Every source of randomness on: dropout, drop-path, augmentation, Mixup/CutMix."""
+    module = ImageClassifier(
+        "vit_nano_patch4_16", {"drop_path_rate": 0.2, "proj_drop_rate": 0.1}, num_classes=10, lr=2e-3,
+        warmup_epochs=0.5, label_smoothing=0.1,
+    )  # fmt: skip
+    data = DigitsDataModule(batch_size=64, num_workers=0, randaugment_ops=1, mixup_alpha=0.8, cutmix_alpha=1.0)
+    return module, data
+
+
+@pytest.mark.parametrize("interrupt_at", [13, 22], ids=["mid-epoch", "epoch-end"])
+def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, interrupt_at):
+    L.seed_everything(7)
+    module, data = _recipe()
+    _trainer(tmp_path / "straight", max_steps=30).fit(module, data)
+    expected = module
+
+    L.seed_everything(7)
+    module, data = _recipe()
+    previous_handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            _trainer(tmp_path / "run", max_steps=30, callbacks=[InterruptAt(interrupt_at)]).fit(module, data)
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    interrupted = tmp_path / "run" / "checkpoints" / "last-interrupted.ckpt"
+    assert torch.load(interrupted, weights_only=True)["global_step"] == interrupt_at
+
+    L.seed_everything(123)  # a new process would not share the first one's RNG state
+    module, data = _recipe()
+    trainer = _trainer(tmp_path / "run", max_steps=30)
+    trainer.fit(module, data, ckpt_path="last")  # picks last-interrupted.ckpt, the newest
+    assert not interrupted.exists()  # superseded by the completed run's last.ckpt
+
+    assert trainer.global_step == 30
+    for name, value in expected.model.state_dict().items():
+        torch.testing.assert_close(module.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    opt_expected = expected.trainer.optimizers[0].state_dict()["state"]
+    opt_resumed = trainer.optimizers[0].state_dict()["state"]
+    assert opt_resumed.keys() == opt_expected.keys()
+    for key in opt_expected:
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt_resumed[key][field], opt_expected[key][field], rtol=1e-5, atol=1e-7)
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tmp_path):
+    class PoisonWeights(Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            if trainer.global_step == 25:  # after the epoch-end checkpoint at step 22
+                with torch.no_grad():
+                    module.model.head.weight.fill_(float("nan"))
+
+    module = ImageClassifier("vit_nano_patch4_16", num_classes=10)
+    trainer = _trainer(tmp_path, max_epochs=3, callbacks=[PoisonWeights()])
+    message = r"training loss is nan at step 25 .*last good checkpoint is .*last\.ckpt"
+    with pytest.raises(NonFiniteLossError, match=message):
+        trainer.fit(module, DigitsDataModule(batch_size=64, num_workers=0))
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 22
+    assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
+    assert not (tmp_path / "checkpoints" / "last-interrupted.ckpt").exists()
+
+
+def test_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path):
+    fit("configs/default.yaml", tmp_path, "--trainer.max_epochs", "1")
+    first_last = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()
+    fit("configs/default.yaml", tmp_path, "--trainer.max_epochs", "1")
+    archived = list((tmp_path / "checkpoints" / "earlier").glob("*/last.ckpt"))
+    assert len(archived) == 1 and archived[0].read_bytes() == first_last
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))[-1] == "last.ckpt"
+
+
+def test_accuracy_is_over_samples_not_a_mean_over_classes():
+    from vit.lit import accuracy
+
+    metric = accuracy(3, top_k=1)
+    logits = torch.eye(3)[[0, 0, 0, 0, 1]]  # predicts class 0 four times, class 1 once
+    metric.update(logits, torch.tensor([0, 0, 0, 0, 2]))
+    assert metric.compute().item() == pytest.approx(0.8)  # 4 of 5; the per-class mean would be 0.33

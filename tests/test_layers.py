@@ -77,6 +77,20 @@ def test_return_attn_uses_the_explicit_path_while_fused_stays_on():
     torch.testing.assert_close(out, attn(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_num_queries_is_slicing_the_output_for_less_work(fused):
+    block = Block(dim=24, num_heads=3, init_values=0.5).eval()
+    block.attn.fused_attn = fused
+    x = torch.randn(2, 7, 24)
+    torch.testing.assert_close(block(x, num_queries=1), block(x)[:, :1], atol=1e-6, rtol=1e-5)
+    out, weights = block(x, return_attn=True, num_queries=2)
+    full_out, full_weights = block(x, return_attn=True)
+    torch.testing.assert_close(out, full_out[:, :2], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weights, full_weights[:, :, :2])
+    with pytest.raises(ValueError, match="unmasked"):
+        block(x, is_causal=True, num_queries=1)
+
+
 def test_drop_path_drops_whole_samples_and_keeps_the_expectation():
     drop = DropPath(0.25)
     x = torch.ones(4000, 3, 2)

@@ -115,7 +115,7 @@ def test_warmup_then_cosine_schedule():
 
 def test_no_weight_decay_on_norms_biases_pos_embed_and_cls_token():
     module = ImageClassifier("vit_nano_patch4_16", num_classes=3)
-    decay, no_decay = param_groups(module.model, 0.05)
+    decay, no_decay = sorted(param_groups(module.model, 0.05, lr=1e-3), key=lambda g: -g["weight_decay"])
     names = {id(p): n for n, p in module.model.named_parameters()}
     no_decay_names = {names[id(p)] for p in no_decay["params"]}
     assert {"pos_embed", "cls_token", "blocks.0.norm1.weight", "blocks.0.attn.qkv.bias", "norm.bias"} <= no_decay_names

@@ -143,6 +143,19 @@ def test_grad_checkpointing_gives_identical_gradients():
         torch.testing.assert_close(checkpointed[name], plain[name], atol=0, rtol=0, msg=name)
 
 
+def test_training_gradients_match_timm_although_the_last_block_skips_unused_tokens():
+    # forward() runs the last block for the CLS query only; every gradient must still be timm's.
+    theirs = _perturbed_timm("vit_tiny_patch16_224", num_classes=5, img_size=64)
+    ours = create_model("vit_tiny_patch16_224", num_classes=5, img_size=64)
+    ours.load_state_dict(theirs.state_dict())
+    x, y = torch.randn(3, 3, 64, 64), torch.tensor([0, 4, 2])
+    for model in (ours, theirs):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    theirs_grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize(("old", "new", "prefix"), [((14, 14), (24, 24), 1), ((8, 8), (4, 6), 0), ((7, 7), (3, 3), 1)])
 def test_resample_pos_embed_equals_timm(old, new, prefix):
     posemb = torch.randn(1, prefix + old[0] * old[1], 32)

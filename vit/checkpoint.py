@@ -1,21 +1,41 @@
-"""Reading checkpoint files safely.
+"""Loading weights: reading checkpoint files safely, adapting them to a model, exporting ours.
+
+One entry point, `load_pretrained(model, source)`, takes any of
+  - our Lightning checkpoints (`.ckpt`, written by scripts/train.py),
+  - timm-format state dicts (`.pth`, `.pt`, `.bin`, `.th`, `.safetensors`),
+  - `timm:<model name>` (timm's pretrained weights; needs the network),
+  - Google's original ViT `.npz` files (read by timm's converter),
+and adapts the weights to the model: the position embedding is resampled to the model's patch
+grid, the head is re-initialised for a new class count, and the CLS token / final norm follow a
+switch between CLS and average pooling. Every key that is resampled, re-initialised, renamed or
+dropped is logged by name; a mismatch that cannot be adapted is an error naming the key and both
+shapes. The training config calls it as `--model.init_from PATH_OR_NAME`.
 
 Checkpoint files are untrusted input: a pickle can run arbitrary code when it is loaded, so we
-only ever use `torch.load(weights_only=True)` (tensors, dicts, numbers, strings) or safetensors.
+only use `torch.load(weights_only=True)` (tensors, dicts, numbers, strings) or safetensors.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import pickle
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from vit.registry import create_model
+from vit.vision_transformer import VisionTransformer, resample_pos_embed
+
+log = logging.getLogger(__name__)
 
 # Wrappers that training scripts put around a state dict, outermost first.
 _NESTED_KEYS = ("state_dict", "model", "model_state_dict", "module")
+_TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".th", ".tar")
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -42,7 +62,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _torch_load(path: Path) -> object:
+def _torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -52,6 +72,9 @@ def _torch_load(path: Path) -> object:
             "`sd = torch.load(path, weights_only=False)`, then save just the tensors with "
             f"`torch.save(sd['state_dict'], 'weights.pth')` or safetensors. ({e})"
         ) from e
+
+
+# -- our own checkpoints ---------------------------------------------------------------------
 
 
 def read_lightning_checkpoint(path: str | Path) -> dict:
@@ -68,17 +91,249 @@ def read_lightning_checkpoint(path: str | Path) -> dict:
     return checkpoint
 
 
-def load_model(path: str | Path, use_ema: bool = False) -> nn.Module:
-    """Rebuild the trained model from one of our `.ckpt` files alone (name + kwargs + weights), in eval mode.
-
-    `use_ema=True` loads the exponential-moving-average weights, when the run kept them.
-    """
-    checkpoint = read_lightning_checkpoint(path)
-    meta = checkpoint["vit"]
-    model = create_model(meta["model_name"], **meta["model_kwargs"])
+def _model_weights(checkpoint: dict, path: Path, use_ema: bool) -> dict[str, torch.Tensor]:
     prefix = "ema.module." if use_ema else "model."
     state_dict = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     if not state_dict:
         raise ValueError(f"{path} has no {'EMA ' if use_ema else ''}weights (no keys starting with {prefix!r})")
+    return state_dict
+
+
+def load_model(path: str | Path, use_ema: bool = False) -> nn.Module:
+    """Rebuild a trained model from one file alone, in eval mode: our `.ckpt`, or a `.safetensors`
+    written by `export_safetensors` (name and kwargs in its metadata).
+
+    `use_ema=True` loads the exponential-moving-average weights, when the run kept them.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        name, kwargs = _safetensors_model_meta(path)
+        state_dict = read_state_dict(path)
+    else:
+        checkpoint = read_lightning_checkpoint(path)
+        name, kwargs = checkpoint["vit"]["model_name"], checkpoint["vit"]["model_kwargs"]
+        state_dict = _model_weights(checkpoint, path, use_ema)
+    model = create_model(name, **kwargs)
     model.load_state_dict(state_dict, strict=True)
     return model.eval()
+
+
+def export_safetensors(ckpt_path: str | Path, out_path: str | Path, use_ema: bool = False) -> Path:
+    """Write a checkpoint's model weights as `.safetensors`, with the model name and kwargs in the
+    metadata so `load_model` rebuilds it without our checkpoint format (or Lightning)."""
+    from safetensors.torch import save_file
+
+    checkpoint = read_lightning_checkpoint(ckpt_path)
+    state_dict = _model_weights(checkpoint, Path(ckpt_path), use_ema)
+    meta = checkpoint["vit"]
+    metadata = {"vit_model_name": meta["model_name"], "vit_model_kwargs": json.dumps(meta["model_kwargs"])}
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses tensors that share memory (tied weights); store each once, contiguous.
+    save_file({k: v.contiguous().clone() for k, v in state_dict.items()}, str(out_path), metadata=metadata)
+    return out_path
+
+
+def _safetensors_model_meta(path: Path) -> tuple[str, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    if "vit_model_name" not in metadata:
+        raise ValueError(
+            f"{path} has no vit_model_name in its metadata (it was not written by export_safetensors); "
+            "build the model with vit.create_model and load it with load_pretrained(model, path)"
+        )
+    return metadata["vit_model_name"], json.loads(metadata.get("vit_model_kwargs", "{}"))
+
+
+# -- reading any source ----------------------------------------------------------------------
+
+
+def read_weights(source: str | Path, model: nn.Module | None = None, use_ema: bool = False) -> dict[str, torch.Tensor]:
+    """A state dict from a file (ours, timm-format, Google `.npz`) or `timm:<name>` (download)."""
+    text = str(source)
+    if text.startswith("timm:"):
+        return _timm_pretrained(text.removeprefix("timm:"))
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist; init_from takes a checkpoint file (.ckpt, .pth, .bin, .safetensors, .npz) "
+            "or timm:<model name> for timm's pretrained weights"
+        )
+    if path.suffix == ".npz":
+        if not isinstance(model, VisionTransformer):
+            raise ValueError(f"{path}: Google .npz checkpoints hold Vision Transformers; the model is {type(model)}")
+        return _read_npz(path, model)
+    if path.suffix == ".ckpt":
+        checkpoint = _torch_load(path)
+        if isinstance(checkpoint, dict) and "vit" in checkpoint and "state_dict" in checkpoint:
+            return _model_weights(checkpoint, path, use_ema)
+    return read_state_dict(path)
+
+
+def _timm_pretrained(name: str) -> dict[str, torch.Tensor]:
+    import timm
+
+    try:
+        return timm.create_model(name, pretrained=True).state_dict()
+    except Exception as e:  # offline, unknown tag, hub errors: all need the same advice
+        raise RuntimeError(
+            f"could not get timm's pretrained weights for {name!r} ({type(e).__name__}: {e}). Offline, download "
+            f"them elsewhere (e.g. https://huggingface.co/timm/{name}, model.safetensors) and pass the file: "
+            "--model.init_from /path/to/model.safetensors"
+        ) from e
+
+
+def _read_npz(path: Path, model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """Google's ViT `.npz` through timm's converter, into a timm ViT built to the file's shapes."""
+    import numpy as np
+    import timm
+
+    with np.load(path, allow_pickle=False) as w:
+        keys = set(w.files)
+        prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in keys), None)
+        if prefix is None:
+            raise ValueError(f"{path} is not a Google ViT checkpoint (no embedding/kernel)")
+        posemb = w.get(f"{prefix}Transformer/posembed_input/pos_embedding", w.get(f"{prefix}pos_embedding"))
+        num_pos = posemb.shape[1]
+        num_classes = w[f"{prefix}head/bias"].shape[0] if f"{prefix}head/bias" in keys else 0
+        patch = w[f"{prefix}embedding/kernel"].shape[0]
+    has_cls = f"{prefix}cls" in keys
+    grid = math.isqrt(num_pos - has_cls)
+    c = model.config
+    source = timm.models.vision_transformer.VisionTransformer(
+        img_size=grid * patch, patch_size=patch, in_chans=c.in_chans, num_classes=num_classes,
+        global_pool="token" if has_cls else "avg", class_token=has_cls, embed_dim=c.embed_dim, depth=c.depth,
+        num_heads=c.num_heads, mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, fc_norm=False,
+    )  # fmt: skip
+    source.load_pretrained(str(path))
+    return source.state_dict()
+
+
+# -- adapting to a model ---------------------------------------------------------------------
+
+
+@dataclass
+class LoadReport:
+    """What `adapt_state_dict` changed, by parameter name."""
+
+    resampled: list[str] = field(default_factory=list)
+    reinitialised: list[str] = field(default_factory=list)
+    renamed: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+    def log(self, source: str) -> None:
+        for kind, names in asdict(self).items():
+            for name in names:
+                log.info("%s: %s %s", source, kind, name)
+
+
+_HEAD_NAMES = ("head", "fc", "linear")
+
+
+def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict, LoadReport]:
+    """Make `state_dict` fit `model`: resample the position embedding, re-initialise a head with
+    another class count, follow CLS <-> avg pooling switches. Raises on anything else that differs."""
+    target = model.state_dict()
+    sd = dict(state_dict)
+    report = LoadReport()
+
+    if isinstance(model, VisionTransformer):
+        _adapt_vit(sd, model, target, report)
+
+    # A classifier head of another size (new class count): keep the model's fresh initialisation.
+    for name in list(sd):
+        head = name.split(".")[0] in _HEAD_NAMES
+        if head and name in target and sd[name].shape != target[name].shape:
+            sd[name] = target[name]
+            report.reinitialised.append(name)
+        elif head and name not in target:  # num_classes=0: a headless model
+            del sd[name]
+            report.dropped.append(name)
+    for name in target:
+        if name.split(".")[0] in _HEAD_NAMES and name not in sd:
+            sd[name] = target[name]
+            report.reinitialised.append(name)
+
+    missing = sorted(set(target) - set(sd), key=_natural)
+    unexpected = sorted(set(sd) - set(target), key=_natural)
+    if missing or unexpected:
+        parts = [f"{kind} {len(keys)} keys ({', '.join(keys[:6])}{', ...' if len(keys) > 6 else ''})"
+                 for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]  # fmt: skip
+        raise ValueError(
+            f"the weights do not fit the model: {'; '.join(parts)}. "
+            "Are the architecture (model_name, embed_dim, depth) and the checkpoint the same kind?"
+        )
+    mismatched = [
+        f"{name}: the checkpoint has shape {tuple(value.shape)}, the model {tuple(target[name].shape)}"
+        for name, value in sd.items()
+        if value.shape != target[name].shape
+    ]
+    if mismatched:
+        more = f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""
+        raise ValueError(
+            "; ".join(mismatched[:5]) + more + ". Only the position embedding and the head are adapted automatically"
+        )
+    return sd, report
+
+
+def _natural(key: str) -> list:
+    """blocks.2 before blocks.10."""
+    return [int(t) if t.isdigit() else t for t in key.split(".")]
+
+
+def _adapt_vit(sd: dict, model: VisionTransformer, target: dict, report: LoadReport) -> None:
+    # CLS token: dropped when the model has none, kept at its init when the checkpoint has none.
+    source_cls = "cls_token" in sd
+    if source_cls and "cls_token" not in target:
+        del sd["cls_token"]
+        report.dropped.append("cls_token")
+    elif not source_cls and "cls_token" in target:
+        sd["cls_token"] = target["cls_token"]
+        report.reinitialised.append("cls_token")
+
+    # Final norm before pooling (norm) or after it (fc_norm, timm's avg pooling): same parameters.
+    for old, new in (("norm", "fc_norm"), ("fc_norm", "norm")):
+        for suffix in ("weight", "bias"):
+            if f"{old}.{suffix}" in sd and f"{old}.{suffix}" not in target and f"{new}.{suffix}" in target:
+                sd[f"{new}.{suffix}"] = sd.pop(f"{old}.{suffix}")
+                report.renamed.append(f"{old}.{suffix} -> {new}.{suffix}")
+
+    if "pos_embed" in sd:
+        sd["pos_embed"] = _adapt_pos_embed(sd["pos_embed"], source_cls, model, report)
+
+
+def _is_square(n: int) -> bool:
+    return n >= 0 and math.isqrt(n) ** 2 == n
+
+
+def _adapt_pos_embed(posemb: torch.Tensor, source_cls: bool, model: VisionTransformer, report: LoadReport):
+    """Split off the CLS position (if the checkpoint has one), resample the patch grid to the
+    model's, and give the model the prefix it expects."""
+    source_prefix = 1 if source_cls and _is_square(posemb.shape[1] - 1) else 0  # 0: no CLS, or DeiT-III style
+    if not _is_square(posemb.shape[1] - source_prefix):
+        raise ValueError(f"pos_embed: cannot infer a square patch grid from shape {tuple(posemb.shape)}")
+    prefix, grid = posemb[:, :source_prefix], posemb[:, source_prefix:]
+    side = math.isqrt(grid.shape[1])
+    new_grid = model.patch_embed.grid_size
+    if (side, side) != new_grid:
+        grid = resample_pos_embed(grid, new_grid, (side, side), num_prefix_tokens=0)
+        report.resampled.append(f"pos_embed (grid {side}x{side} -> {new_grid[0]}x{new_grid[1]})")
+    if model.num_prefix_tokens and not source_prefix:
+        prefix = torch.zeros_like(grid[:, :1])
+        report.reinitialised.append("pos_embed[CLS] (zeros: the checkpoint has no CLS position)")
+    elif source_prefix and not model.num_prefix_tokens:
+        prefix = prefix[:, :0]
+        report.dropped.append("pos_embed[CLS]")
+    return torch.cat([prefix, grid], dim=1)
+
+
+def load_pretrained(model: nn.Module, source: str | Path, use_ema: bool = False) -> LoadReport:
+    """Load weights from `source` into `model`, adapting them (see `adapt_state_dict`); logs and
+    returns what was resampled, re-initialised, renamed or dropped."""
+    state_dict = read_weights(source, model, use_ema=use_ema)
+    adapted, report = adapt_state_dict(state_dict, model)
+    model.load_state_dict(adapted, strict=True)
+    report.log(str(source))
+    return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -71,6 +72,7 @@ class TrainCLI(LightningCLI):
 def main(args: list[str] | None = None) -> Any:
     # Tensor cores: TF32 matmuls on Ampere+ GPUs; no effect on CPU.
     torch.set_float32_matmul_precision("high")
+    _show_our_logs()
     try:
         return TrainCLI(
             args=args,
@@ -79,6 +81,16 @@ def main(args: list[str] | None = None) -> Any:
     except NonFiniteLossError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def _show_our_logs() -> None:
+    """Our INFO lines (e.g. which checkpoint keys were resampled or re-initialised) on stderr."""
+    logger = logging.getLogger("vit")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[vit] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

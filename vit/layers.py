@@ -111,9 +111,20 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         return_attn: bool = False,
+        num_queries: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`num_queries=n`: only the first n tokens query (keys and values are still every token), so
+        the output is (B, n, C); for a classifier that reads only the CLS token. Not with masks."""
         B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
+        # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
+        # views but makes the backward copy the whole qkv gradient once more.)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, heads, N, head_dim) each
+        if num_queries is not None:
+            if attn_mask is not None or is_causal:
+                raise ValueError("num_queries is for unmasked attention; got a mask or is_causal")
+            q = q[:, :, :num_queries]
         if attn_mask is not None:
             # SDPA refuses a mask together with is_causal; one merged mask serves both paths.
             attn_mask, is_causal = merge_masks(attn_mask, is_causal, N, N, x.device), False
@@ -124,7 +135,7 @@ class Attention(nn.Module):
         else:
             attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, N, N, x.device))
             x = self.attn_drop(attn) @ v
-        x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+        x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, q.shape[2], C)))
         return (x, attn) if return_attn else x
 
 
@@ -222,10 +233,16 @@ class Block(nn.Module):
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         return_attn: bool = False,
+        num_queries: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`return_attn=True` also returns this block's attention weights, (B, heads, N, N)."""
-        y = self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, return_attn=return_attn)
+        """`return_attn=True` also returns this block's attention weights, (B, heads, N, N).
+        `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost."""
+        y = self.attn(
+            self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, return_attn=return_attn, num_queries=num_queries
+        )
         y, attn = y if return_attn else (y, None)
+        if num_queries is not None:
+            x = x[:, :num_queries]
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return (x, attn) if return_attn else x

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
 
+from vit.checkpoint import load_pretrained
 from vit.data.sampling import mix_seed
 from vit.registry import create_model
 
@@ -45,6 +47,38 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
         super().on_exception(trainer, pl_module, exception)
 
 
+class Throughput(Callback):
+    """Training images per second (data loading included, validation excluded), logged per epoch
+    as `train/img_per_s`."""
+
+    def __init__(self) -> None:
+        self.images, self.seconds = 0, 0.0
+        self._epoch_start: float | None = None
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_start, self._val_seconds, self._epoch_images = time.perf_counter(), 0.0, 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._epoch_start is not None:  # not the sanity check before training
+            self._val_seconds += time.perf_counter() - self._val_start
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self._epoch_images += len(batch[0])
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seconds = time.perf_counter() - self._epoch_start - self._val_seconds
+        self.images += self._epoch_images
+        self.seconds += seconds
+        pl_module.log("train/img_per_s", self._epoch_images / seconds, sync_dist=True)
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images / self.seconds if self.seconds else float("nan")
+
+
 def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:
     """Top-k accuracy over samples (micro), synced across processes; torchmetrics' default is
     the per-class (macro) mean, which is not what papers report."""
@@ -59,16 +93,52 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: decayed weights (matrices, conv kernels) and everything else (norms, biases,
-    and the model's `no_weight_decay()` names such as pos_embed and cls_token)."""
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    lr: float,
+    layer_decay: float | None = None,
+    head_lr: float | None = None,
+) -> list[dict[str, Any]]:
+    """Optimizer groups by (learning rate, weight decay).
+
+    No weight decay on norms, biases and the model's `no_weight_decay()` names (pos_embed,
+    cls_token). With `layer_decay` (BEiT/MAE fine-tuning), a ViT's block i gets
+    lr * layer_decay ** (depth - i) and the embeddings lr * layer_decay ** (depth + 1), so early
+    layers move less; `head_lr` sets the classifier head's rate. Frozen parameters are left out.
+    """
     skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
-    decay, no_decay = [], []
+    depth = len(model.blocks) if layer_decay is not None and hasattr(model, "blocks") else None
+    if layer_decay is not None and depth is None:
+        raise ValueError(f"layer_decay needs a model with transformer blocks, not {type(model).__name__}")
+    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        wd = 0.0 if p.ndim <= 1 or name in skip else weight_decay
+        group_lr = lr
+        if depth is not None:
+            group_lr = lr * layer_decay ** (depth + 1 - _layer_id(name, depth))
+        if head_lr is not None and _is_head(name):
+            group_lr = head_lr
+        groups.setdefault((group_lr, wd), []).append(p)
+    return [{"params": ps, "lr": group_lr, "weight_decay": wd} for (group_lr, wd), ps in groups.items()]
+
+
+def _layer_id(name: str, depth: int) -> int:
+    """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and the head."""
+    if name.startswith(("patch_embed", "cls_token", "pos_embed")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return depth + 1
+
+
+HEAD_NAMES = ("head", "fc", "linear")  # the classifier of our ViTs, torchvision ResNets, CIFAR ResNets
+
+
+def _is_head(name: str) -> bool:
+    return name.split(".")[0] in HEAD_NAMES
 
 
 class ImageClassifier(L.LightningModule):
@@ -80,11 +150,19 @@ class ImageClassifier(L.LightningModule):
         num_classes: None takes the datamodule's.
         optimizer: "adamw" or "sgd" (momentum, nesterov).
         lr: peak learning rate; with lr_base_batch_size set it is scaled by global_batch / lr_base_batch_size.
-        warmup_epochs: linear warmup length (fractions allowed), then cosine decay to min_lr.
+        warmup_epochs: linear warmup length (fractions allowed), then cosine decay to min_lr;
+            warmup_steps, when given, counts optimizer steps instead.
         label_smoothing: for the cross-entropy loss (works with Mixup's soft targets too).
         ema_decay: keep an exponential moving average of the weights; validation also reports it.
         compile: run the model through torch.compile (the checkpoint keeps the plain weights).
         grad_checkpointing: recompute block activations in backward (ViT-L/H at larger batches).
+        init_from: start from these weights (our .ckpt, a timm .pth/.bin/.safetensors, a Google .npz,
+            or timm:<name>), adapted to the model (position embedding resampled, new head); see
+            vit.checkpoint.load_pretrained.
+        layer_decay: layer-wise lr decay for fine-tuning ViTs (e.g. 0.75); head_lr: the head's own lr
+            (also scaled by the batch size).
+        freeze_backbone: train only the head (a linear probe); freeze_blocks: freeze the patch and
+            position embeddings and the first K blocks. Frozen parts run in eval mode.
     """
 
     def __init__(
@@ -99,11 +177,17 @@ class ImageClassifier(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         momentum: float = 0.9,
         warmup_epochs: float = 0.0,
+        warmup_steps: int | None = None,
         min_lr: float = 0.0,
         label_smoothing: float = 0.0,
         ema_decay: float | None = None,
         compile: bool = False,
         grad_checkpointing: bool = False,
+        init_from: str | None = None,
+        layer_decay: float | None = None,
+        head_lr: float | None = None,
+        freeze_backbone: bool = False,
+        freeze_blocks: int = 0,
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "sgd"):
@@ -125,6 +209,9 @@ class ImageClassifier(L.LightningModule):
             hp.num_classes = datamodule.num_classes
         self.model_kwargs = {**(hp.model_kwargs or {}), "num_classes": hp.num_classes}
         self.model = create_model(hp.model_name, **self.model_kwargs)
+        if hp.init_from:
+            load_pretrained(self.model, hp.init_from)
+        self._freeze()
         if hp.grad_checkpointing:
             if not hasattr(self.model, "set_grad_checkpointing"):
                 raise ValueError(f"{hp.model_name} does not support grad_checkpointing (only the ViTs do)")
@@ -141,6 +228,30 @@ class ImageClassifier(L.LightningModule):
         self.val_ema_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc5 = accuracy(hp.num_classes, top_k=5)
+
+    def _freeze(self) -> None:
+        hp = self.hparams
+        if hp.freeze_backbone:
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(_is_head(name))
+            if not any(p.requires_grad for p in self.model.parameters()):
+                raise ValueError(f"freeze_backbone: {hp.model_name} has no head named {' / '.join(HEAD_NAMES)}")
+        if hp.freeze_blocks:
+            if not hasattr(self.model, "blocks"):
+                raise ValueError(f"freeze_blocks needs a model with transformer blocks, not {hp.model_name}")
+            frozen = [self.model.patch_embed, *self.model.blocks[: hp.freeze_blocks]]
+            for module in frozen:
+                module.requires_grad_(False)
+            for name in ("cls_token", "pos_embed"):
+                if getattr(self.model, name, None) is not None:
+                    getattr(self.model, name).requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        # Frozen parts behave as at inference: no dropout/drop-path, BatchNorm statistics kept.
+        for module in self.model.modules():
+            params = list(module.parameters())
+            if params and not any(p.requires_grad for p in params):
+                module.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model = self._compiled if self._compiled is not None else self.model
@@ -173,17 +284,19 @@ class ImageClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        lr = hp.lr
-        if hp.lr_base_batch_size:
-            lr *= self.global_batch_size() / hp.lr_base_batch_size
-        groups = param_groups(self.model, hp.weight_decay)
+        scale = self.global_batch_size() / hp.lr_base_batch_size if hp.lr_base_batch_size else 1.0
+        lr, head_lr = hp.lr * scale, hp.head_lr * scale if hp.head_lr is not None else None
+        groups = param_groups(self.model, hp.weight_decay, lr, hp.layer_decay, head_lr)
         if hp.optimizer == "adamw":
             optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(hp.betas))
         else:
             optimizer = torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=True)
         total = int(self.trainer.estimated_stepping_batches)
-        steps_per_epoch = total / self.trainer.max_epochs if (self.trainer.max_epochs or 0) > 0 else total
-        warmup = round(hp.warmup_epochs * steps_per_epoch)
+        warmup = hp.warmup_steps
+        if warmup is None:
+            batches = self.trainer.num_training_batches  # known once estimated_stepping_batches ran
+            per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches) if batches != math.inf else total
+            warmup = round(hp.warmup_epochs * per_epoch)
         min_ratio = hp.min_lr / lr if lr > 0 else 0.0
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, warmup, total, min_ratio)

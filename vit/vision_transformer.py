@@ -133,13 +133,17 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normed tokens (B, prefix + patches, D)."""
-        x = self._embed(x)
-        for block in self.blocks:
+        return self.norm(self._run_blocks(self._embed(x)))
+
+    def _run_blocks(self, x: torch.Tensor, last_num_queries: int | None = None) -> torch.Tensor:
+        """The blocks in order; the last one returns only its first `last_num_queries` tokens if given."""
+        for i, block in enumerate(self.blocks):
+            num_queries = last_num_queries if i == len(self.blocks) - 1 else None
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, num_queries=num_queries, use_reentrant=False)
             else:
-                x = block(x)
-        return self.norm(x)
+                x = block(x, num_queries=num_queries)
+        return x
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         if self.global_pool == "token":
@@ -151,6 +155,14 @@ class VisionTransformer(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits, equal to `forward_head(forward_features(x))`.
+
+        With CLS pooling the head reads one token, so the last block computes attention, projection
+        and MLP for the CLS token only (its keys and values still come from every token): about 3/4 of
+        that block's work, which timm spends on outputs it throws away, is skipped.
+        """
+        if self.global_pool == "token":
+            return self.forward_head(self.norm(self._run_blocks(self._embed(x), last_num_queries=1)))
         return self.forward_head(self.forward_features(x))
 
     def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

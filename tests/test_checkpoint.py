@@ -221,3 +221,13 @@ def test_freezing_the_first_blocks(tmp_path):
     trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
     assert not any(n.startswith(("patch_embed", "pos_embed", "cls_token", "blocks.0.", "blocks.1.")) for n in trainable)
     assert any(n.startswith("blocks.2.") for n in trainable) and "head.weight" in trainable
+
+
+def test_checkpoints_without_batchnorm_step_counters_load(tmp_path):
+    # The classic CIFAR ResNet checkpoints predate PyTorch 0.4.1's num_batches_tracked buffers.
+    source = create_model("resnet20")
+    old = {k: v for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")}
+    model = create_model("resnet20")
+    load_pretrained(model, _save(old, tmp_path / "old.th"))
+    for name, value in old.items():
+        assert torch.equal(model.state_dict()[name], value), name

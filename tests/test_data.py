@@ -201,3 +201,14 @@ def test_image_folder_shapes_with_the_real_cifar_copy():
     root = shared_path("data/cifar10")
     classes, samples = scan_image_folder(root / "test")
     assert classes[:3] == ["airplane", "automobile", "bird"] and len(samples) == 10_000
+
+
+def test_image_folder_eval_keeps_the_whole_image_unless_training_used_random_resized_crops(tmp_path):
+    for split in ("train", "val"):
+        _write_image(tmp_path / split / "cls" / "0.png", size=(32, 32))
+    image = np.zeros((32, 32, 3), np.uint8)
+    image[0, :] = 255  # a white top edge: kept by a whole-image eval, cut by a 0.875 centre crop
+    for crop, edge_kept in (("pad_crop", True), ("resize", True), ("rrc", False)):
+        dm = ImageFolderDataModule(root=str(tmp_path), img_size=32, crop=crop, num_workers=0)
+        top = dm.eval_transform(image=image)["image"][0, 0]
+        assert bool((top > 1.5).all()) == edge_kept, crop

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import signal
 from pathlib import Path
@@ -19,7 +20,7 @@ from vit.cli import main
 from vit.data import DigitsDataModule
 from vit.lit import ImageClassifier, NonFiniteLossError, param_groups, warmup_cosine
 
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CONFIGS = sorted([*(ROOT / "configs").glob("*.yaml"), *(ROOT / "configs/finetune").glob("*.yaml")])
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
@@ -91,6 +92,25 @@ def test_fit_on_the_real_tiny_imagenet_layout(tmp_path):
         "--trainer.limit_val_batches", "2",
     )  # fmt: skip
     assert cli.trainer.global_step == 3 and cli.model.model.head.out_features == 200
+
+
+def test_the_cpu_finetune_config_moves_a_tiny_imagenet_run_to_cifar10(tmp_path, caplog):
+    """configs/finetune/tiny_to_cifar10_cpu.yaml: 64px/200 classes -> 32px/10 classes, by config alone."""
+    tiny, cifar = shared_path("data/tiny-imagenet-200"), shared_path("data/cifar10")
+    few = ["--data.batch_size", "16", "--data.num_workers", "0", "--trainer.max_epochs", "1",
+           "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]  # fmt: skip
+    pretrained = fit("configs/tiny_imagenet_vit.yaml", tmp_path / "pre", "--data.root", str(tiny), *few)
+    source = pretrained.trainer.checkpoint_callback.last_model_path
+    with caplog.at_level(logging.INFO, logger="vit"):
+        cli = fit(
+            "configs/finetune/tiny_to_cifar10_cpu.yaml", tmp_path / "ft", "--model.init_from", source,
+            "--data.root", str(cifar), *few[:6], "--trainer.limit_train_batches", "0",
+            "--trainer.limit_val_batches", "1",
+        )  # fmt: skip
+    assert "resampled pos_embed (grid 8x8 -> 4x4)" in caplog.text and "reinitialised head.weight" in caplog.text
+    ours, theirs = cli.model.model.state_dict(), pretrained.model.model.state_dict()
+    assert ours["pos_embed"].shape == (1, 17, 192) and ours["head.weight"].shape == (10, 192)
+    assert torch.equal(ours["blocks.5.mlp.fc2.weight"], theirs["blocks.5.mlp.fc2.weight"])  # no step taken
 
 
 def test_resnet_baseline_trains_through_the_same_pipeline(tmp_path):

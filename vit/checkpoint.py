@@ -256,6 +256,11 @@ def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> t
             sd[name] = target[name]
             report.reinitialised.append(name)
 
+    # Checkpoints from before PyTorch 0.4.1 (e.g. the classic CIFAR ResNets) have no BatchNorm step
+    # counter; it only matters for momentum=None, so the model's own value is kept, as torch does.
+    for name in target:
+        if name.endswith(".num_batches_tracked") and name not in sd:
+            sd[name] = target[name]
     missing = sorted(set(target) - set(sd), key=_natural)
     unexpected = sorted(set(sd) - set(target), key=_natural)
     if missing or unexpected:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -36,6 +37,20 @@ class TrainCLI(LightningCLI):
             }
         )
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dir)
+
+    def before_instantiate_classes(self) -> None:
+        """A model class that names its own metric (class attributes `monitor` and `monitor_mode`,
+        e.g. LanguageModel's val/loss, lower is better) replaces the image default val/acc1, max,
+        unless the checkpoint's monitor was set to something else."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        class_path = getattr(config.get("model"), "class_path", None)
+        if not class_path or config.get("checkpoint") is None or config.checkpoint.monitor != "val/acc1":
+            return
+        module, _, name = class_path.rpartition(".")
+        model_cls = getattr(importlib.import_module(module), name)
+        if hasattr(model_cls, "monitor"):
+            config.checkpoint.monitor = model_cls.monitor
+            config.checkpoint.mode = getattr(model_cls, "monitor_mode", "min")
 
     def before_fit(self) -> None:
         """A fresh run must not mix its checkpoints with an earlier run's in the same directory:

@@ -1,7 +1,9 @@
 """A small decoder-only GPT built from the same `Block` as the ViT, run with `is_causal=True`.
 
 Token + learned position embeddings -> L Blocks (causal) -> norm -> LM head tied to the token
-embedding (nanoGPT's layout, with our shared Block).
+embedding (nanoGPT's layout, with our shared Block). The config switches on the newer options of
+the Block (RMSNorm, SwiGLU, mixture of experts, qk-norm) and the position encoding: "learn", a fixed
+"sincos" table, or "rope" (rotary q/k; runs at contexts longer than block_size).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit.layers import Block, make_norm
+from vit.layers import Block, KVCache, make_norm, moe_aux_loss
+from vit.position import rope_1d, sincos_1d
 from vit.registry import register_model
 
 
@@ -26,9 +29,17 @@ class GPTConfig:
     num_heads: int = 6
     mlp_ratio: float = 4.0
     dropout: float = 0.0
-    norm: str = "layernorm"
+    norm: str = "layernorm"  # or "rmsnorm"
+    mlp: str = "gelu"  # or "swiglu" (hidden 2/3 x mlp_ratio x width: the same parameter count)
+    posemb: str = "learn"  # "learn", "sincos" (fixed, Vaswani et al.) or "rope" (rotary q and k)
+    qk_norm: bool = False
+    num_experts: int = 1  # > 1: mixture-of-experts MLP in every block (see vit.layers.MoE)
+    experts_top_k: int = 2
+    expert_capacity: float | None = None  # capacity factor; None: dropless
 
     def __post_init__(self) -> None:
+        if self.posemb not in ("learn", "sincos", "rope"):
+            raise ValueError(f"posemb must be 'learn', 'sincos' or 'rope', got {self.posemb!r}")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
 
@@ -38,11 +49,13 @@ class GPT(nn.Module):
         super().__init__()
         self.config = c = config
         self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim)
-        self.pos_embed = nn.Embedding(c.block_size, c.embed_dim)
+        self.pos_embed = nn.Embedding(c.block_size, c.embed_dim) if c.posemb == "learn" else None
         self.drop = nn.Dropout(c.dropout)
+        options = dict(norm=c.norm, mlp=c.mlp, qk_norm=c.qk_norm, num_experts=c.num_experts)
+        options.update(experts_top_k=c.experts_top_k, expert_capacity=c.expert_capacity)
         self.blocks = nn.ModuleList(
             [
-                Block(c.embed_dim, c.num_heads, c.mlp_ratio, proj_drop=c.dropout, attn_drop=c.dropout, norm=c.norm)
+                Block(c.embed_dim, c.num_heads, c.mlp_ratio, proj_drop=c.dropout, attn_drop=c.dropout, **options)
                 for _ in range(c.depth)
             ]
         )
@@ -59,22 +72,47 @@ class GPT(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
-        for block in self.blocks:
-            for proj in (block.attn.proj, block.mlp.fc2):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.config.depth))
+        for name, p in self.blocks.named_parameters():  # every expert's fc2 too
+            if name.endswith(("attn.proj.weight", "fc2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.depth))
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed.weight"}
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+    def aux_loss(self) -> torch.Tensor:
+        """The MoE load-balancing loss of the last forward (summed over blocks); 0 without MoE.
+        A training step adds `weight * model.aux_loss()` to the language-modelling loss."""
+        return moe_aux_loss(self)
+
+    def _positions(self, pos: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(what to add to the token embeddings, rotary tables for the attention) at positions `pos`."""
+        c = self.config
+        if c.posemb == "learn":
+            return self.pos_embed(pos), None
+        if c.posemb == "rope":
+            return None, rope_1d(pos, c.embed_dim // c.num_heads)
+        # Vaswani et al. add sqrt(d) * embedding + table, two parts of similar size; our embeddings
+        # start at std 0.02, so the table (std 1/sqrt(2)) is scaled to that std too.
+        table = sincos_1d(int(pos[-1]) + 1, c.embed_dim).to(pos.device)[pos]
+        return table * (0.02 * math.sqrt(2)), None
+
+    def forward(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> next-token logits (B, T, vocab_size).
+
+        With `kv_caches` (one per block), idx continues the cached tokens: its positions start after
+        them, and it attends to them without recomputing their keys and values.
+        """
         T = idx.shape[1]
-        if self.config.block_size < T:
-            raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_embed(idx) + self.pos_embed(pos))
-        for block in self.blocks:
-            x = block(x, is_causal=True)
+        past = len(kv_caches[0]) if kv_caches is not None else 0
+        if self.config.posemb == "learn" and self.config.block_size < past + T:
+            what = f"{past} cached + {T} new tokens" if past else f"sequence of length {T}"
+            raise ValueError(f"{what} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(past, past + T, device=idx.device)
+        pos_embed, rope = self._positions(pos)
+        x = self.tok_embed(idx)
+        x = self.drop(x + pos_embed if pos_embed is not None else x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, is_causal=True, kv_cache=kv_caches[i] if kv_caches is not None else None, rope=rope)
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()
@@ -85,13 +123,23 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        use_cache: bool = True,
     ) -> torch.Tensor:
         """Sample `max_new_tokens` tokens after `idx` (B, T); the context is cropped to block_size.
 
-        temperature 0 is greedy decoding; `generator` makes sampling reproducible.
+        temperature 0 is greedy decoding; `generator` makes sampling reproducible. `use_cache` runs
+        only the newest token through the model while the sequence fits in block_size; past it, the
+        window slides, every position changes and each step recomputes the window, as without the
+        cache, so both give the same tokens.
         """
+        block_size = self.config.block_size
+        caches: list[KVCache] | None = None
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.block_size :])[:, -1, :]
+            if caches is not None and idx.shape[1] <= block_size:
+                logits = self(idx[:, -1:], caches)[:, -1, :]
+            else:
+                caches = [KVCache() for _ in self.blocks] if use_cache else None
+                logits = self(idx[:, -block_size:], caches)[:, -1, :]
             idx_next = sample_next(logits, temperature, top_k, generator)
             idx = torch.cat([idx, idx_next], dim=1)
         return idx

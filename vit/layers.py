@@ -6,9 +6,13 @@ that timm state dicts load into our models without renaming.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vit.position import apply_rope
 
 
 def _pair(x: int | tuple[int, int]) -> tuple[int, int]:
@@ -16,10 +20,15 @@ def _pair(x: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
-    """A normalisation layer by name. eps=1e-6 as in timm/big_vision ViTs (PyTorch's default is 1e-5)."""
+    """A normalisation layer by name. eps=1e-6 as in timm/big_vision ViTs (PyTorch's default is 1e-5).
+
+    "rmsnorm" (Zhang & Sennrich 2019; LLaMA) scales by the root mean square without centring and
+    has no bias: a little cheaper, and in practice as good as LayerNorm."""
     if kind == "layernorm":
         return nn.LayerNorm(dim, eps=1e-6)
-    raise ValueError(f"unknown norm {kind!r}; expected 'layernorm'")
+    if kind == "rmsnorm":
+        return nn.RMSNorm(dim, eps=1e-6)
+    raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
 
 
 class PatchEmbed(nn.Module):
@@ -75,14 +84,37 @@ def merge_masks(
     return attn_mask.masked_fill(~causal, float("-inf"))
 
 
+class KVCache:
+    """The keys and values one Attention layer has seen, so generation feeds only the new token."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, heads, N, head_dim) keys and values; return all of them so far."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention with one fused qkv projection.
+    """Multi-head self-attention with one fused qkv projection, or cross-attention (`cross=True`).
 
     Two paths give the same output: the fused `F.scaled_dot_product_attention` (flash /
     memory-efficient kernels on GPU; the default) and an explicit softmax(QK^T/sqrt(d))V that can
     also return the attention weights. `fused_attn` is a per-module switch, and
     `forward(..., return_attn=True)` takes the explicit path for that one call only, so attention
     maps can be read while the rest of the model stays fused.
+
+    `cross=True`: queries come from x, keys and values from a `context` sequence of width
+    `context_dim` (an encoder's output, another modality), through `q` and `kv` projections; a
+    self-attention layer keeps timm's single `qkv`. `qk_norm=True` normalises q and k per head
+    (timm's `q_norm`/`k_norm`; ViT-22B, for stable logits at scale), with the block's norm kind.
     """
 
     def __init__(
@@ -92,6 +124,10 @@ class Attention(nn.Module):
         qkv_bias: bool = True,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
+        qk_norm: bool = False,
+        norm: str = "layernorm",
+        cross: bool = False,
+        context_dim: int | None = None,
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -100,7 +136,14 @@ class Attention(nn.Module):
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.cross = cross
+        if cross:
+            self.q = nn.Linear(dim, dim, bias=qkv_bias)
+            self.kv = nn.Linear(context_dim or dim, dim * 2, bias=qkv_bias)
+        else:
+            self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.q_norm = make_norm(norm, self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = make_norm(norm, self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -112,28 +155,51 @@ class Attention(nn.Module):
         is_causal: bool = False,
         return_attn: bool = False,
         num_queries: int | None = None,
+        kv_cache: KVCache | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`num_queries=n`: only the first n tokens query (keys and values are still every token), so
-        the output is (B, n, C); for a classifier that reads only the CLS token. Not with masks."""
+        the output is (B, n, C); for a classifier that reads only the CLS token. Not with masks.
+        `kv_cache`: x holds only new tokens; they attend to the cached ones too, and are cached.
+        `rope`: (cos, sin) tables (vit.position) for the last len(cos) tokens of x; q and k are
+        rotated (after qk-norm, before caching), earlier (prefix) tokens are not.
+        `context`: (B, M, context_dim) keys/values of a cross-attention layer."""
         B, N, C = x.shape
-        # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
-        # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
-        # views but makes the backward copy the whole qkv gradient once more.)
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, heads, N, head_dim) each
+        if self.cross:
+            if context is None or kv_cache is not None or is_causal:
+                raise ValueError("cross-attention needs a context, and takes no kv_cache or is_causal")
+            q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+            kv = self.kv(context).reshape(B, context.shape[1], 2, self.num_heads, self.head_dim)
+            k, v = (t.transpose(1, 2) for t in kv.unbind(2))
+        else:
+            if context is not None:
+                raise ValueError("context given to a self-attention layer; build it with cross=True")
+            # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
+            # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
+            # views but makes the backward copy the whole qkv gradient once more.)
+            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, heads, N, head_dim) each
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if num_queries is not None:
             if attn_mask is not None or is_causal:
                 raise ValueError("num_queries is for unmasked attention; got a mask or is_causal")
             q = q[:, :, :num_queries]
-        if attn_mask is not None:
-            # SDPA refuses a mask together with is_causal; one merged mask serves both paths.
-            attn_mask, is_causal = merge_masks(attn_mask, is_causal, N, N, x.device), False
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        n_k = k.shape[2]
+        if attn_mask is not None or (is_causal and n_k != N):
+            # SDPA refuses a mask together with is_causal, and aligns its causal mask top-left when
+            # there are more keys than queries (a cache); one merged mask serves both paths.
+            attn_mask, is_causal = merge_masks(attn_mask, is_causal, N, n_k, x.device), False
         attn = None
         if self.fused_attn and not return_attn:
             dropout_p = self.attn_drop.p if self.training else 0.0
             x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         else:
-            attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, N, N, x.device))
+            attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, N, n_k, x.device))
             x = self.attn_drop(attn) @ v
         x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, q.shape[2], C)))
         return (x, attn) if return_attn else x
@@ -163,6 +229,144 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class SwiGLU(nn.Module):
+    """fc2(SiLU(gate) * value): the gated feed-forward layer of PaLM and LLaMA (Shazeer 2020).
+
+    fc1 computes value and gate in one matmul (first half value, second half gate). Three
+    dim x hidden matrices instead of two, so `make_mlp` gives it 2/3 of the GELU MLP's hidden
+    width to keep the parameter count (and FLOPs) about the same.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * hidden_dim)
+        self.act = nn.SiLU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.fc1(x).chunk(2, dim=-1)
+        return self.drop2(self.fc2(self.drop1(self.act(gate) * value)))
+
+
+def swiglu_hidden_dim(mlp_hidden_dim: int, multiple_of: int = 8) -> int:
+    """2/3 of a GELU MLP's hidden width, to the nearest multiple of 8: 8/3 x width for mlp_ratio 4."""
+    return max(multiple_of, multiple_of * round(2 * mlp_hidden_dim / 3 / multiple_of))
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts feed-forward layer: E expert MLPs, each token processed by its top-k.
+
+    Why: the parameter count grows with E while each token still costs k MLPs (Shazeer et al.
+    2017, GShard, Switch Transformer, Mixtral).
+
+    Routing: a linear router gives every token a softmax over the experts; the token goes to its
+    k most probable experts and their outputs are summed, weighted by those probabilities,
+    renormalised over the k chosen when k > 1 (GShard, Mixtral) and left as they are when k = 1
+    (Switch), so that the router still gets a gradient from the task loss.
+
+    Load balancing: left alone, the router sends most tokens to the few experts that got ahead
+    early. Every forward stores `self.aux_loss` = E * sum_i f_i * P_i (Switch Transformer, eq. 4),
+    with f_i the fraction of the N*k routing slots that went to expert i and P_i the mean router
+    probability of expert i. It is 1 for uniform routing and grows to E when every token goes to
+    one expert (with P following f it is E * sum f_i^2 >= 1, equality iff f is uniform). The model's
+    `aux_loss()` sums these and the training step adds `aux_loss_weight * aux` (0.01 in Switch).
+
+    Capacity: `capacity_factor=None` is dropless: each expert takes every token routed to it (one
+    device, variable-size batches per expert, nothing lost). With a factor c, expert i takes at
+    most ceil(c * N * k / E) slots, first come (token order) first served; the overflow is dropped,
+    contributes zero and the token carries on through the residual connection. That fixed size is
+    what accelerator implementations need; `dropped_fraction` reports what it cost on the last batch.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int = 2,
+        capacity_factor: float | None = None,
+        kind: str = "gelu",
+        drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be between 1 and num_experts={num_experts}, got {top_k}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive (or None for dropless), got {capacity_factor}")
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList([make_mlp(kind, dim, hidden_dim, drop) for _ in range(num_experts)])
+        self.aux_loss: torch.Tensor | None = None
+        self.dropped_fraction = 0.0
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens (N, dim) -> (expert ids (N, k), their weights (N, k), router probabilities (N, E))."""
+        probs = self.router(x).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights, probs
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Routing slots each expert accepts for a batch of num_tokens tokens; None: no limit."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        experts, weights, probs = self.route(x)
+        slots_per_expert = torch.bincount(experts.flatten(), minlength=self.num_experts).float()
+        self.aux_loss = self.num_experts * (slots_per_expert / experts.numel() * probs.mean(dim=0)).sum()
+
+        token_of_slot = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        expert_of_slot, weight_of_slot = experts.flatten(), weights.flatten().to(x.dtype)
+        capacity, dropped = self.capacity(x.shape[0]), 0
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            slots = (expert_of_slot == i).nonzero().squeeze(1)  # in token order
+            if capacity is not None and len(slots) > capacity:
+                dropped += len(slots) - capacity
+                slots = slots[:capacity]
+            if len(slots) == 0:
+                continue
+            tokens = token_of_slot[slots]
+            out = out.index_add(0, tokens, expert(x[tokens]) * weight_of_slot[slots, None])
+        self.dropped_fraction = dropped / experts.numel()
+        return out.reshape(shape)
+
+
+def make_mlp(
+    kind: str,
+    dim: int,
+    hidden_dim: int,
+    drop: float = 0.0,
+    num_experts: int = 1,
+    top_k: int = 2,
+    capacity_factor: float | None = None,
+) -> nn.Module:
+    """The feed-forward layer by name: "gelu" (Mlp, timm's) or "swiglu" (SwiGLU at 2/3 of
+    hidden_dim, the same parameter count). num_experts > 1 makes it a MoE of such MLPs; with
+    num_experts = 1 it is the dense layer itself (same parameters and names as before)."""
+    if num_experts > 1:
+        return MoE(dim, hidden_dim, num_experts, top_k, capacity_factor, kind, drop)
+    if kind == "gelu":
+        return Mlp(dim, hidden_dim, drop)
+    if kind == "swiglu":
+        return SwiGLU(dim, swiglu_hidden_dim(hidden_dim), drop)
+    raise ValueError(f"unknown mlp {kind!r}; expected 'gelu' or 'swiglu'")
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of the load-balancing losses every MoE layer of `model` stored in its last forward;
+    a zero tensor when the model has none (so a training step can always add it)."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else torch.zeros(())
 
 
 class DropPath(nn.Module):
@@ -202,7 +406,13 @@ class Block(nn.Module):
     """Pre-norm transformer block, the one block of every model in this package:
 
     x = x + drop_path(ls1(attn(norm1(x))))
+    x = x + drop_path(ls_cross(cross_attn(norm_cross(x), context)))   # only with cross_attn=True
     x = x + drop_path(ls2(mlp(norm2(x))))
+
+    Options (defaults are the ViT paper's / timm's block): norm "layernorm" | "rmsnorm";
+    mlp "gelu" | "swiglu"; num_experts > 1 for a mixture-of-experts MLP (experts_top_k experts per
+    token, expert_capacity a capacity factor or None for dropless); qk_norm; cross_attn with
+    keys/values from a context of width context_dim. Rotary position tables come in forward.
     """
 
     def __init__(
@@ -216,14 +426,30 @@ class Block(nn.Module):
         drop_path: float = 0.0,
         init_values: float | None = None,
         norm: str = "layernorm",
+        mlp: str = "gelu",
+        qk_norm: bool = False,
+        num_experts: int = 1,
+        experts_top_k: int = 2,
+        expert_capacity: float | None = None,
+        cross_attn: bool = False,
+        context_dim: int | None = None,
     ) -> None:
         super().__init__()
+        attn_options = dict(qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, qk_norm=qk_norm, norm=norm)
         self.norm1 = make_norm(norm, dim)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        self.attn = Attention(dim, num_heads, **attn_options)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.cross_attn = None
+        if cross_attn:
+            self.norm_cross = make_norm(norm, dim)
+            self.cross_attn = Attention(dim, num_heads, **attn_options, cross=True, context_dim=context_dim)
+            self.ls_cross = LayerScale(dim, init_values) if init_values else nn.Identity()
+            self.drop_path_cross = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = make_norm(norm, dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=proj_drop)
+        self.mlp = make_mlp(
+            mlp, dim, int(dim * mlp_ratio), proj_drop, num_experts, experts_top_k, capacity_factor=expert_capacity
+        )
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
@@ -234,16 +460,33 @@ class Block(nn.Module):
         is_causal: bool = False,
         return_attn: bool = False,
         num_queries: int | None = None,
+        kv_cache: KVCache | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`return_attn=True` also returns this block's attention weights, (B, heads, N, N).
-        `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost."""
+        """`return_attn=True` also returns this block's (self-)attention weights, (B, heads, N, N).
+        `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost.
+        `kv_cache`, `rope`: see Attention.forward (self-attention only). `context` (B, M, context_dim)
+        and its optional `context_mask` (B or 1, 1, N, M; True = may attend) feed the cross-attention."""
         y = self.attn(
-            self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, return_attn=return_attn, num_queries=num_queries
+            self.norm1(x),
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            return_attn=return_attn,
+            num_queries=num_queries,
+            kv_cache=kv_cache,
+            rope=rope,
         )
         y, attn = y if return_attn else (y, None)
         if num_queries is not None:
             x = x[:, :num_queries]
         x = x + self.drop_path1(self.ls1(y))
+        if self.cross_attn is not None:
+            y = self.cross_attn(self.norm_cross(x), attn_mask=context_mask, context=context)
+            x = x + self.drop_path_cross(self.ls_cross(y))
+        elif context is not None:
+            raise ValueError("context given to a block without cross-attention; build it with cross_attn=True")
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return (x, attn) if return_attn else x
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from vit.layers import Block, PatchEmbed, _pair, make_norm
+from vit.layers import Block, PatchEmbed, _pair, make_norm, moe_aux_loss
+from vit.position import rope_2d, sincos_2d
 from vit.registry import register_model
 
 
@@ -42,9 +43,19 @@ class ViTConfig:
     drop_path_rate: float = 0.0  # stochastic depth, rising linearly from 0 to this over the blocks
     # Resample the position embedding on the fly when the input grid differs from img_size's.
     dynamic_img_size: bool = False
-    norm: str = "layernorm"
+    norm: str = "layernorm"  # or "rmsnorm"
+    mlp: str = "gelu"  # or "swiglu" (hidden 2/3 x mlp_ratio x width: the same parameter count)
+    # "learn" (timm), "sincos2d" (fixed, big_vision; CLS gets no position) or "rope" (2-D axial
+    # rotary embedding of q and k in every block; CLS unrotated; no pos_embed parameter).
+    posemb: str = "learn"
+    qk_norm: bool = False  # normalise q and k per head (ViT-22B)
+    num_experts: int = 1  # > 1: mixture-of-experts MLP in every block (see vit.layers.MoE)
+    experts_top_k: int = 2
+    expert_capacity: float | None = None  # capacity factor; None: dropless
 
     def __post_init__(self) -> None:
+        if self.posemb not in ("learn", "sincos2d", "rope"):
+            raise ValueError(f"posemb must be 'learn', 'sincos2d' or 'rope', got {self.posemb!r}")
         if self.global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
@@ -67,7 +78,12 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         # As in timm and the original ViT, the position embedding has an entry for the CLS token too.
         num_pos = self.patch_embed.num_patches + self.num_prefix_tokens
-        self.pos_embed = nn.Parameter(torch.zeros(1, num_pos, c.embed_dim))
+        if c.posemb == "learn":
+            self.pos_embed = nn.Parameter(torch.zeros(1, num_pos, c.embed_dim))
+        elif c.posemb == "sincos2d":  # fixed: a buffer, recomputed rather than stored in checkpoints
+            self.register_buffer("pos_embed", self._sincos_pos_embed(self.patch_embed.grid_size), persistent=False)
+        else:  # rope: positions enter in every attention layer
+            self.pos_embed = None
         self.pos_drop = nn.Dropout(c.pos_drop_rate)
 
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]
@@ -83,6 +99,11 @@ class VisionTransformer(nn.Module):
                     drop_path=dpr[i],
                     init_values=c.init_values,
                     norm=c.norm,
+                    mlp=c.mlp,
+                    qk_norm=c.qk_norm,
+                    num_experts=c.num_experts,
+                    experts_top_k=c.experts_top_k,
+                    expert_capacity=c.expert_capacity,
                 )
                 for i in range(c.depth)
             ]
@@ -97,7 +118,8 @@ class VisionTransformer(nn.Module):
     def init_weights(self) -> None:
         """timm's default: trunc-normal(0.02) for pos-embed and Linear weights, zero biases,
         CLS token normal(1e-6); conv and norms keep PyTorch's defaults."""
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if isinstance(self.pos_embed, nn.Parameter):
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
         for m in self.modules():
@@ -114,11 +136,36 @@ class VisionTransformer(nn.Module):
         """Recompute each block's activations in the backward pass: less memory, ~30% more compute."""
         self.grad_checkpointing = enable
 
+    def aux_loss(self) -> torch.Tensor:
+        """The MoE load-balancing loss of the last forward (summed over blocks); 0 without MoE."""
+        return moe_aux_loss(self)
+
+    def _sincos_pos_embed(self, grid: tuple[int, int]) -> torch.Tensor:
+        """big_vision's 2-D sin-cos table for the patches, zeros for the prefix tokens: (1, N, D)."""
+        table = sincos_2d(grid[0], grid[1], self.embed_dim)
+        return F.pad(table, (0, 0, self.num_prefix_tokens, 0))[None]
+
+    def _grid(self, x: torch.Tensor) -> tuple[int, int]:
+        return (x.shape[-2] // self.patch_embed.patch_size[0], x.shape[-1] // self.patch_embed.patch_size[1])
+
+    def _rope(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """posemb="rope": the (cos, sin) tables of the images' patch grid, shared by every block."""
+        if self.config.posemb != "rope":
+            return None
+        cos, sin = rope_2d(self._grid(images), self.embed_dim // self.config.num_heads)
+        return cos.to(images.device), sin.to(images.device)
+
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        grid = (x.shape[-2] // self.patch_embed.patch_size[0], x.shape[-1] // self.patch_embed.patch_size[1])
+        grid = self._grid(x)
         x = self.patch_embed(x)
         pos_embed = self.pos_embed
-        if grid != self.patch_embed.grid_size:
+        if pos_embed is None:  # rope: positions enter in the attention
+            if self.cls_token is not None:
+                x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+            return self.pos_drop(x)
+        if grid != self.patch_embed.grid_size and self.config.posemb == "sincos2d":
+            pos_embed = self._sincos_pos_embed(grid).to(x.device)  # a closed form: no resampling needed
+        elif grid != self.patch_embed.grid_size:
             if not self.config.dynamic_img_size:
                 raise ValueError(
                     f"input of {x.shape[1]} patches ({grid[0]}x{grid[1]}) does not match the position "
@@ -133,16 +180,21 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normed tokens (B, prefix + patches, D)."""
-        return self.norm(self._run_blocks(self._embed(x)))
+        return self.norm(self._run_blocks(self._embed(x), rope=self._rope(x)))
 
-    def _run_blocks(self, x: torch.Tensor, last_num_queries: int | None = None) -> torch.Tensor:
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        last_num_queries: int | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The blocks in order; the last one returns only its first `last_num_queries` tokens if given."""
         for i, block in enumerate(self.blocks):
             num_queries = last_num_queries if i == len(self.blocks) - 1 else None
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, num_queries=num_queries, use_reentrant=False)
+                x = checkpoint(block, x, num_queries=num_queries, rope=rope, use_reentrant=False)
             else:
-                x = block(x, num_queries=num_queries)
+                x = block(x, num_queries=num_queries, rope=rope)
         return x
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +214,7 @@ class VisionTransformer(nn.Module):
         that block's work, which timm spends on outputs it throws away, is skipped.
         """
         if self.global_pool == "token":
-            return self.forward_head(self.norm(self._run_blocks(self._embed(x), last_num_queries=1)))
+            return self.forward_head(self.norm(self._run_blocks(self._embed(x), 1, rope=self._rope(x))))
         return self.forward_head(self.forward_features(x))
 
     def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -171,10 +223,11 @@ class VisionTransformer(nn.Module):
         Uses the explicit attention path for this call only; the weights stay in the autograd graph
         (for gradient-weighted rollout) unless called under `torch.no_grad()`.
         """
+        rope = self._rope(x)
         x = self._embed(x)
         attns = []
         for block in self.blocks:
-            x, attn = block(x, return_attn=True)
+            x, attn = block(x, return_attn=True, rope=rope)
             attns.append(attn)
         return self.forward_head(self.norm(x)), attns
 

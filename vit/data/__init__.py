@@ -1,4 +1,4 @@
-"""Datasets, augmentation and LightningDataModules for image classification."""
+"""Datasets, augmentation and LightningDataModules: image classification and character-level text."""
 
 from vit.data.datamodules import (
     CIFARDataModule,
@@ -8,15 +8,18 @@ from vit.data.datamodules import (
     TinyImageNetDataModule,
 )
 from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
+from vit.data.text import CharTokenizer, TextDataModule
 
 __all__ = [
     "CIFARDataModule",
+    "CharTokenizer",
     "CorruptImageError",
     "DigitsDataModule",
     "ImageArrays",
     "ImageDataModule",
     "ImageFiles",
     "ImageFolderDataModule",
+    "TextDataModule",
     "TinyImageNetDataModule",
     "read_rgb",
 ]

@@ -226,7 +226,12 @@ class CIFARDataModule(ImageDataModule):
 
 
 class ImageFolderDataModule(ImageDataModule):
-    """ImageNet-style trees: `root/<train_dir>/<class>/*` and `root/<val_dir>/<class>/*`."""
+    """ImageNet-style trees: `root/<train_dir>/<class>/*` and `root/<val_dir>/<class>/*`.
+
+    `eval_crop_pct=None` follows the training crop: 0.875 after random-resized-crop training (the
+    ImageNet convention, objects at the scale training saw them), 1.0 (the whole image) after
+    pad+crop or resize training, as for CIFAR-sized images, where a zoomed eval would cost accuracy.
+    """
 
     def __init__(
         self,
@@ -234,9 +239,11 @@ class ImageFolderDataModule(ImageDataModule):
         train_dir: str = "train",
         val_dir: str = "val",
         img_size: int = 224,
-        eval_crop_pct: float = 0.875,
+        eval_crop_pct: float | None = None,
         **kwargs: Any,
     ) -> None:
+        if eval_crop_pct is None:
+            eval_crop_pct = 0.875 if kwargs.get("crop", "rrc") == "rrc" else 1.0
         super().__init__(img_size=img_size, eval_crop_pct=eval_crop_pct, **kwargs)
         self.root, self.train_dir, self.val_dir = Path(root), train_dir, val_dir
         # Scan the class folders now: the model's num_classes is linked to this at instantiation.

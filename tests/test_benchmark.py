@@ -1,0 +1,49 @@
+"""scripts/benchmark.py --quick: every section runs and the report has its fields (speeds are not checked)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.benchmark import SECTIONS, main
+from tests.conftest import SHARED
+
+
+def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
+    report = main(
+        ["--quick", "--reps", "1", "--threads", "1", "--out", str(tmp_path), "--data-root", str(SHARED / "data")]
+    )
+
+    saved = json.loads((tmp_path / "benchmark_quick.json").read_text())
+    assert saved["command"] == report["command"]
+    assert set(saved["sections"]) == set(SECTIONS)
+    assert saved["machine"]["torch_threads"] >= 1
+    assert saved["matmul"]["gflops"]["median"] > 0
+
+    (row,) = saved["sections"]["vit"]["rows"]
+    assert row["model"] == "vit_nano_patch4_16"
+    assert row["max_abs_logit_diff"] < 1e-4  # the timm twin really is the same model
+    for key in ("ratio_infer", "ratio_train", "ours_infer_img_s", "timm_train_img_s"):
+        assert set(row[key]) == {"median", "min", "max"} and row[key]["median"] > 0
+    assert row["ours_train_gflop_per_img"] < row["timm_train_gflop_per_img"]  # CLS-only last block
+
+    for row in saved["sections"]["attention"]["rows"]:
+        assert row["fused_train_ms"]["median"] > 0
+        # The explicit path materialises the (heads, N, N) scores; the measured peak must show it.
+        assert row["explicit_train_peak_bytes"] >= row["attn_matrix_bytes"]
+
+    assert saved["sections"]["resnet"]["rows"][0]["nchw_infer_img_s"]["median"] > 0
+    kinds = {r["kind"] for r in saved["sections"]["profile"]["rows"]}
+    assert {"matmul", "attention kernel", "other"} <= kinds
+    if (SHARED / "data" / "cifar10").exists():
+        assert saved["sections"]["data"]["rows"][0]["albumentations_img_s"]["median"] > 0
+
+    markdown = (tmp_path / "benchmark_quick.md").read_text()
+    assert "ours/timm" in markdown and "vit_nano_patch4_16" in markdown
+
+
+def test_unknown_section_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="unknown section"):
+        main(["--quick", "--sections", "vit,nope", "--out", str(tmp_path)])

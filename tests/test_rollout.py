@@ -1,0 +1,360 @@
+"""Attention rollout: hand-computed examples, per-image discard, fused == explicit, CLS and average
+pooling, timm ViTs loaded into ours, gradient rollout, the export script and the TensorBoard callback."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+from vit import create_model, set_fused_attn
+from vit.checkpoint import load_model, load_pretrained
+from vit.data.transforms import eval_transform
+from vit.rollout import (
+    attention_rollout,
+    discard_lowest,
+    gradient_rollout,
+    gradient_rollout_joint,
+    joint_to_map,
+    render_panel,
+    rollout,
+    rollout_maps,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Three tokens: CLS and two patches (a 1x2 grid). Layer 1 has two heads, layer 2 two equal heads.
+HEAD_1 = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.5, 0.0, 0.5]]
+HEAD_2 = [[0.0, 0.5, 0.5], [0.0, 1.0, 0.0], [0.5, 0.0, 0.5]]
+LAYER_2 = [[0.0, 0.5, 0.5], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]
+
+
+def _two_layers() -> list[torch.Tensor]:
+    return [torch.tensor([[HEAD_1, HEAD_2]]), torch.tensor([[LAYER_2, LAYER_2]])]  # each (1, 2, 3, 3)
+
+
+def test_hand_computed_two_layer_rollout_with_mean_fusion():
+    # Layer 1, mean of heads: [[.5,.25,.25],[0,1,0],[.5,0,.5]]; + I, rows / 2: [[.75,.125,.125],[0,1,0],[.25,0,.75]].
+    # Layer 2: [[0,.5,.5],[.5,.5,0],[0,0,1]]; + I, rows / 2: [[.5,.25,.25],[.25,.75,0],[0,0,1]].
+    # CLS row of A2 @ A1 = .5*[.75,.125,.125] + .25*[0,1,0] + .25*[.25,0,.75] = [.4375, .3125, .25].
+    joint = rollout(_two_layers(), "mean")
+    torch.testing.assert_close(joint[0, 0], torch.tensor([0.4375, 0.3125, 0.25]))
+    # Patch rows: .25*[.75,.125,.125] + .75*[0,1,0] = [.1875,.78125,.03125] and [.25,0,.75].
+    torch.testing.assert_close(joint[0, 1], torch.tensor([0.1875, 0.78125, 0.03125]))
+    torch.testing.assert_close(joint[0, 2], torch.tensor([0.25, 0.0, 0.75]))
+    torch.testing.assert_close(joint_to_map(joint, 1, "token", (1, 2)), torch.tensor([[[0.3125, 0.25]]]))
+    # Average pooling: the mean of the patch rows over the patch columns, ([.78125,.03125] + [0,.75]) / 2.
+    torch.testing.assert_close(joint_to_map(joint, 1, "avg", (1, 2)), torch.tensor([[[0.390625, 0.390625]]]))
+
+
+def test_hand_computed_max_and_min_fusion_renormalise_rows_not_columns():
+    # max: [[1,.5,.5],[0,1,0],[.5,0,.5]] + I has row sums 3, 2, 2 -> [[2/3,1/6,1/6],[0,1,0],[.25,0,.75]].
+    # CLS row = .5*[2/3,1/6,1/6] + .25*[0,1,0] + .25*[.25,0,.75] = [19/48, 16/48, 13/48].
+    joint = rollout(_two_layers(), "max")
+    torch.testing.assert_close(joint[0, 0], torch.tensor([19 / 48, 16 / 48, 13 / 48]))
+    torch.testing.assert_close(joint.sum(-1), torch.ones(1, 3))  # every row of the product still sums to one
+    # vit-explain's `a / a.sum(dim=-1)` divides column j by row sum j; with unequal row sums that differs.
+    a = torch.tensor([[1.0, 0.5, 0.5], [0.0, 1.0, 0.0], [0.5, 0.0, 0.5]]) + torch.eye(3)
+    assert not torch.allclose(a / a.sum(dim=-1), a / a.sum(dim=-1, keepdim=True))
+    # min: [[0,0,0],[0,1,0],[.5,0,.5]] + I -> [[1,0,0],[0,1,0],[.25,0,.75]]; CLS row = [.5625, .25, .1875].
+    torch.testing.assert_close(rollout(_two_layers(), "min")[0, 0], torch.tensor([0.5625, 0.25, 0.1875]))
+    # start_layer=1 keeps only layer 2: CLS row of (LAYER_2 + I) / 2.
+    torch.testing.assert_close(rollout(_two_layers(), "mean", start_layer=1)[0, 0], torch.tensor([0.5, 0.25, 0.25]))
+
+
+ATTN = [[0.5, 0.25, 0.25], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]]
+
+
+def test_hand_computed_discard_spares_the_cls_row():
+    # discard_ratio .5 of the 6 patch-row entries [.1,.6,.3,.2,.2,.6]: the lowest 3 (.1, .2, .2) become 0.
+    # The CLS row keeps its .25s although they are below .3.
+    a = torch.tensor([[ATTN]])  # (1 image, 1 head, 3, 3)
+    expected = torch.tensor([[0.5, 0.25, 0.25], [0.0, 0.6, 0.3], [0.0, 0.0, 0.6]])
+    torch.testing.assert_close(discard_lowest(a[:, 0], 0.5), expected[None])
+    # + I and rows normalised: [[.75,.125,.125],[0,16/19,3/19],[0,0,1]]; two such layers, CLS row:
+    # .75*[.75,.125,.125] + .125*[0,16/19,3/19] + .125*[0,0,1] = [342, 121, 145] / 608.
+    joint = rollout([a, a], "mean", discard_ratio=0.5)
+    torch.testing.assert_close(joint[0, 0], torch.tensor([342, 121, 145]) / 608)
+    # Without discard the patch rows are [.05,.8,.15] and [.1,.1,.8]: a different answer.
+    assert not torch.allclose(rollout([a, a], "mean")[0, 0], joint[0, 0])
+
+
+def test_discard_is_per_image():
+    torch.manual_seed(0)
+    attns = [torch.rand(4, 3, 10, 10).softmax(-1) for _ in range(3)]
+    batch = rollout(attns, "max", discard_ratio=0.7)
+    for i in range(4):
+        alone = rollout([a[i : i + 1] for a in attns], "max", discard_ratio=0.7)
+        torch.testing.assert_close(batch[i : i + 1], alone)
+        # every image was discarded, not just the first (vit-explain's `flat[0, indices] = 0`)
+        assert not torch.allclose(alone, rollout([a[i : i + 1] for a in attns], "max"))
+    # each image loses its own lowest 70% of the 90 patch-row entries: 63 zeros per image
+    fused = discard_lowest(attns[0].amax(1), 0.7)
+    assert (fused[:, 1:] == 0).sum(dim=(1, 2)).tolist() == [63] * 4
+    assert torch.equal(fused[:, 0], attns[0].amax(1)[:, 0])
+
+
+def test_hand_computed_gradient_rollout():
+    # cam = (grad * attn)^+ averaged over heads; R = I, then R <- R + cam @ R per layer.
+    attn1 = torch.tensor([[0.2, 0.4, 0.4], [0.5, 0.5, 0.0], [0.0, 0.5, 0.5]])
+    grad1 = torch.tensor([[1.0, 1.0, -1.0], [1.0, 0.0, 0.0], [0.0, 2.0, 1.0]])
+    # cam1 = [[.2,.4,0],[.5,0,0],[0,1,.5]] -> R1 = [[1.2,.4,0],[.5,1,0],[0,1,1.5]]
+    attn2 = torch.tensor([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
+    grad2 = torch.tensor([[0.0, 4.0, -4.0], [1.0, 1.0, 1.0], [2.0, 0.0, 0.0]])
+    # cam2 = [[0,1,0],[0,1,0],[1,0,0]] -> R2 = R1 + cam2 @ R1 = [[1.7,1.4,0],[1,2,0],[1.2,1.4,1.5]]
+    # A second head whose products are all <= 0 contributes nothing but halves the head mean.
+    attns = [torch.stack([attn1, attn1])[None], torch.stack([attn2, attn2])[None]]
+    grads = [torch.stack([grad1, -grad1.abs()])[None] * 2, torch.stack([grad2, -grad2.abs()])[None] * 2]
+    joint = gradient_rollout_joint(attns, grads)
+    torch.testing.assert_close(joint[0], torch.tensor([[1.7, 1.4, 0.0], [1.0, 2.0, 0.0], [1.2, 1.4, 1.5]]))
+    torch.testing.assert_close(joint_to_map(joint, 1, "token", (1, 2)), torch.tensor([[[1.4, 0.0]]]))
+
+
+# -- on models ----------------------------------------------------------------------------------
+
+
+def _numpy_rollout(attns: list[np.ndarray], fusion: str, discard: float, prefix: int, pool: str) -> np.ndarray:
+    """A plain per-image, per-row reference written separately from vit.rollout (no batching)."""
+    fuse = {"mean": np.mean, "max": np.max, "min": np.min}[fusion]
+    maps = []
+    for b in range(attns[0].shape[0]):
+        n = attns[0].shape[-1]
+        joint = np.eye(n)
+        for layer in attns:
+            a = fuse(layer[b], axis=0).astype(np.float64)
+            body = a[prefix:].copy()
+            k = int(body.size * discard)
+            if k:
+                flat = body.reshape(-1)
+                flat[np.argsort(flat, kind="stable")[:k]] = 0.0
+                a[prefix:] = flat.reshape(body.shape)
+            a = a + np.eye(n)
+            for row in range(n):
+                a[row] = a[row] / a[row].sum()
+            joint = a @ joint
+        maps.append(joint[0, prefix:] if pool == "token" else joint[prefix:, prefix:].mean(axis=0))
+    return np.stack(maps)
+
+
+def _nano(**kwargs) -> torch.nn.Module:
+    model = create_model("vit_nano_patch4_16", num_classes=10, **kwargs).eval()
+    with torch.no_grad():  # away from the init, so attention is not uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize(
+    "pool,class_token", [("token", True), ("avg", False), ("avg", True)], ids=["cls", "avg", "avg+cls"]
+)
+def test_cls_and_average_pool_models_match_a_per_image_reference(pool, class_token):
+    model = _nano(global_pool=pool, class_token=class_token)
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        logits_ref, attns = model.forward_with_attn(x)
+        torch.testing.assert_close(logits_ref, model(x), atol=1e-5, rtol=1e-5)
+    for fusion, discard in [("mean", 0.0), ("max", 0.9), ("min", 0.5)]:
+        maps, logits = attention_rollout(model, x, fusion, discard)
+        assert maps.shape == (3, 4, 4)
+        expected = _numpy_rollout([a.numpy() for a in attns], fusion, discard, model.num_prefix_tokens, pool)
+        np.testing.assert_allclose(maps.reshape(3, -1).numpy(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, logits_ref)
+
+
+@pytest.mark.parametrize("method", ["attention", "gradient"])
+def test_fused_and_explicit_attention_give_the_same_map_and_flags_are_left_alone(method):
+    model = _nano()
+    x = torch.randn(2, 3, 16, 16)
+    assert all(b.attn.fused_attn for b in model.blocks)
+    fused, _ = rollout_maps(model, x, method, head_fusion="max", discard_ratio=0.5)
+    assert all(b.attn.fused_attn for b in model.blocks)  # no module flag was flipped
+    set_fused_attn(model, False)
+    explicit, _ = rollout_maps(model, x, method, head_fusion="max", discard_ratio=0.5)
+    assert not any(b.attn.fused_attn for b in model.blocks)
+    torch.testing.assert_close(fused, explicit)
+    # the maps are not trivially uniform
+    assert fused.std(dim=(1, 2)).min() > 1e-4
+
+
+def test_timm_vit_loaded_into_ours_matches_rollout_of_timms_own_attention(tmp_path):
+    kwargs = dict(img_size=32, patch_size=8, depth=3, num_classes=5)
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kwargs).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    torch.save(reference.state_dict(), tmp_path / "timm_vit.pth")
+    ours = create_model("vit_tiny_patch16_224", **kwargs).eval()
+    load_pretrained(ours, tmp_path / "timm_vit.pth")
+
+    # timm's own weights: hook attn_drop (what vit-explain does), which only runs with fused attention off.
+    captured = []
+    for block in reference.blocks:
+        block.attn.fused_attn = False
+        block.attn.attn_drop.register_forward_hook(lambda m, i, o: captured.append(o.detach()))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        timm_logits = reference(x)
+    maps, logits = attention_rollout(ours, x, "mean", 0.3)
+    torch.testing.assert_close(logits, timm_logits, atol=1e-5, rtol=1e-5)
+    expected = joint_to_map(rollout(captured, "mean", 0.3), 1, "token", (4, 4))
+    torch.testing.assert_close(maps, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_gradient_rollout_matches_the_formula_and_depends_on_the_class():
+    model = _nano()
+    x = torch.randn(2, 3, 16, 16)
+    logits, attns = model.forward_with_attn(x)
+    for a in attns:
+        a.retain_grad()
+    logits[:, 3].sum().backward()
+    cams = [(a.grad * a).clamp(min=0).mean(1).detach() for a in attns]
+    joint = torch.eye(attns[0].shape[-1]).expand(2, -1, -1)
+    for cam in cams:
+        joint = joint + cam @ joint
+    model.zero_grad(set_to_none=True)
+
+    maps, _ = gradient_rollout(model, x, target=3)
+    torch.testing.assert_close(maps, joint[:, 0, 1:].reshape(2, 4, 4))
+    assert all(p.grad is None for p in model.parameters())  # parameter grads are left alone
+    predicted, logits = gradient_rollout(model, x)
+    per_image, _ = gradient_rollout(model, x, target=logits.argmax(-1))
+    torch.testing.assert_close(predicted, per_image)
+    other = (logits.argmax(-1) + 1) % 10
+    assert not torch.allclose(gradient_rollout(model, x, target=other)[0], predicted)
+    model.requires_grad_(False)  # a frozen model still has attention gradients through the input
+    torch.testing.assert_close(gradient_rollout(model, x, target=3)[0], maps)
+    with torch.inference_mode():  # as in Lightning's validation loop
+        torch.testing.assert_close(gradient_rollout(model, x.clone(), target=3)[0], maps)
+
+
+def test_a_non_vit_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"CifarResNet, not a vit\.VisionTransformer"):
+        attention_rollout(create_model("resnet20", num_classes=10), torch.randn(1, 3, 32, 32))
+    with pytest.raises(ValueError, match="head_fusion"):
+        rollout(_two_layers(), "median")
+    with pytest.raises(ValueError, match="discard_ratio"):
+        rollout(_two_layers(), discard_ratio=1.0)
+    with pytest.raises(ValueError, match="start_layer"):
+        rollout(_two_layers(), start_layer=2)
+
+
+def test_render_panel_is_original_heatmap_overlay():
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    grid_map = np.zeros((4, 4))
+    grid_map[0, 3] = 1.0  # top-right hot
+    panel = np.asarray(render_panel(image, grid_map, ["cat 0.90"], panel_size=32))
+    assert panel.shape[1] == 96 and panel.shape[0] > 32
+    heat = panel[:32, 32:64].astype(int)
+    assert heat[2, 29].tolist() == [128, 0, 0]  # jet's dark red where the map is highest
+    assert heat[29, 2].tolist() == [0, 0, 128]  # and dark blue where it is lowest
+    assert (panel[:32, :32] == 0).all()  # the original, untouched
+
+
+# -- export script and TensorBoard callback -----------------------------------------------------
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _our_checkpoint(path: Path, name: str = "vit_nano_patch4_16", **kwargs) -> Path:
+    """A checkpoint in scripts/train.py's format (model name + kwargs + `model.` weights), no training."""
+    model = create_model(name, **kwargs)
+    state_dict = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"vit": {"model_name": name, "model_kwargs": kwargs}, "state_dict": state_dict}, path)
+    return path
+
+
+def test_export_writes_png_npy_and_gallery_for_a_tiny_model(tmp_path):
+    ckpt = _our_checkpoint(tmp_path / "tiny.ckpt", num_classes=3)
+    images = tmp_path / "images"
+    (images / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(images / "wide.png")
+    Image.fromarray(rng.integers(0, 255, (16, 16), dtype=np.uint8)).save(images / "sub" / "grey.jpg")
+    out = tmp_path / "out"
+    _script("rollout").main(["--checkpoint", str(ckpt), str(images), "--out", str(out), "--panel-size", "32"])
+
+    for stem in ("00000_grey", "00001_wide"):  # sorted over the folder tree: sub/grey.jpg, wide.png
+        panel = Image.open(out / f"{stem}.png")
+        assert panel.width == 3 * 32 and panel.height > 32
+        assert np.load(out / f"{stem}.npy").shape == (4, 4)
+    gallery = (out / "index.html").read_text()
+    assert gallery.count("<figure>") == 2 and 'src="00001_wide.png"' in gallery and "00001_wide.npy" in gallery
+    # the saved map is the rollout of the centre-cropped image (20x24 -> 16x19 -> the middle 16x16)
+    model = load_model(ckpt)
+    x = eval_transform(16)(image=np.asarray(Image.open(images / "wide.png")))["image"][None]
+    np.testing.assert_allclose(np.load(out / "00001_wide.npy"), attention_rollout(model, x)[0][0].numpy(), rtol=1e-5)
+
+
+def test_export_of_a_dataset_split_from_a_config(tmp_path):
+    ckpt = _our_checkpoint(tmp_path / "tiny.ckpt", num_classes=10)
+    argv = ["--checkpoint", str(ckpt), "--config", str(ROOT / "configs/default.yaml"), "--split", "val"]
+    out = _script("rollout").main([*argv, "--limit", "3", "--out", str(tmp_path / "out"), "--panel-size", "32"])
+    assert sorted(p.name for p in out.glob("*.npy")) == [f"0000{i}_val_0000{i}.npy" for i in range(3)]
+    assert (out / "index.html").read_text().count("(true: ") == 3  # the split's labels are shown
+
+
+def test_export_from_a_timm_state_dict_file(tmp_path):
+    torch.save(
+        timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=4).state_dict(), tmp_path / "t.pth"
+    )
+    Image.fromarray(np.full((300, 200, 3), 128, dtype=np.uint8)).save(tmp_path / "photo.jpg")
+    argv = ["--checkpoint", str(tmp_path / "t.pth"), "--model", "vit_tiny_patch16_224", "--crop-pct", "0.875"]
+    out = _script("rollout").main([*argv, str(tmp_path / "photo.jpg"), "--out", str(tmp_path / "out")])
+    assert np.load(out / "00000_photo.npy").shape == (14, 14)
+    assert (out / "00000_photo.png").is_file() and "00000_photo.png" in (out / "index.html").read_text()
+
+
+def test_export_refuses_bad_input_naming_the_file(tmp_path, capsys):
+    script = _script("rollout")
+    good = tmp_path / "ok.png"
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(good)
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    resnet = _our_checkpoint(tmp_path / "resnet.ckpt", "resnet20", num_classes=10)
+    vit_ckpt = _our_checkpoint(tmp_path / "vit.ckpt", num_classes=3)
+    plain = tmp_path / "plain.pth"
+    torch.save(create_model("vit_nano_patch4_16").state_dict(), plain)
+    cases = [
+        (["--checkpoint", str(tmp_path / "missing.ckpt"), str(good)], "missing.ckpt does not exist"),
+        (["--checkpoint", str(vit_ckpt), str(tmp_path / "broken.jpg")], "cannot decode image"),
+        (["--checkpoint", str(vit_ckpt), str(tmp_path / "nowhere.png")], "nowhere.png does not exist"),
+        (["--checkpoint", str(resnet), str(good)], "resnet.ckpt is a CifarResNet, not a vit.VisionTransformer"),
+        (["--checkpoint", str(plain), str(good)], "plain.pth is not a checkpoint of scripts/train.py"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            script.main([*argv, "--out", str(tmp_path / "out")])
+        assert message in capsys.readouterr().err
+
+
+def test_rollout_logger_writes_overlays_to_tensorboard(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.test_training import _trainer
+    from vit.data import DigitsDataModule
+    from vit.lit import ImageClassifier
+    from vit.rollout import RolloutLogger
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = _trainer(
+        tmp_path, max_epochs=2, limit_train_batches=1, limit_val_batches=1, logger=logger,
+        callbacks=[RolloutLogger(every_n_epochs=2, num_images=3, method="gradient", panel_size=32)],
+    )  # fmt: skip
+    trainer.fit(ImageClassifier("vit_nano_patch4_16", num_classes=10), DigitsDataModule(batch_size=16, num_workers=0))
+    events = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+    events.Reload()
+    images = events.Images("rollout/overlays")
+    assert [e.step for e in images] == [2]  # epoch 2 only (every 2 epochs), not the first
+    assert images[0].width == 3 * 32 and images[0].height > 3 * 32  # a column of 3 panels with captions

@@ -1,0 +1,164 @@
+"""LanguageModel: next-character prediction with a registered GPT, trained by the same pipeline.
+
+The recipe is nanoGPT's: AdamW (no weight decay on norms, biases and the position embedding),
+linear warmup then cosine decay to min_lr, loss in nats per character. The checkpoint holds the
+vocabulary, so `scripts/sample.py` needs only the .ckpt file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+
+from vit.data.sampling import mix_seed
+from vit.data.text import CharTokenizer
+from vit.gpt import GPT
+from vit.lit import adamw, check_finite, default_callbacks, param_groups, warmup_cosine
+from vit.registry import create_model, model_config
+
+
+class LanguageModel(L.LightningModule):
+    """Trains a registered GPT (`gpt_char_cpu`, `gpt_char_small`, ...) on a TextDataModule.
+
+    Args:
+        model_name: registry name of a GPT.
+        model_kwargs: overrides of its GPTConfig (depth, embed_dim, dropout, ...); vocab_size comes
+            from the vocabulary and block_size, unless given, from the datamodule.
+        vocab: the tokenizer's characters; None takes the datamodule's (a checkpoint stores it).
+        lr, min_lr: peak and final learning rate; warmup_steps of linear warmup, then cosine decay
+            until lr_decay_steps (None: the run's last step, trainer.max_steps).
+        weight_decay, betas: AdamW's (nanoGPT: 0.1, (0.9, 0.99) for small character models).
+        aux_loss_weight: weight of a mixture-of-experts model's load-balancing loss (GPTConfig
+            num_experts > 1) in the training loss; train/loss stays the language-modelling loss.
+    """
+
+    monitor = "val/loss"  # the metric TrainCLI's ModelCheckpoint keeps the best of, and its mode
+    monitor_mode = "min"
+
+    def __init__(
+        self,
+        model_name: str = "gpt_char_cpu",
+        model_kwargs: dict[str, Any] | None = None,
+        vocab: str | None = None,
+        lr: float = 1e-3,
+        min_lr: float = 1e-4,
+        warmup_steps: int = 100,
+        lr_decay_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.99),
+        aux_loss_weight: float = 0.01,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: GPT | None = None
+        if vocab is not None:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        """Build the model, once, sized by the vocabulary and the datamodule's block_size."""
+        if self.model is not None:
+            return
+        hp = self.hparams
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        if tokenizer is not None and hp.vocab is not None and tokenizer.vocab != hp.vocab:
+            raise ValueError(
+                f"the text's vocabulary ({len(tokenizer)} characters) differs from the model's ({len(hp.vocab)}); "
+                "a model can only continue training on text with the same characters"
+            )
+        if hp.vocab is None:
+            if tokenizer is None:
+                raise ValueError("vocab is not set and there is no text datamodule (with a tokenizer) to take it from")
+            hp.vocab = tokenizer.vocab
+        kwargs = {**(hp.model_kwargs or {}), "vocab_size": len(hp.vocab)}
+        data_block_size = getattr(datamodule, "block_size", None)
+        if data_block_size is not None:
+            kwargs.setdefault("block_size", data_block_size)
+            if data_block_size > model_config(hp.model_name, **kwargs).block_size:
+                raise ValueError(
+                    f"the datamodule's block_size {data_block_size} exceeds the model's {kwargs['block_size']}"
+                )
+        self.model_kwargs = kwargs
+        self.model = create_model(hp.model_name, **kwargs)
+        if not isinstance(self.model, GPT):
+            raise ValueError(f"{hp.model_name} is not a GPT; LanguageModel trains the gpt_* models")
+
+    @property
+    def tokenizer(self) -> CharTokenizer:
+        return CharTokenizer(self.hparams.vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy of every next-character prediction, in nats per character."""
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    # -- training -----------------------------------------------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Dropout masks depend only on (seed, step, rank): exact resume, and ranks differ.
+        torch.manual_seed(mix_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)), self.global_step, self.global_rank, 2))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        check_finite(self, loss, batch_idx)
+        self.log("train/loss", loss, prog_bar=True)
+        if self.model.config.num_experts > 1:
+            aux = self.model.aux_loss()
+            self.log("train/aux_loss", aux)
+            loss = loss + self.hparams.aux_loss_weight * aux
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = adamw(param_groups(self.model, hp.weight_decay, hp.lr), hp.lr, tuple(hp.betas), self.trainer)
+        total = hp.lr_decay_steps or int(self.trainer.estimated_stepping_batches)
+        min_ratio = hp.min_lr / hp.lr if hp.lr > 0 else 0.0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, min_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss = self.loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/bits_per_char", loss / math.log(2), sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("test/loss", self.loss(batch), sync_dist=True)
+
+    # -- checkpoints and callbacks --------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Enough to rebuild the model and its tokenizer without Lightning (scripts/sample.py).
+        checkpoint["vit"] = {
+            "model_name": self.hparams.model_name,
+            "model_kwargs": dict(self.model_kwargs),
+            "vocab": self.hparams.vocab,
+        }
+        checkpoint["hyper_parameters"]["vocab"] = self.hparams.vocab  # resolved from the data
+        checkpoint["hyper_parameters"]["model_kwargs"] = dict(self.model_kwargs)
+        checkpoint["vit_seed"] = int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("hyper_parameters", {}).get("vocab")
+        if saved is not None and self.hparams.vocab is not None and saved != self.hparams.vocab:
+            raise ValueError(
+                f"the checkpoint's vocabulary ({len(saved)} characters) differs from this text's "
+                f"({len(self.hparams.vocab)}); resume on the text the run was trained on"
+            )
+        if "vit_seed" in checkpoint:
+            os.environ["PL_GLOBAL_SEED"] = str(checkpoint["vit_seed"])
+
+    def configure_callbacks(self) -> list[Callback]:
+        return default_callbacks(self.trainer)

@@ -1,0 +1,367 @@
+"""Attention rollout: where in the image a trained ViT looks, as a map over the patch grid.
+
+Attention rollout (Abnar & Zuidema 2020) follows information from the input patches to the pooled
+token through all layers: per layer, fuse the heads, optionally zero the weakest entries, add the
+identity (the residual connection), renormalise every row, and multiply the layers together. The
+map is the row of the pooled token: the CLS row for `global_pool="token"`, the mean of the patch
+rows for average pooling. Gradient rollout (Chefer et al. 2021) weights each layer's attention by
+its gradient for one class, so the map is class-specific.
+
+Everything is batched and per image: each image gets its own discard threshold and its own row
+sums. The weights come from `VisionTransformer.forward_with_attn`, which takes the explicit
+attention path for that call only, so no module flag is touched and fused attention may stay on.
+(The popular vit-explain script hooks `attn_drop`, which the fused path never calls, divides by
+the row sums without `keepdim` (the wrong axis), and discards for the first image of a batch only.)
+
+The rendering helpers (colour map, overlay, the original | heatmap | overlay panel) live here too,
+shared by scripts/rollout.py and the `RolloutLogger` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from PIL import Image, ImageDraw, ImageFont
+from torch import nn
+
+from vit.vision_transformer import VisionTransformer
+
+log = logging.getLogger(__name__)
+
+HEAD_FUSIONS = ("mean", "max", "min")
+METHODS = ("attention", "gradient")
+
+
+# -- the method -------------------------------------------------------------------------------
+
+
+def fuse_heads(attn: torch.Tensor, head_fusion: str) -> torch.Tensor:
+    """(B, heads, N, N) -> (B, N, N) by the mean, max or min over the heads."""
+    if head_fusion == "mean":
+        return attn.mean(dim=1)
+    if head_fusion == "max":
+        return attn.amax(dim=1)
+    if head_fusion == "min":
+        return attn.amin(dim=1)
+    raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}")
+
+
+def discard_lowest(attn: torch.Tensor, discard_ratio: float, num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Zero the lowest `discard_ratio` of each image's entries of a fused (B, N, N) attention.
+
+    The rows of the prefix (CLS) tokens are never touched: they carry the map. The threshold is
+    per image, so one image's weak entries never decide what another image loses.
+    """
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+    B, N, _ = attn.shape
+    body = attn[:, num_prefix_tokens:].reshape(B, -1)  # the patch-query rows, flattened per image
+    k = int(body.shape[1] * discard_ratio + 1e-6)  # + 1e-6: 90 * 0.7 is 62.99999 in floating point
+    if k == 0:
+        return attn
+    # Keep the n - k highest rather than zero the k lowest: the same entries, and topk is faster
+    # for the smaller count (discard ratios are usually high, e.g. 0.9).
+    keep = body.topk(body.shape[1] - k, dim=1).indices
+    body = torch.zeros_like(body).scatter(1, keep, body.gather(1, keep)).reshape(B, N - num_prefix_tokens, N)
+    return torch.cat([attn[:, :num_prefix_tokens], body], dim=1)
+
+
+def rollout(
+    attns: list[torch.Tensor],
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    start_layer: int = 0,
+    num_prefix_tokens: int = 1,
+) -> torch.Tensor:
+    """Attention rollout of per-layer weights [(B, heads, N, N)] -> the joint (B, N, N) attention.
+
+    joint = A_L ... A_start with A = rownorm(discard(fuse(attn)) + I), rows normalised per image.
+    """
+    _check_layers(attns, start_layer)
+    B, _, N, _ = attns[0].shape
+    eye = torch.eye(N, device=attns[0].device)
+    joint = eye.expand(B, N, N)
+    for attn in attns[start_layer:]:
+        a = discard_lowest(fuse_heads(attn.float(), head_fusion), discard_ratio, num_prefix_tokens)
+        a = a + eye
+        a = a / a.sum(dim=-1, keepdim=True)  # each row sums to one (keepdim: divide rows, not columns)
+        joint = a @ joint
+    return joint
+
+
+def gradient_rollout_joint(attns: list[torch.Tensor], grads: list[torch.Tensor], start_layer: int = 0) -> torch.Tensor:
+    """Chefer et al. 2021: R = I; per layer R <- R + mean_heads((grad * attn)^+) @ R. Returns (B, N, N)."""
+    _check_layers(attns, start_layer)
+    if len(grads) != len(attns):
+        raise ValueError(f"{len(attns)} attention tensors but {len(grads)} gradients")
+    B, _, N, _ = attns[0].shape
+    joint = torch.eye(N, device=attns[0].device).expand(B, N, N)
+    for attn, grad in zip(attns[start_layer:], grads[start_layer:], strict=True):
+        cam = (grad.float() * attn.float()).clamp(min=0).mean(dim=1)
+        joint = joint + cam @ joint
+    return joint
+
+
+def joint_to_map(
+    joint: torch.Tensor, num_prefix_tokens: int, global_pool: str, grid_size: tuple[int, int]
+) -> torch.Tensor:
+    """The pooled token's row of the joint attention over the patches, as (B, grid_h, grid_w).
+
+    CLS pooling reads the CLS row; average pooling averages the patch rows (the pooled vector is
+    their mean, so its attribution is the mean of theirs).
+    """
+    p = num_prefix_tokens
+    if global_pool == "token":
+        if p == 0:
+            raise ValueError("global_pool='token' needs a CLS token")
+        row = joint[:, 0, p:]
+    elif global_pool == "avg":
+        row = joint[:, p:, p:].mean(dim=1)
+    else:
+        raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+    return row.reshape(joint.shape[0], *grid_size)
+
+
+def check_vit(model: nn.Module, source: str = "the model") -> VisionTransformer:
+    """Rollout needs our VisionTransformer (forward_with_attn); say so for anything else."""
+    if not isinstance(model, VisionTransformer):
+        raise TypeError(
+            f"{source} is a {type(model).__name__}, not a vit.VisionTransformer: attention rollout needs a "
+            "ViT's attention weights (for a timm ViT, load its weights into ours: "
+            "vit.checkpoint.load_pretrained(vit.create_model(name), path))"
+        )
+    return model
+
+
+def _check_layers(attns: list[torch.Tensor], start_layer: int) -> None:
+    if not attns:
+        raise ValueError("no attention weights given")
+    if not 0 <= start_layer < len(attns):
+        raise ValueError(f"start_layer must be in [0, {len(attns) - 1}], got {start_layer}")
+
+
+def _grid(model: VisionTransformer, images: torch.Tensor) -> tuple[int, int]:
+    ph, pw = model.patch_embed.patch_size
+    return images.shape[-2] // ph, images.shape[-1] // pw
+
+
+def attention_rollout(
+    model: nn.Module,
+    images: torch.Tensor,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    start_layer: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout maps (B, grid_h, grid_w) and logits (B, classes) for a batch of normalised images.
+
+    Call with the model in eval mode (dropout would make the maps random).
+    """
+    model = check_vit(model)
+    with torch.no_grad():
+        logits, attns = model.forward_with_attn(images)
+    joint = rollout(attns, head_fusion, discard_ratio, start_layer, model.num_prefix_tokens)
+    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, _grid(model, images)), logits
+
+
+def gradient_rollout(
+    model: nn.Module,
+    images: torch.Tensor,
+    target: int | torch.Tensor | None = None,
+    start_layer: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class-specific maps (B, grid_h, grid_w) and logits. `target`: a class id for every image,
+    one per image (B,), or None for each image's predicted class.
+
+    Only the attention tensors get gradients (torch.autograd.grad): parameter `.grad`s are left
+    alone, and frozen models work (the input is what requires grad).
+    """
+    model = check_vit(model)
+    logits, attns = forward_with_attn_graph(model, images)
+    grads = attention_gradients(logits, attns, target)
+    joint = gradient_rollout_joint([a.detach() for a in attns], grads, start_layer)
+    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, _grid(model, images)), logits.detach()
+
+
+def forward_with_attn_graph(model: VisionTransformer, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`forward_with_attn` with the attention weights in the autograd graph, even under no_grad,
+    inference_mode (Lightning's validation) or for a frozen model (the input requires grad)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return model.forward_with_attn(images.clone().requires_grad_(True))
+
+
+def attention_gradients(
+    logits: torch.Tensor,
+    attns: list[torch.Tensor],
+    target: int | torch.Tensor | None = None,
+    retain_graph: bool = False,
+) -> list[torch.Tensor]:
+    """d logit[target] / d attention, per layer (B, heads, N, N); target None: the predicted class.
+    `retain_graph=True` keeps the graph for another target."""
+    if target is None:
+        target = logits.argmax(dim=-1)
+    with torch.inference_mode(False), torch.enable_grad():
+        target = torch.as_tensor(target, device=logits.device).long().expand(logits.shape[0]).clone()
+        # Images in a batch do not interact, so the gradient of the summed scores is each image's own.
+        score = logits.gather(1, target[:, None]).sum()
+        return list(torch.autograd.grad(score, attns, retain_graph=retain_graph))
+
+
+def rollout_maps(
+    model: nn.Module,
+    images: torch.Tensor,
+    method: str = "attention",
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    start_layer: int = 0,
+    target: int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_rollout` or `gradient_rollout` by name (for scripts and configs)."""
+    if method == "attention":
+        return attention_rollout(model, images, head_fusion, discard_ratio, start_layer)
+    if method == "gradient":
+        return gradient_rollout(model, images, target, start_layer)
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+
+def resize_map(grid_map: np.ndarray | torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    """A (h, w) map resized to (H, W) by bilinear interpolation (pixel centres aligned)."""
+    m = torch.as_tensor(grid_map, dtype=torch.float32)[None, None]
+    return F.interpolate(m, size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
+
+
+def to_unit(m: np.ndarray) -> np.ndarray:
+    """Min-max scale to [0, 1]; a constant map becomes zeros."""
+    lo, hi = float(m.min()), float(m.max())
+    return (m - lo) / (hi - lo) if hi > lo else np.zeros_like(m)
+
+
+def colorize(m: np.ndarray) -> np.ndarray:
+    """A [0, 1] map -> RGB uint8 in the "jet" colour map (blue low, red high), written as three ramps."""
+    m = np.clip(m, 0.0, 1.0)[..., None]
+    rgb = np.clip(1.5 - np.abs(4.0 * m - np.array([3.0, 2.0, 1.0])), 0.0, 1.0)
+    return (rgb * 255).round().astype(np.uint8)
+
+
+def overlay(image: np.ndarray, m: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+    """Blend the coloured [0, 1] map (same H, W as the image) onto an RGB uint8 image."""
+    blended = (1 - alpha) * image.astype(np.float32) + alpha * colorize(m).astype(np.float32)
+    return blended.round().astype(np.uint8)
+
+
+def render_panel(
+    image: np.ndarray, grid_map: np.ndarray, lines: Sequence[str] = (), panel_size: int = 224
+) -> Image.Image:
+    """original | heatmap | overlay, each panel_size square, with caption lines underneath.
+
+    `image` is the RGB uint8 region the model saw; the grid map is resized to it bilinearly.
+    """
+    shown = np.asarray(Image.fromarray(image).resize((panel_size, panel_size), Image.Resampling.BICUBIC))
+    m = to_unit(resize_map(grid_map, (panel_size, panel_size)))
+    font = ImageFont.load_default(size=max(11, panel_size // 16))
+    line_height = int(font.size * 1.3) if hasattr(font, "size") else 14
+    canvas = Image.new("RGB", (3 * panel_size, panel_size + line_height * len(lines) + 6), "white")
+    for i, panel in enumerate((shown, colorize(m), overlay(shown, m))):
+        canvas.paste(Image.fromarray(panel), (i * panel_size, 0))
+    draw = ImageDraw.Draw(canvas)
+    for i, line in enumerate(lines):
+        draw.text((4, panel_size + 3 + i * line_height), line, fill="black", font=font)
+    return canvas
+
+
+# -- TensorBoard during training --------------------------------------------------------------
+
+
+class RolloutLogger(Callback):
+    """Logs rollout overlays of a fixed set of validation images to TensorBoard every N epochs
+    (`method`: "attention" or "gradient" for the predicted class).
+
+    The images are `num_images` evenly spaced over the val set (the same ones every time, so the
+    maps can be compared across epochs). In a config:
+    `--trainer.callbacks+=vit.rollout.RolloutLogger --trainer.callbacks.every_n_epochs 5`.
+    """
+
+    def __init__(
+        self,
+        every_n_epochs: int = 5,
+        num_images: int = 8,
+        method: str = "attention",
+        head_fusion: str = "mean",
+        discard_ratio: float = 0.0,
+        panel_size: int = 128,
+    ) -> None:
+        if every_n_epochs < 1 or num_images < 1:
+            raise ValueError(f"every_n_epochs and num_images must be >= 1, got {every_n_epochs}, {num_images}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # validate the name now, not after an epoch
+        self.every_n_epochs = every_n_epochs
+        self.method = method
+        self.num_images = num_images
+        self.head_fusion = head_fusion
+        self.discard_ratio = discard_ratio
+        self.panel_size = panel_size
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        check_vit(getattr(pl_module, "model", pl_module), "RolloutLogger's model")
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        writer = _tensorboard(trainer)
+        dataset = getattr(trainer.datamodule, "val_set", None) if trainer.datamodule is not None else None
+        if writer is None or dataset is None or len(dataset) == 0:
+            log.warning("RolloutLogger: needs a TensorBoard logger and a datamodule with a val_set; skipped")
+            return
+        items = [dataset[i] for i in self.indices(len(dataset))]  # (normalised CHW tensor, label)
+        x = torch.stack([image for image, _ in items]).to(pl_module.device)
+        model = getattr(pl_module, "model", pl_module)
+        maps, logits = rollout_maps(model, x, self.method, self.head_fusion, self.discard_ratio)
+        probs = logits.float().softmax(dim=-1).cpu()
+        mean, std = _normalisation(dataset)
+        panels = []
+        for (image, label), m, p in zip(items, maps.cpu().numpy(), probs, strict=True):
+            prob, pred = p.max(dim=-1)
+            lines = [f"true {int(label)}  pred {int(pred)} ({float(prob):.2f})"]
+            panels.append(np.asarray(render_panel(denormalise(image, mean, std), m, lines, self.panel_size)))
+        writer.add_image("rollout/overlays", np.concatenate(panels, axis=0), trainer.global_step, dataformats="HWC")
+
+    def indices(self, n: int) -> list[int]:
+        """`num_images` indices evenly spaced over a dataset of n images (fixed across epochs)."""
+        k = min(self.num_images, n)
+        return [round(i * (n - 1) / max(k - 1, 1)) for i in range(k)]
+
+
+def denormalise(x: torch.Tensor, mean: tuple[float, ...] | None, std: tuple[float, ...] | None) -> np.ndarray:
+    """A normalised (3, H, W) input back to RGB uint8 (H, W, 3); min-max scaled when mean/std are unknown."""
+    x = x.detach().float().cpu()
+    if mean is not None and std is not None:
+        x = x * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]
+    else:
+        x = (x - x.min()) / (x.max() - x.min() + 1e-12)
+    return (x.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+
+
+def _normalisation(dataset) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """The mean/std of the albumentations Normalize in the dataset's transform, if there is one."""
+    for t in getattr(getattr(dataset, "transform", None), "transforms", []):
+        if hasattr(t, "mean") and hasattr(t, "std") and getattr(t, "max_pixel_value", None):
+            return tuple(np.atleast_1d(t.mean).tolist()), tuple(np.atleast_1d(t.std).tolist())
+    return None, None
+
+
+def _tensorboard(trainer: L.Trainer):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None

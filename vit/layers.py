@@ -32,7 +32,13 @@ def make_norm(kind: str, dim: int) -> nn.Module:
 
 
 class PatchEmbed(nn.Module):
-    """Image to patch tokens: a Conv2d whose kernel and stride are the patch size, then flatten."""
+    """Image to patch tokens: a Conv2d whose kernel and stride are the patch size, then flatten.
+
+    With `stem_channels` it is instead a convolutional stem (Xiao et al. 2021, "Early convolutions
+    help transformers see better"): one 3x3 stride-2 conv + BatchNorm + ReLU per entry, as many as
+    halve the image down to the patch grid (so the patch size must be a power of two), then a 1x1
+    conv to the width (`proj`). The model is then a hybrid, not a plain patchify ViT.
+    """
 
     def __init__(
         self,
@@ -40,6 +46,7 @@ class PatchEmbed(nn.Module):
         patch_size: int | tuple[int, int] = 16,
         in_chans: int = 3,
         embed_dim: int = 768,
+        stem_channels: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self.img_size = _pair(img_size)
@@ -47,14 +54,52 @@ class PatchEmbed(nn.Module):
         check_divisible(self.img_size, self.patch_size)
         self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
+        self.backbone = None
+        if stem_channels:
+            p = self.patch_size[0]
+            if self.patch_size[0] != self.patch_size[1] or p & (p - 1) or 2 ** len(stem_channels) != p:
+                raise ValueError(
+                    f"a conv stem of {len(stem_channels)} stride-2 convs reduces by {2 ** len(stem_channels)}, "
+                    f"not by the patch size {self.patch_size}; give log2(patch size) stem_channels"
+                )
+            layers: list[nn.Module] = []
+            for c_in, c_out in zip((in_chans, *stem_channels[:-1]), stem_channels, strict=True):
+                layers += [nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(c_out)]
+                layers.append(nn.ReLU(inplace=True))
+            self.backbone = nn.Sequential(*layers)
+            self.proj = nn.Conv2d(stem_channels[-1], embed_dim, kernel_size=1)
+        else:
+            self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, H/p * W/p, D), row-major over the patch grid."""
         if x.ndim != 4:
             raise ValueError(f"PatchEmbed expects images of shape (B, C, H, W), got {tuple(x.shape)}")
         check_divisible(tuple(x.shape[-2:]), self.patch_size)
+        if self.backbone is not None:
+            x = self.backbone(x)
         return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class PatchDropout(nn.Module):
+    """While training, keep a random `1 - prob` of each image's patch tokens (prefix tokens always
+    stay), so every block runs on fewer tokens: a cheaper step that also regularises (timm's
+    `patch_drop_rate`, as in FLIP and MAE). Identity at evaluation."""
+
+    def __init__(self, prob: float, num_prefix_tokens: int) -> None:
+        super().__init__()
+        if not 0.0 <= prob < 1.0:
+            raise ValueError(f"patch_drop_rate must be in [0, 1), got {prob}")
+        self.prob, self.num_prefix_tokens = prob, num_prefix_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.prob == 0.0:
+            return x
+        prefix, patches = x[:, : self.num_prefix_tokens], x[:, self.num_prefix_tokens :]
+        b, n, d = patches.shape
+        keep = max(1, round(n * (1.0 - self.prob)))
+        order = torch.rand(b, n, device=x.device).argsort(dim=1)[:, :keep].sort(dim=1).values
+        return torch.cat([prefix, patches.gather(1, order[..., None].expand(-1, -1, d))], dim=1)
 
 
 def check_divisible(img_size: tuple[int, ...], patch_size: tuple[int, int]) -> None:

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, OnExceptionCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
@@ -24,7 +25,10 @@ from torchmetrics.classification import MulticlassAccuracy
 from vit.checkpoint import load_pretrained
 from vit.data.sampling import mix_seed
 from vit.layers import MoE
+from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model
+from vit.schedule import find_budget
+from vit.schedule import warmup_cosine as warmup_cosine_progress
 
 
 class NonFiniteLossError(RuntimeError):
@@ -157,11 +161,17 @@ class ImageClassifier(L.LightningModule):
         model_name: registry name, e.g. "vit_small_patch16_224" or "resnet20".
         model_kwargs: overrides of the model's config (img_size, drop_path_rate, global_pool, ...).
         num_classes: None takes the datamodule's.
-        optimizer: "adamw" or "sgd" (momentum, nesterov).
+        optimizer: "adamw", "sgd" (momentum, nesterov) or "muon" (Muon on the transformer blocks'
+            weight matrices, AdamW on the rest, one lr: vit.optim.MuonAdamW).
         lr: peak learning rate; with lr_base_batch_size set it is scaled by global_batch / lr_base_batch_size.
         warmup_epochs: linear warmup length (fractions allowed), then cosine decay to min_lr;
-            warmup_steps, when given, counts optimizer steps instead.
+            warmup_steps, when given, counts optimizer steps instead; warmup_fraction, when given,
+            is a fraction of the whole run (of its steps, or of a vit.schedule.WallClockBudget),
+            so it scales with max_epochs or the budget. A warmup longer than half the run is cut
+            to half, with a warning.
         label_smoothing: for the cross-entropy loss (works with Mixup's soft targets too).
+        tta_flip: evaluate (validation, test, predict) on the mean of the logits of the image and
+            its mirror image.
         ema_decay: keep an exponential moving average of the weights; validation also reports it.
         compile: run the model through torch.compile (the checkpoint keeps the plain weights).
         grad_checkpointing: recompute block activations in backward (ViT-L/H at larger batches).
@@ -189,8 +199,10 @@ class ImageClassifier(L.LightningModule):
         momentum: float = 0.9,
         warmup_epochs: float = 0.0,
         warmup_steps: int | None = None,
+        warmup_fraction: float | None = None,
         min_lr: float = 0.0,
         label_smoothing: float = 0.0,
+        tta_flip: bool = False,
         ema_decay: float | None = None,
         compile: bool = False,
         grad_checkpointing: bool = False,
@@ -202,8 +214,8 @@ class ImageClassifier(L.LightningModule):
         aux_loss_weight: float = 0.01,
     ) -> None:
         super().__init__()
-        if optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        if optimizer not in ("adamw", "sgd", "muon"):
+            raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'muon', got {optimizer!r}")
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         if num_classes is not None:
@@ -270,6 +282,11 @@ class ImageClassifier(L.LightningModule):
         model = self._compiled if self._compiled is not None else self.model
         return model(x)
 
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for evaluation: with tta_flip, the mean over the image and its mirror image."""
+        logits = self(x)
+        return (logits + self(x.flip(-1))) / 2 if self.hparams.tta_flip else logits
+
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, target, label_smoothing=self.hparams.label_smoothing)
 
@@ -306,19 +323,42 @@ class ImageClassifier(L.LightningModule):
         groups = param_groups(self.model, hp.weight_decay, lr, hp.layer_decay, head_lr)
         if hp.optimizer == "adamw":
             optimizer = adamw(groups, lr, tuple(hp.betas), self.trainer)
+        elif hp.optimizer == "muon":
+            hidden = {p for name, p in self.model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
+            fused = str(self.trainer.precision) != "16-mixed"
+            optimizer = MuonAdamW(split_muon_groups(groups, hidden), lr, tuple(hp.betas), fused=fused)
         else:
             optimizer = torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=True)
-        total = int(self.trainer.estimated_stepping_batches)
-        warmup = hp.warmup_steps
-        if warmup is None:
-            batches = self.trainer.num_training_batches  # known once estimated_stepping_batches ran
-            per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches) if batches != math.inf else total
-            warmup = round(hp.warmup_epochs * per_epoch)
         min_ratio = hp.min_lr / lr if lr > 0 else 0.0
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, warmup, total, min_ratio)
-        )
+        budget = find_budget(self.trainer)
+        if budget is not None:  # the schedule follows the clock and ends with the budget
+            if hp.warmup_steps is not None or hp.warmup_epochs:
+                raise ValueError("with a WallClockBudget, give the warmup as warmup_fraction (of the budget)")
+            warmup = self._cap_warmup(hp.warmup_fraction or 0.0, 1.0)
+            schedule = lambda step: warmup_cosine_progress(budget.progress(), warmup, min_ratio)  # noqa: E731
+        else:
+            total = int(self.trainer.estimated_stepping_batches)
+            warmup = hp.warmup_steps
+            if hp.warmup_fraction is not None:
+                warmup = round(hp.warmup_fraction * total)
+            elif warmup is None:
+                batches = self.trainer.num_training_batches  # known once estimated_stepping_batches ran
+                per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches) if batches != math.inf else total
+                warmup = round(hp.warmup_epochs * per_epoch)
+            warmup = self._cap_warmup(warmup, total)
+            schedule = lambda step: warmup_cosine(step, warmup, total, min_ratio)  # noqa: E731
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _cap_warmup(self, warmup: float, total: float) -> float:
+        """A warmup longer than half the run leaves no time to learn at the peak rate and decay: cut it."""
+        if warmup > total / 2:
+            rank_zero_warn(
+                f"warmup ({warmup:g}) is longer than half the run ({total:g}); using {total / 2:g}. "
+                "Give it as model.warmup_fraction to scale it with the run's length."
+            )
+            return type(warmup)(total / 2)
+        return warmup
 
     def global_batch_size(self) -> int:
         per_device = self.trainer.datamodule.batch_size if self.trainer.datamodule is not None else 1
@@ -328,7 +368,7 @@ class ImageClassifier(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        logits = self(x)
+        logits = self.eval_logits(x)
         self.log("val/loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
         self.val_acc1(logits, y)
         self.val_acc5(logits, y)
@@ -340,7 +380,7 @@ class ImageClassifier(L.LightningModule):
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        logits = self(x)
+        logits = self.eval_logits(x)
         self.log("test/loss", F.cross_entropy(logits, y), sync_dist=True)
         self.test_acc1(logits, y)
         self.test_acc5(logits, y)
@@ -349,7 +389,7 @@ class ImageClassifier(L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(x).softmax(dim=-1)
+        return self.eval_logits(x).softmax(dim=-1)
 
     # -- checkpoints and callbacks --------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from vit.layers import Block, PatchEmbed, _pair, make_norm, moe_aux_loss
+from vit.layers import Block, PatchDropout, PatchEmbed, _pair, make_norm, moe_aux_loss
 from vit.position import rope_2d, sincos_2d
 from vit.registry import register_model
 
@@ -52,6 +52,10 @@ class ViTConfig:
     num_experts: int = 1  # > 1: mixture-of-experts MLP in every block (see vit.layers.MoE)
     experts_top_k: int = 2
     expert_capacity: float | None = None  # capacity factor; None: dropless
+    # Fraction of patch tokens dropped at random per image while training (not with rope).
+    patch_drop_rate: float = 0.0
+    # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
+    stem_channels: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.posemb not in ("learn", "sincos2d", "rope"):
@@ -60,6 +64,8 @@ class ViTConfig:
             raise ValueError(f"global_pool must be 'token' or 'avg', got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True (use global_pool='avg' without it)")
+        if self.patch_drop_rate and self.posemb == "rope":
+            raise ValueError("patch_drop_rate needs additive position embeddings (posemb 'learn' or 'sincos2d')")
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
 
@@ -74,7 +80,7 @@ class VisionTransformer(nn.Module):
         self.num_prefix_tokens = 1 if c.class_token else 0
         self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim)
+        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         # As in timm and the original ViT, the position embedding has an entry for the CLS token too.
         num_pos = self.patch_embed.num_patches + self.num_prefix_tokens
@@ -85,6 +91,7 @@ class VisionTransformer(nn.Module):
         else:  # rope: positions enter in every attention layer
             self.pos_embed = None
         self.pos_drop = nn.Dropout(c.pos_drop_rate)
+        self.patch_drop = PatchDropout(c.patch_drop_rate, self.num_prefix_tokens)
 
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]
         self.blocks = nn.Sequential(
@@ -176,7 +183,7 @@ class VisionTransformer(nn.Module):
             pos_embed = resample_pos_embed(pos_embed, grid, self.patch_embed.grid_size, self.num_prefix_tokens)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        return self.pos_drop(x + pos_embed)
+        return self.patch_drop(self.pos_drop(x + pos_embed))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normed tokens (B, prefix + patches, D)."""

@@ -16,9 +16,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vit.data.images import ImageArrays, ImageFiles, scan_image_folder, scan_tiny_imagenet
+from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, resize_batch, to_tensor_images
 from vit.data.mixup import MixupCutmix
 from vit.data.sampling import ResumableLoader, ResumableSampler, mix_seed
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
+from vit.schedule import training_progress
 
 
 def default_num_workers() -> int:
@@ -42,6 +44,16 @@ class ImageDataModule(L.LightningDataModule):
             mixup_switch_prob: chance of CutMix when both are on.
         eval_crop_pct: eval resize is img_size / eval_crop_pct before the centre crop.
         skip_corrupt: log and skip undecodable image files instead of stopping.
+        val_holdout: hold out this many training images (a fraction if below 1; stratified, fixed
+            seed) as the validation set, for tuning; the original validation split becomes the test
+            set (`trainer.test`). 0: validation is the original split, as is the test set.
+        in_memory: decode every image once into a uint8 tensor (cached in cache_dir) and augment
+            whole batches on the training device (vit.data.memory): crop "pad_crop" or "resize",
+            hflip, cutout and Mixup/CutMix; no RandAugment. cache_dir None: `<default_root_dir>/cache`.
+        cutout: side of a square zeroed at a random place in each training image (in_memory only).
+        train_sizes: progressive resizing, in_memory only: [[progress, size], ...] trains at `size`
+            from that fraction of the run on (e.g. [[0, 16], [0.5, 24], [0.75, 32]]); validation
+            stays at img_size. The model must accept other sizes (rope/sincos2d, or dynamic_img_size).
     """
 
     num_classes: int
@@ -67,6 +79,11 @@ class ImageDataModule(L.LightningDataModule):
         mean: tuple[float, float, float] = IMAGENET_MEAN,
         std: tuple[float, float, float] = IMAGENET_STD,
         skip_corrupt: bool = False,
+        val_holdout: float = 0,
+        in_memory: bool = False,
+        cache_dir: str | None = None,
+        cutout: int = 0,
+        train_sizes: list[tuple[float, int]] | None = None,
     ) -> None:
         super().__init__()
         self.img_size = img_size
@@ -82,25 +99,63 @@ class ImageDataModule(L.LightningDataModule):
         self.mixup_options = dict(
             mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob, switch_prob=mixup_switch_prob
         )
+        self.val_holdout = val_holdout
+        self.in_memory, self.cache_dir = in_memory, cache_dir
+        self.crop, self.crop_padding, self.hflip, self.cutout = crop, crop_padding, hflip, cutout
+        self.eval_crop_pct, self.mean, self.std = eval_crop_pct, mean, std
+        self.train_sizes = sorted((float(p), int(size)) for p, size in train_sizes) if train_sizes else None
+        if not in_memory and (cutout or train_sizes):
+            raise ValueError("cutout and train_sizes are batch augmentations: they need in_memory=True")
+        if in_memory and (crop not in ("pad_crop", "resize") or randaugment_ops > 0):
+            raise ValueError(
+                f"in_memory=True augments batches with crop 'pad_crop' or 'resize', flip, cutout and Mixup/CutMix; "
+                f"got crop={crop!r}, randaugment_ops={randaugment_ops} (use in_memory=False for these)"
+            )
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
 
-    # Subclasses fill these two in `setup`.
-    def setup(self, stage: str | None = None) -> None:
+    def load_splits(self) -> tuple[ImageFiles | ImageArrays, ImageFiles | ImageArrays]:
+        """The (train, val) datasets with the train and eval transforms; each subclass says where they come from."""
         raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train, val = self.load_splits()
+        test = val
+        if self.val_holdout:
+            train_idx, val_idx = holdout_indices(train.labels, self.val_holdout)
+            train, val = train.subset(train_idx, self.train_transform), train.subset(val_idx, self.eval_transform)
+        self.train_set, self.val_set, self.test_set = train, val, test
+
+    def _in_memory(self, dataset: Dataset, train: bool) -> Dataset:
+        """in_memory: the split decoded into a TensorImages, on first use (a tuning run never
+        decodes the test set)."""
+        if not self.in_memory or isinstance(dataset, TensorImages):
+            return dataset
+        cache = self.cache_dir
+        if cache is None and self.trainer is not None:
+            cache = Path(self.trainer.default_root_dir) / "cache"
+        return to_tensor_images(dataset, self.img_size, 1.0 if train else self.eval_crop_pct, cache)
 
     def _seed(self) -> int:
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def train_dataloader(self) -> DataLoader:
-        sampler = ResumableSampler(self.train_set, shuffle=True, seed=self._seed())
-        loader = ResumableLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
-            **self._loader_options(),
-        )
+        if self.in_memory:  # whole batches gathered from one tensor, in this process
+            self.train_set = self._in_memory(self.train_set, train=True)
+            sampler = BatchSampler(self.train_set, self.batch_size, shuffle=True, seed=self._seed(), drop_last=True)
+            loader = ResumableLoader(self.train_set, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
+        else:
+            sampler = ResumableSampler(self.train_set, shuffle=True, seed=self._seed())
+            loader = ResumableLoader(
+                self.train_set,
+                batch_size=self.batch_size,
+                sampler=sampler,
+                drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
+                **self._loader_options(),
+            )
         trainer = self.trainer
         if trainer is not None:
             # Batches of this epoch whose training step finished: where Lightning itself resumes.
@@ -108,13 +163,21 @@ class ImageDataModule(L.LightningDataModule):
         return loader
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, **self._loader_options())
+        self.val_set = self._in_memory(self.val_set, train=False)
+        return self._eval_loader(self.val_set)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        self.test_set = self._in_memory(self.test_set, train=False)
+        return self._eval_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+    def _eval_loader(self, dataset: Dataset) -> DataLoader:
+        if self.in_memory:
+            sampler = BatchSampler(dataset, self.batch_size, shuffle=False)
+            return DataLoader(dataset, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, **self._loader_options())
 
     def _loader_options(self) -> dict[str, Any]:
         return dict(
@@ -124,14 +187,34 @@ class ImageDataModule(L.LightningDataModule):
         )
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Mixup/CutMix on the device, training batches only; its randomness is a function of
-        (seed, step, rank), so resumed runs mix exactly like uninterrupted ones."""
+        """On the device: in-memory batches are augmented (training) and normalised; then
+        Mixup/CutMix, training batches only. All randomness is a function of (seed, step, rank),
+        so resumed runs augment and mix exactly like uninterrupted ones."""
+        if self.in_memory:
+            batch = self._augment_in_memory(batch)
         trainer = self.trainer
         if trainer is None or not trainer.training or not self.mixup_enabled:
             return batch
         x, y = batch
         rng = np.random.default_rng(mix_seed(self._seed(), trainer.global_step, trainer.global_rank, 1))
         return MixupCutmix(self.num_classes, **self.mixup_options)(x, y, rng)
+
+    def _augment_in_memory(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(batch) == 2:  # evaluation: uint8 at img_size, normalise only
+            return normalize(batch[0], self.mean, self.std), batch[1]
+        x, y, seed = batch  # training, with the batch's augmentation seed
+        generator = torch.Generator(device=x.device).manual_seed(int(seed))
+        padding = self.crop_padding if self.crop == "pad_crop" else 0
+        x = batch_augment(x, generator, padding, self.hflip, self.cutout)
+        x = normalize(x, self.mean, self.std)
+        return resize_batch(x, self.train_size()), y
+
+    def train_size(self) -> int:
+        """The training image size at this point of the run (train_sizes), else img_size."""
+        if not self.train_sizes or self.trainer is None:
+            return self.img_size
+        progress = training_progress(self.trainer)
+        return next((size for start, size in reversed(self.train_sizes) if progress >= start), self.train_sizes[0][1])
 
     @property
     def mixup_enabled(self) -> bool:
@@ -155,7 +238,7 @@ class DigitsDataModule(ImageDataModule):
         self.val_fraction = val_fraction
         self.num_classes = 10
 
-    def setup(self, stage: str | None = None) -> None:
+    def load_splits(self) -> tuple[ImageArrays, ImageArrays]:
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
 
@@ -164,8 +247,10 @@ class DigitsDataModule(ImageDataModule):
         train_idx, val_idx = train_test_split(
             np.arange(len(images)), test_size=self.val_fraction, stratify=digits.target, random_state=0
         )
-        self.train_set = ImageArrays(images[train_idx], digits.target[train_idx], self.train_transform)
-        self.val_set = ImageArrays(images[val_idx], digits.target[val_idx], self.eval_transform)
+        return (
+            ImageArrays(images[train_idx], digits.target[train_idx], self.train_transform),
+            ImageArrays(images[val_idx], digits.target[val_idx], self.eval_transform),
+        )
 
 
 class CIFARDataModule(ImageDataModule):
@@ -208,13 +293,14 @@ class CIFARDataModule(ImageDataModule):
         except Exception as e:  # offline, proxy, disk full: say what to do instead
             raise FileNotFoundError(self._missing_message(f"downloading it failed ({e})")) from e
 
-    def setup(self, stage: str | None = None) -> None:
+    def load_splits(self) -> tuple[ImageArrays, ImageArrays]:
         try:
             train, val = self._torchvision_dataset(True, False), self._torchvision_dataset(False, False)
         except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
             raise FileNotFoundError(self._missing_message(str(e))) from e
-        self.train_set = ImageArrays(train.data, train.targets, self.train_transform)
-        self.val_set = ImageArrays(val.data, val.targets, self.eval_transform)
+        return ImageArrays(train.data, train.targets, self.train_transform), ImageArrays(
+            val.data, val.targets, self.eval_transform
+        )
 
     def _missing_message(self, reason: str) -> str:
         folder = self.root / self._FOLDERS[self.dataset]
@@ -250,10 +336,12 @@ class ImageFolderDataModule(ImageDataModule):
         self.classes, self._train_samples = scan_image_folder(self.root / train_dir)
         self.num_classes = len(self.classes)
 
-    def setup(self, stage: str | None = None) -> None:
+    def load_splits(self) -> tuple[ImageFiles, ImageFiles]:
         _, val_samples = scan_image_folder(self.root / self.val_dir, classes=self.classes)
-        self.train_set = ImageFiles(self._train_samples, self.train_transform, self.skip_corrupt)
-        self.val_set = ImageFiles(val_samples, self.eval_transform, self.skip_corrupt)
+        return (
+            ImageFiles(self._train_samples, self.train_transform, self.skip_corrupt),
+            ImageFiles(val_samples, self.eval_transform, self.skip_corrupt),
+        )
 
 
 class TinyImageNetDataModule(ImageDataModule):
@@ -273,7 +361,26 @@ class TinyImageNetDataModule(ImageDataModule):
         self.classes, self._train_samples = scan_tiny_imagenet(self.root, "train")
         self.num_classes = len(self.classes)
 
-    def setup(self, stage: str | None = None) -> None:
+    def load_splits(self) -> tuple[ImageFiles, ImageFiles]:
         _, val_samples = scan_tiny_imagenet(self.root, "val")
-        self.train_set = ImageFiles(self._train_samples, self.train_transform, self.skip_corrupt)
-        self.val_set = ImageFiles(val_samples, self.eval_transform, self.skip_corrupt)
+        return (
+            ImageFiles(self._train_samples, self.train_transform, self.skip_corrupt),
+            ImageFiles(val_samples, self.eval_transform, self.skip_corrupt),
+        )
+
+
+def holdout_indices(labels: np.ndarray, holdout: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) indices: `holdout` images (a fraction if below 1) taken from every class in
+    proportion, at random with a fixed seed, so every run and model tunes on the same images."""
+    labels = np.asarray(labels)
+    n_val = round(holdout * len(labels)) if holdout < 1 else int(holdout)
+    if not 0 < n_val < len(labels):
+        raise ValueError(f"val_holdout={holdout} must leave images for both splits (there are {len(labels)})")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(labels))
+    val = []
+    for c in np.unique(labels):
+        members = order[labels[order] == c]
+        val.append(members[: round(n_val * len(members) / len(labels))])
+    val_idx = np.sort(np.concatenate(val))
+    return np.setdiff1d(np.arange(len(labels)), val_idx), val_idx

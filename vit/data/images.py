@@ -161,6 +161,14 @@ class ImageFiles(_SeededTransform):
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def labels(self) -> np.ndarray:
+        return np.array([s.label for s in self.samples], dtype=np.int64)
+
+    def subset(self, indices: Sequence[int], transform: Transform | None) -> ImageFiles:
+        """These samples with another transform (e.g. a held-out validation split)."""
+        return ImageFiles([self.samples[i] for i in indices], transform, self.skip_corrupt)
+
     def load(self, index: int) -> tuple[np.ndarray, int]:
         for offset in range(len(self.samples)):
             sample = self.samples[(index + offset) % len(self.samples)]
@@ -190,6 +198,11 @@ class ImageArrays(_SeededTransform):
 
     def __len__(self) -> int:
         return len(self.images)
+
+    def subset(self, indices: Sequence[int], transform: Transform | None) -> ImageArrays:
+        """These images with another transform (e.g. a held-out validation split)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return ImageArrays(self.images[indices], self.labels[indices], transform)
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
         return self.images[index], int(self.labels[index])

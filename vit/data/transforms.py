@@ -83,3 +83,12 @@ def eval_transform(
         A.Normalize(mean=mean, std=std),
         ToTensorV2(),
     ])
+
+
+def resize_transform(img_size: int, crop_pct: float = 1.0) -> A.Compose:
+    """The eval transform's geometry without normalisation: uint8 in, uint8 (img_size, img_size, 3)
+    out. Decodes images into memory at the size the model sees (vit.data.memory)."""
+    return A.Compose([
+        A.SmallestMaxSize(max_size=round(img_size / crop_pct), interpolation=cv2.INTER_CUBIC),
+        A.CenterCrop(img_size, img_size),
+    ])

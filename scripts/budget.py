@@ -1,0 +1,225 @@
+"""Time-to-accuracy on CIFAR-10: train a config for a fixed wall-clock budget, score it once.
+
+    # tuning: hold out 5,000 training images and score on them (never on the test set)
+    flock /tmp/vit-bench.lock python scripts/budget.py run --name vit --config configs/cifar10_vit.yaml \
+        --minutes 10 --tune
+    # the final run: all 50,000 training images, then the 10,000 test images once
+    flock /tmp/vit-bench.lock python scripts/budget.py run --name vit --config configs/cifar10_vit.yaml --minutes 10
+    python scripts/budget.py report   # benchmarks/budget.md and benchmarks/budget.png from the results
+
+The clock starts before the data is read: decoding the JPEGs (into a fresh cache in the run's
+folder), augmentation, every training step and checkpointing all count. The learning-rate schedule
+follows the clock (vit.schedule.WallClockBudget) and ends with the budget; evaluation after it does
+not count. The config's data options (batch size, crop, flip, Mixup, ...) are applied to the JPEG
+ImageFolder copy with the in-memory pipeline (vit.data.memory). Each run appends one JSON line to
+the results file. Run one at a time, alone on the machine (`flock /tmp/vit-bench.lock`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vit.cli import TrainCLI, _show_our_logs
+from vit.schedule import find_budget
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "budget.jsonl"
+# Data options that belong to the torchvision CIFAR module, not to an image folder.
+_NOT_FOLDER_OPTIONS = {"root", "dataset", "download", "in_memory", "cache_dir", "val_holdout", "num_workers"}
+
+
+def data_overrides(config: Path, data_root: str, cache_dir: Path, holdout: int) -> list[str]:
+    """The config's data recipe, moved onto the JPEG ImageFolder copy, in memory."""
+    data = (yaml.safe_load(config.read_text()) or {}).get("data") or {}
+    init_args = data.get("init_args", {})
+    args = ["--data", "vit.data.ImageFolderDataModule", "--data.root", data_root, "--data.val_dir", "test"]
+    args += ["--data.img_size", "32"]  # CIFAR's size unless the config says otherwise (the folder default is 224)
+    for key, value in init_args.items():
+        if key not in _NOT_FOLDER_OPTIONS:
+            args += [f"--data.{key}", value if isinstance(value, str) else json.dumps(value)]
+    args += ["--data.in_memory", "true", "--data.cache_dir", str(cache_dir), "--data.num_workers", "0"]
+    if holdout:
+        args += ["--data.val_holdout", str(holdout)]
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    config = Path(args.config)
+    split = "val" if args.tune else "test"
+    workdir = Path(args.workdir) / f"{args.name}-{args.minutes:g}min-{split}-s{args.seed}-{time.strftime('%H%M%S')}"
+    cli_args = [
+        "--config", str(config),
+        *data_overrides(config, args.data_root, workdir / "cache", args.holdout if args.tune else 0),
+        "--seed_everything", str(args.seed),
+        "--trainer.default_root_dir", str(workdir),
+        "--trainer.max_epochs", "100000", "--trainer.max_steps", "-1",
+        "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0", "--checkpoint.monitor", "null",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.callbacks+=vit.schedule.WallClockBudget", "--trainer.callbacks.minutes", str(args.minutes),
+        *args.overrides,
+    ]  # fmt: skip
+    torch.set_float32_matmul_precision("high")
+    _show_our_logs()
+    cli = TrainCLI(args=cli_args, run=False, save_config_kwargs={"overwrite": True})  # the clock starts here
+    trainer, model, data = cli.trainer, cli.model, cli.datamodule
+    budget = find_budget(trainer)
+    trainer.fit(model, data)
+    wall = budget.elapsed()
+    steps = trainer.global_step
+    images = steps * data.batch_size * trainer.world_size
+    trainer.limit_val_batches = trainer.limit_test_batches = 1.0  # the whole split, once
+    scores = trainer.validate(model, data, verbose=False) if args.tune else trainer.test(model, data, verbose=False)
+    top1 = scores[0][f"{split}/acc1"]
+    result = {
+        "name": args.name,
+        "config": str(config),
+        "overrides": args.overrides,
+        "model_name": model.hparams.model_name,
+        "params": sum(p.numel() for p in model.model.parameters()),
+        "minutes": args.minutes,
+        "seed": args.seed,
+        "split": split,
+        "top1": top1,
+        "epochs": images / len(data.train_set),
+        "steps": steps,
+        "img_per_s": images / wall,
+        "wall_minutes": wall / 60,
+        "train_images": len(data.train_set),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": "python scripts/budget.py " + " ".join(sys.argv[1:]),
+    }
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.results, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    print(json.dumps(result, indent=1))
+    return result
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    versions = f"torch {torch.__version__}, Python {platform.python_version()}"
+    return f"{cpu}, {torch.get_num_threads()} threads, {gpu}; {versions}"
+
+
+def _recipe(r: dict) -> str:
+    return " ".join(r["overrides"]) or "(config as is)"
+
+
+def report(args: argparse.Namespace) -> str:
+    rows = [json.loads(line) for line in Path(args.results).read_text().splitlines() if line.strip()]
+    lines = [
+        "# Time to accuracy on CIFAR-10 (JPEG copy): equal wall-clock budgets on one machine",
+        "",
+        f"Generated by `python scripts/budget.py report` from `{Path(args.results).relative_to(ROOT)}`; each row",
+        "is one `scripts/budget.py run` (command in the results file), alone on the machine (flock).",
+        "The clock includes JPEG decoding, augmentation, training and checkpoints; the learning-rate schedule ends",
+        "with the budget. `val` rows tune on 5,000 images held out of the training set (trained on the other",
+        "45,000); `test` rows train on all 50,000 and are scored once on the 10,000 test images. The JPEG",
+        "re-encoding (quality 75) makes these numbers comparable with each other, not with papers' CIFAR-10 tables.",
+        "",
+    ]
+    for split, title in (("test", "Final runs (test set, scored once)"), ("val", "Tuning runs (held-out validation)")):
+        chosen = [r for r in rows if r["split"] == split]
+        if not chosen:
+            continue
+        lines += [
+            f"## {title}",
+            "",
+            "| model | config | recipe changes | params | budget (min) | seed | epochs | img/s | wall (min) | top-1 |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in sorted(chosen, key=lambda r: (r["minutes"], r["name"], r["seed"])):
+            lines.append(
+                f"| {r['name']} (`{r['model_name']}`) | `{r['config']}` | {_recipe(r)} | {r['params'] / 1e6:.2f}M | "
+                f"{r['minutes']:g} | {r['seed']} | {r['epochs']:.1f} | {r['img_per_s']:.0f} | "
+                f"{r['wall_minutes']:.2f} | {100 * r['top1']:.2f}% |"
+            )
+        lines.append("")
+    lines.append(f"Machine: {rows[-1]['machine']}." if rows else "No runs yet.")
+    text = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    notes = ""
+    if out.is_file() and NOTES_MARK in out.read_text():
+        notes = out.read_text().split(NOTES_MARK, 1)[1]
+    out.write_text(text + NOTES_MARK + notes)
+    plot([r for r in rows if r["split"] == "test"], Path(args.plot))
+    print(text)
+    return text
+
+
+NOTES_MARK = "<!-- notes: kept when the tables are regenerated -->"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Test top-1 against the wall-clock budget, one line per model (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in sorted({r["name"] for r in rows}):
+        budgets = sorted({r["minutes"] for r in rows if r["name"] == name})
+        means = [
+            100
+            * sum(r["top1"] for r in rows if r["name"] == name and r["minutes"] == m)
+            / sum(1 for r in rows if r["name"] == name and r["minutes"] == m)
+            for m in budgets
+        ]
+        ax.plot(budgets, means, marker="o", label=name)
+    ax.set_xlabel("wall-clock budget (minutes, 2-core CPU)")
+    ax.set_ylabel("CIFAR-10 test top-1 (%)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="one budgeted training run")
+    r.add_argument("--name", required=True, help="the model's row label, e.g. vit or resnet20")
+    r.add_argument("--config", required=True)
+    r.add_argument("--minutes", type=float, required=True)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--tune", action="store_true", help="hold out --holdout training images and score on them")
+    r.add_argument("--holdout", type=int, default=5000)
+    r.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data" / "cifar10"))
+    r.add_argument("--workdir", default="runs/budget")
+    r.add_argument("--results", default=str(RESULTS))
+    r.add_argument("overrides", nargs="*", help="more train.py options after --, e.g. -- --model.lr 2e-3")
+    s = sub.add_parser("report", help="markdown table and plot from the results")
+    s.add_argument("--results", default=str(RESULTS))
+    s.add_argument("--out", default=str(ROOT / "benchmarks" / "budget.md"))
+    s.add_argument("--plot", default=str(ROOT / "benchmarks" / "budget.png"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run(args) if args.command == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()

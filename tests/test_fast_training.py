@@ -1,0 +1,358 @@
+"""Training fast at small scale: the in-memory pipeline, the wall-clock schedule, Muon, flip TTA."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.test_training import InterruptAt, _trainer
+from vit.data import DigitsDataModule, ImageFiles
+from vit.data.datamodules import ImageFolderDataModule, holdout_indices
+from vit.data.images import Sample
+from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, to_tensor_images
+from vit.data.transforms import train_transform
+from vit.lit import ImageClassifier
+from vit.optim import MuonAdamW, split_muon_groups
+from vit.registry import create_model
+from vit.schedule import WallClockBudget, warmup_cosine
+
+
+def _images(n: int = 8, size: int = 8) -> torch.Tensor:
+    return torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+
+# -- batch augmentation ---------------------------------------------------------------------------
+
+
+def test_batch_augment_is_a_function_of_its_seed():
+    x = _images()
+    a = batch_augment(x, torch.Generator().manual_seed(5), crop_padding=2, hflip=True, cutout=3)
+    b = batch_augment(x, torch.Generator().manual_seed(5), crop_padding=2, hflip=True, cutout=3)
+    c = batch_augment(x, torch.Generator().manual_seed(6), crop_padding=2, hflip=True, cutout=3)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.dtype == torch.uint8 and a.shape == x.shape
+
+
+def test_batch_crops_are_translations_of_the_zero_padded_image_and_flips_mirror_it():
+    x = _images(n=64)
+    out = batch_augment(x, torch.Generator().manual_seed(0), crop_padding=2, hflip=True)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    offsets, flips = [], 0
+    for i in range(len(x)):
+        matches = [
+            (dy, dx, flip)
+            for dy in range(5)
+            for dx in range(5)
+            for flip in (False, True)
+            if torch.equal(out[i], (lambda c: c.flip(-1) if flip else c)(padded[i, :, dy : dy + 8, dx : dx + 8]))
+        ]
+        assert matches, f"image {i} is not a flipped or unflipped crop of the padded image"
+        offsets.append(matches[0][:2])
+        flips += matches[0][2]
+    assert len(set(offsets)) > 10 and 16 < flips < 48  # offsets vary; about half are mirrored
+
+
+def test_batch_path_has_the_same_statistics_as_the_per_sample_albumentations_path():
+    """The mean augmented image over many draws, per pixel, agrees between the two paths."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    draws = 3000
+    per_sample = train_transform(16, crop="pad_crop", crop_padding=3, hflip=True, mean=(0, 0, 0), std=(1, 1, 1))
+    reference = torch.stack([per_sample(image=image)["image"] for _ in range(draws)]).mean(0)  # in [0, 1]
+    batch = torch.from_numpy(image).permute(2, 0, 1)[None].expand(draws, -1, -1, -1).contiguous()
+    ours = batch_augment(batch, torch.Generator().manual_seed(0), crop_padding=3, hflip=True).float().mean(0) / 255
+    assert (ours - reference).abs().mean() < 0.01
+    assert (ours - reference).abs().max() < 0.06
+    # the dependence on the position is real: a mean far from the un-augmented image
+    assert (reference - batch[0].float() / 255).abs().mean() > 0.05
+
+
+def test_cutout_zeroes_one_square_per_image():
+    x = torch.full((32, 3, 16, 16), 200, dtype=torch.uint8)
+    out = batch_augment(x, torch.Generator().manual_seed(1), cutout=4)
+    zeroed = (out[:, 0] == 0).sum(dim=(1, 2))
+    assert zeroed.max() == 16 and zeroed.min() >= 4  # a full 4x4 square, or one clipped at the border
+    assert (out[:, 0] == 0).eq(out[:, 2] == 0).all()  # all channels
+
+
+def test_normalize_matches_albumentations():
+    image = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    expected = train_transform(8, crop="resize", hflip=False)(image=image)["image"]
+    ours = normalize(torch.from_numpy(image).permute(2, 0, 1)[None], (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    torch.testing.assert_close(ours[0], expected, atol=1e-3, rtol=0)
+
+
+# -- batches, splits and the decode cache -------------------------------------------------------
+
+
+def test_batch_sampler_orders_by_seed_and_epoch_shards_ranks_and_resumes():
+    dataset = TensorImages(_images(n=20), torch.arange(20))
+    sampler = BatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    first = list(sampler)
+    assert len(first) == len(sampler) == 5
+    assert sorted(torch.cat([b for b, _ in first]).tolist()) == list(range(20))
+    again = BatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
+    again.set_epoch(1)
+    assert [(b.tolist(), s) for b, s in again] == [(b.tolist(), s) for b, s in first]
+    sampler.set_epoch(2)
+    assert [b.tolist() for b, _ in sampler] != [b.tolist() for b, _ in first]
+
+    shards = [BatchSampler(dataset, 4, shuffle=True, seed=3, num_replicas=2, rank=r) for r in (0, 1)]
+    for s in shards:
+        s.set_epoch(1)
+    seen = [torch.cat([b for b, _ in s]).tolist() for s in shards]
+    assert len(seen[0]) == len(seen[1]) == 10 and not set(seen[0]) & set(seen[1])
+    assert [seed for _, seed in shards[0]] != [seed for _, seed in shards[1]]  # ranks augment differently
+
+    sampler.set_epoch(1)
+    sampler.resume_epoch, sampler.resume_position = 1, 3  # in batches
+    assert [b.tolist() for b, _ in sampler] == [b.tolist() for b, _ in first[3:]]
+    assert len(list(sampler)) == 5  # the next pass is whole again
+
+    ragged = BatchSampler(dataset, batch_size=6, shuffle=True, drop_last=True)
+    assert len(ragged) == len(list(ragged)) == 3  # 20 = 3 x 6 + 2: the ragged batch is dropped
+
+
+def test_holdout_is_stratified_disjoint_and_fixed():
+    labels = np.repeat(np.arange(5), 100)
+    train, val = holdout_indices(labels, 50)
+    assert len(val) == 50 and len(train) == 450 and not set(train) & set(val)
+    assert np.bincount(labels[val]).tolist() == [10] * 5
+    assert np.array_equal(holdout_indices(labels, 0.1)[1], val)
+    with pytest.raises(ValueError, match="val_holdout"):
+        holdout_indices(labels, 500)
+
+
+def test_decoding_is_cached_by_content(tmp_path, caplog):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(6):
+        path = folder / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(path)
+        samples.append(Sample(str(path), i % 2))
+    dataset = ImageFiles(samples)
+    first = to_tensor_images(dataset, img_size=8, cache_dir=tmp_path / "cache")
+    assert first.images.shape == (6, 3, 8, 8) and first.labels.tolist() == [0, 1] * 3
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
+    with caplog.at_level("INFO", logger="vit"):
+        again = to_tensor_images(dataset, img_size=8, cache_dir=tmp_path / "cache")
+    assert torch.equal(again.images, first.images) and "decoded" not in caplog.text  # read from the cache
+    Image.fromarray(np.zeros((10, 10, 3), np.uint8)).save(folder / "0.png")  # the folder changed
+    changed = to_tensor_images(dataset, img_size=8, cache_dir=tmp_path / "cache")
+    assert changed.images[0].max() == 0 and len(list((tmp_path / "cache").glob("*.npz"))) == 2
+
+
+def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(tmp_path):
+    for split, n in (("train", 10), ("test", 3)):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(np.full((12, 12, 3), i * 10, np.uint8)).save(tmp_path / split / c / f"{i}.png")
+    data = ImageFolderDataModule(
+        str(tmp_path), val_dir="test", img_size=8, crop="pad_crop", in_memory=True, val_holdout=4, batch_size=4
+    )
+    data.setup("fit")
+    assert len(data.train_set) == 16 and len(data.val_set) == 4 and len(data.test_set) == 6
+    x, y = next(iter(data.test_dataloader()))
+    assert x.dtype == torch.uint8 and x.shape == (4, 3, 8, 8)  # decoded at img_size, normalised on the device
+    assert data.on_after_batch_transfer((x, y), 0)[0].dtype == torch.float32
+
+
+def test_batch_options_need_the_in_memory_path():
+    with pytest.raises(ValueError, match="in_memory"):
+        DigitsDataModule(cutout=4)
+    with pytest.raises(ValueError, match="randaugment_ops=2"):
+        DigitsDataModule(in_memory=True, randaugment_ops=2)
+
+
+def _memory_recipe() -> tuple[ImageClassifier, DigitsDataModule]:
+    module = ImageClassifier(
+        "vit_nano_patch4_16", {"drop_path_rate": 0.2}, num_classes=10, lr=2e-3, warmup_fraction=0.1,
+        label_smoothing=0.1,
+    )  # fmt: skip
+    data = DigitsDataModule(batch_size=64, in_memory=True, cutout=4, mixup_alpha=0.8, cutmix_alpha=1.0)
+    return module, data
+
+
+def test_in_memory_training_resumes_exactly_mid_epoch(tmp_path):
+    L.seed_everything(7)
+    module, data = _memory_recipe()
+    _trainer(tmp_path / "straight", max_steps=30).fit(module, data)
+    expected = module.model.state_dict()
+
+    L.seed_everything(7)
+    module, data = _memory_recipe()
+    previous_handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            _trainer(tmp_path / "run", max_steps=30, callbacks=[InterruptAt(13)]).fit(module, data)
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    L.seed_everything(123)
+    module, data = _memory_recipe()
+    trainer = _trainer(tmp_path / "run", max_steps=30)
+    trainer.fit(module, data, ckpt_path="last")
+    assert trainer.global_step == 30
+    for name, value in expected.items():
+        torch.testing.assert_close(module.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_progressive_sizes_follow_the_run_and_validation_stays_full_size(tmp_path):
+    sizes = {}
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            sizes[trainer.global_step] = batch[0].shape[-1]
+
+        def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+            sizes["val"] = batch[0].shape[-1]
+
+    module = ImageClassifier("vit_nano_patch4_16", {"posemb": "sincos2d"}, num_classes=10)
+    data = DigitsDataModule(batch_size=64, in_memory=True, train_sizes=[[0, 8], [0.5, 16]])
+    trainer = _trainer(tmp_path, max_steps=10, limit_val_batches=1, callbacks=[Spy()])
+    trainer.fit(module, data)
+    trainer.validate(module, data, verbose=False)
+    assert [sizes[s] for s in range(10)] == [8] * 5 + [16] * 5 and sizes["val"] == 16
+
+
+# -- the schedule on the clock ---------------------------------------------------------------------
+
+
+def test_warmup_cosine_by_progress():
+    assert warmup_cosine(0.05, 0.1, 0.0) == pytest.approx(0.5)
+    assert warmup_cosine(0.1, 0.1, 0.0) == pytest.approx(1.0)
+    assert warmup_cosine(0.55, 0.1, 0.0) == pytest.approx(0.5)
+    assert warmup_cosine(1.0, 0.1, 0.01) == pytest.approx(0.01)
+
+
+def test_wall_clock_budget_stops_the_run_and_the_lr_ends_on_time(tmp_path):
+    budget = WallClockBudget(minutes=3 / 60)
+    lrs = []
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    module = ImageClassifier(num_classes=10, lr=1e-3, warmup_fraction=0.2)
+    trainer = _trainer(tmp_path, max_epochs=10_000, limit_val_batches=0, callbacks=[budget, Spy()])
+    trainer.fit(module, DigitsDataModule(batch_size=32))
+    assert 3.0 <= budget.elapsed() < 4.5 and trainer.current_epoch < 10_000
+    assert max(lrs) > 0.9e-3 and lrs[-1] < 0.05e-3  # warmed up to the peak, decayed to ~0 at the end
+    peak = lrs.index(max(lrs))
+    assert 0.1 < peak / len(lrs) < 0.35  # the peak is near 20% of the run
+
+
+def test_a_budget_takes_its_warmup_as_a_fraction(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[WallClockBudget(1)])
+    with pytest.raises(ValueError, match="warmup_fraction"):
+        trainer.fit(ImageClassifier(num_classes=10, warmup_epochs=1), DigitsDataModule(batch_size=32))
+
+
+def test_budget_elapsed_time_survives_a_checkpoint():
+    budget = WallClockBudget(minutes=1)
+    state = {"elapsed": 42.0}
+    budget.load_state_dict(state)
+    assert 42.0 <= budget.elapsed() < 43.0
+    time.sleep(0.01)
+    assert budget.state_dict()["elapsed"] > 42.0
+
+
+def test_warmup_longer_than_half_the_run_is_cut_with_a_warning(tmp_path):
+    module = ImageClassifier(num_classes=10, lr=1e-3, warmup_epochs=5)  # 5 epochs of warmup in a 1-epoch run
+    trainer = _trainer(tmp_path, max_epochs=1, limit_val_batches=0)
+    with pytest.warns(UserWarning, match="longer than half the run"):
+        trainer.fit(module, DigitsDataModule(batch_size=32))
+    assert trainer.optimizers[0].param_groups[0]["lr"] < 0.1e-3  # the run still decayed
+
+
+# -- Muon and flip TTA -----------------------------------------------------------------------------
+
+
+def test_muon_steps_the_block_matrices_like_torch_muon_and_the_rest_like_adamw():
+    torch.manual_seed(0)
+    model = create_model("vit_nano_patch4_16", num_classes=10)
+    reference = create_model("vit_nano_patch4_16", num_classes=10)
+    reference.load_state_dict(model.state_dict())
+    hidden = {p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
+    groups = [{"params": list(model.parameters()), "lr": 1e-2, "weight_decay": 0.1}]
+    optimizer = MuonAdamW(split_muon_groups(groups, hidden), lr=1e-2)
+    ref_hidden = [p for n, p in reference.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    ref_rest = [p for n, p in reference.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
+    ref_muon = torch.optim.Muon(ref_hidden, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    ref_adamw = torch.optim.AdamW(ref_rest, lr=1e-2, weight_decay=0.1)
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    for _ in range(2):
+        for m, opts in ((model, [optimizer]), (reference, [ref_muon, ref_adamw])):
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+    # one state for checkpoints: a fresh optimizer loaded from it continues identically
+    clone = MuonAdamW(split_muon_groups(groups, hidden), lr=1e-2)
+    clone.load_state_dict(optimizer.state_dict())
+    assert len(clone.state) == len(list(model.parameters()))
+    assert clone._muon.state is clone.state and clone._muon.param_groups[0] is clone.param_groups[0]
+
+
+def test_muon_needs_transformer_blocks():
+    model = create_model("resnet20", num_classes=10)
+    with pytest.raises(ValueError, match="2-D hidden weight"):
+        MuonAdamW(split_muon_groups([{"params": list(model.parameters())}], set()), lr=0.1)
+
+
+def test_flip_tta_averages_the_logits_of_the_image_and_its_mirror():
+    module = ImageClassifier("vit_nano_patch4_16", num_classes=10, tta_flip=True).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expected = (module(x) + module(x.flip(-1))) / 2
+        torch.testing.assert_close(module.eval_logits(x), expected)
+        torch.testing.assert_close(module.eval_logits(x.flip(-1)), expected)  # invariant to mirroring
+
+
+# -- fewer tokens, and the hybrid stem --------------------------------------------------------------
+
+
+def test_patch_dropout_keeps_prefix_tokens_and_a_random_ordered_subset_of_patches_while_training():
+    from vit.layers import PatchDropout
+
+    drop = PatchDropout(0.5, num_prefix_tokens=1)
+    x = torch.arange(17, dtype=torch.float32).view(1, 17, 1).expand(3, 17, 2).contiguous()
+    out = drop.train()(x)
+    assert out.shape == (3, 9, 2)
+    assert (out[:, 0] == 0).all()  # the CLS token stays first
+    kept = out[:, 1:, 0]
+    assert (kept[:, 1:] > kept[:, :-1]).all()  # patches keep their order
+    assert not torch.equal(kept[0], kept[1]) or not torch.equal(kept[1], kept[2])  # a different subset per image
+    assert torch.equal(drop.eval()(x), x)
+
+
+def test_a_vit_with_patch_dropout_trains_on_fewer_tokens_and_evaluates_on_all():
+    model = create_model("vit_nano_patch4_16", num_classes=10, patch_drop_rate=0.75, posemb="sincos2d")
+    x = torch.randn(2, 3, 16, 16)
+    assert model.train()._embed(x).shape == (2, 1 + 4, 128)  # 16 patches -> 4, plus CLS
+    assert model.eval()._embed(x).shape == (2, 1 + 16, 128)
+    assert model.train()(x).shape == (2, 10)
+    with pytest.raises(ValueError, match="patch_drop_rate"):
+        create_model("vit_nano_patch4_16", patch_drop_rate=0.5, posemb="rope")
+
+
+def test_conv_stem_makes_a_hybrid_with_the_same_token_grid():
+    model = create_model("vit_micro_patch4_32", num_classes=10, stem_channels=(48, 96))
+    tokens = model.patch_embed(torch.randn(2, 3, 32, 32))
+    assert tokens.shape == (2, 64, 192)
+    names = [n for n, _ in model.named_parameters() if n.startswith("patch_embed")]
+    assert "patch_embed.backbone.0.weight" in names and "patch_embed.proj.weight" in names
+    assert model.patch_embed.proj.kernel_size == (1, 1)
+    with pytest.raises(ValueError, match="log2"):
+        create_model("vit_micro_patch4_32", stem_channels=(48, 96, 192))

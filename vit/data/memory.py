@@ -1,0 +1,248 @@
+"""Datasets that fit in memory: decode once into a uint8 tensor, then augment whole batches on the device.
+
+The per-sample path (a DataLoader worker decoding and augmenting one image at a time) costs a CPU
+core on a laptop and starves a GPU at CIFAR scale. Here the images are decoded once (and cached on
+disk, keyed by the source files), batches are gathered by index from one tensor, and random crop,
+flip, cutout and resizing run on whole batches where the model runs, with no per-sample Python.
+Randomness is a function of (seed, epoch, batch, rank), so resumed runs see the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import Dataset, DistributedSampler
+
+from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
+from vit.data.sampling import mix_seed
+from vit.data.transforms import resize_transform
+
+log = logging.getLogger(__name__)
+
+
+class TensorImages(Dataset):
+    """uint8 images (N, 3, H, W) and labels (N,), indexed by whole batches of indices.
+
+    `dataset[indices]` -> (images, labels); `dataset[(indices, seed)]` -> (images, labels, seed),
+    the seed travelling with the batch to the device-side augmentation.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"expected uint8 images (N, 3, H, W), got {images.dtype} {tuple(images.shape)}")
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels = images, labels.long()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, item):
+        if isinstance(item, tuple):
+            indices, seed = item
+            return self.images[indices], self.labels[indices], torch.tensor(seed, dtype=torch.int64)
+        return self.images[item], self.labels[item]
+
+
+class BatchSampler(DistributedSampler):
+    """Yields whole batches of indices (a tensor each), shuffled by (seed, epoch) and sharded across
+    ranks like DistributedSampler (Lightning keeps it under DDP and calls `set_epoch`).
+
+    With `seeded`, each batch comes with its augmentation seed mix_seed(seed, epoch, batch, rank).
+    `resume_epoch` / `resume_position` (in batches) start an epoch part-way, as ResumableLoader sets them.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        if num_replicas is None or rank is None:
+            distributed = dist.is_available() and dist.is_initialized()
+            num_replicas, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        self.batch_size, self.drop_batch = batch_size, drop_last
+        self.seeded = shuffle
+        self.resume_epoch, self.resume_position = 0, 0
+
+    def _batches(self) -> list[torch.Tensor]:
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+            order = torch.randperm(n, generator=g)
+        else:
+            order = torch.arange(n)
+        if self.num_replicas > 1:  # pad by wrapping around so every rank gets the same count
+            total = self.num_samples * self.num_replicas
+            order = torch.cat([order, order[: total - n]]) if total > n else order[:total]
+            order = order[self.rank :: self.num_replicas]
+        batches = list(order.split(self.batch_size))
+        if self.drop_batch and len(batches) > 1 and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        return batches
+
+    def __len__(self) -> int:
+        per_rank = self.num_samples
+        full, rest = divmod(per_rank, self.batch_size)
+        return full + (1 if rest and not (self.drop_batch and full >= 1) else 0)
+
+    def __iter__(self) -> Iterator:
+        start = self.resume_position if self.epoch == self.resume_epoch else 0
+        self.resume_position = 0
+        batches = self._batches()
+        for b in range(start, len(batches)):
+            yield (batches[b], mix_seed(self.seed, self.epoch, b, self.rank)) if self.seeded else batches[b]
+
+
+def batch_augment(
+    images: torch.Tensor,
+    generator: torch.Generator,
+    crop_padding: int = 0,
+    hflip: bool = False,
+    cutout: int = 0,
+) -> torch.Tensor:
+    """Random crop after zero padding, horizontal flip and cutout on a uint8 batch (B, C, H, W).
+
+    Same distribution as the per-sample path's pad + random crop + flip: offsets uniform in
+    [0, 2 * crop_padding] per image, each image flipped with probability 1/2. Cutout zeroes one
+    cutout x cutout square per image, centred uniformly (clipped at the border, DeVries & Taylor 2017).
+    """
+    b, c, h, w = images.shape
+    device = images.device
+    if crop_padding > 0:
+        p = crop_padding
+        padded = F.pad(images, (p, p, p, p))
+        dy = torch.randint(0, 2 * p + 1, (b,), generator=generator, device=device)
+        dx = torch.randint(0, 2 * p + 1, (b,), generator=generator, device=device)
+        rows = (dy[:, None] + torch.arange(h, device=device))[:, None, :, None]
+        cols = (dx[:, None] + torch.arange(w, device=device))[:, None, None, :]
+        batch = torch.arange(b, device=device)[:, None, None, None]
+        channel = torch.arange(c, device=device)[None, :, None, None]
+        images = padded[batch, channel, rows, cols]
+    if hflip:
+        flip = torch.rand(b, generator=generator, device=device) < 0.5
+        images = torch.where(flip[:, None, None, None], images.flip(-1), images)
+    if cutout > 0:
+        cy = torch.randint(0, h, (b, 1, 1), generator=generator, device=device)
+        cx = torch.randint(0, w, (b, 1, 1), generator=generator, device=device)
+        ys, xs = torch.arange(h, device=device)[None, :, None], torch.arange(w, device=device)[None, None, :]
+        top, left = cy - cutout // 2, cx - cutout // 2
+        inside = (ys >= top) & (ys < top + cutout) & (xs >= left) & (xs < left + cutout)
+        images = images.masked_fill(inside[:, None], 0)
+    return images
+
+
+def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """uint8 (B, C, H, W) -> float, (x / 255 - mean) / std, as albumentations' Normalize."""
+    mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1) * 255.0
+    std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1) * 255.0
+    return (images.float() - mean_t) / std_t
+
+
+def resize_batch(images: torch.Tensor, size: int) -> torch.Tensor:
+    """Float images to size x size (bilinear, antialiased when shrinking); identity at the same size."""
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+
+
+# -- decoding once, with a cache -------------------------------------------------------------------
+
+
+def to_tensor_images(
+    dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float = 1.0, cache_dir: str | Path | None = None
+) -> TensorImages:
+    """Decode a dataset into memory at img_size x img_size (shorter side resized to
+    img_size / crop_pct, centre crop: the eval geometry), caching the result in cache_dir.
+
+    The cache file's name is a hash of what determines its content (the source files' paths,
+    sizes and modification times, or the array bytes, and the geometry), so a changed folder is
+    decoded again. With skip_corrupt, undecodable files are left out and counted.
+    """
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"images-{_content_key(dataset, img_size, crop_pct)}.npz"
+        if path.is_file():
+            with np.load(path) as cached:
+                return _tensor_images(cached["images"], cached["labels"])
+    start = time.perf_counter()
+    images, labels = _decode(dataset, img_size, crop_pct)
+    log.info("decoded %d images into memory in %.1f s", len(images), time.perf_counter() - start)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, images=images, labels=labels)
+        os.replace(tmp, path)  # atomic: a reader never sees a partial cache file
+    return _tensor_images(images, labels)
+
+
+def _tensor_images(images: np.ndarray, labels: np.ndarray) -> TensorImages:
+    return TensorImages(torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))), torch.from_numpy(labels))
+
+
+def _decode(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -> tuple[np.ndarray, np.ndarray]:
+    needed = 2 * len(dataset) * img_size * img_size * 3  # the decoded list, then the stacked copy
+    available = _available_memory()
+    if available is not None and needed > available:
+        raise MemoryError(
+            f"in_memory: {len(dataset):,} images at {img_size}x{img_size} need about {needed / 2**30:.1f} GiB to "
+            f"decode, more than the {available / 2**30:.1f} GiB available; check img_size or use in_memory=False"
+        )
+    geometry = resize_transform(img_size, crop_pct)
+    images, labels = [], []
+    for i in range(len(dataset)):
+        if isinstance(dataset, ImageFiles):
+            sample = dataset.samples[i]
+            try:
+                image, label = read_rgb(sample.path), sample.label
+            except CorruptImageError as e:
+                if not dataset.skip_corrupt:
+                    raise
+                dataset.num_skipped += 1
+                log.warning("skipped %s (%d corrupt images skipped so far)", e, dataset.num_skipped)
+                continue
+        else:
+            image, label = dataset.images[i], int(dataset.labels[i])
+        if crop_pct != 1.0 or image.shape[:2] != (img_size, img_size):
+            image = geometry(image=image)["image"]
+        images.append(image)
+        labels.append(label)
+    if not images:
+        raise ValueError("no images could be decoded")
+    return np.stack(images), np.asarray(labels, dtype=np.int64)
+
+
+def _available_memory() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on this platform
+        return None
+
+
+def _content_key(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -> str:
+    h = hashlib.sha1()
+    if isinstance(dataset, ImageFiles):
+        for s in dataset.samples:
+            st = os.stat(s.path)
+            h.update(f"{os.path.abspath(s.path)}|{s.label}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    else:
+        h.update(np.ascontiguousarray(dataset.images).tobytes())
+        h.update(dataset.labels.tobytes())
+    h.update(json.dumps([img_size, crop_pct]).encode())
+    return h.hexdigest()[:16]

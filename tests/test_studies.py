@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 
+import numpy as np
 import torch
 
-from scripts import compare, finetune_study
+from scripts import budget, compare, finetune_study
 from tests.conftest import shared_path
 from vit import create_model
 
@@ -41,3 +43,37 @@ def test_finetune_study_runs_every_row_and_reports_the_jpeg_recovery(tmp_path):
     ]  # fmt: skip
     assert rows[4].top1 > 50  # two batches of the real checkpoint on JPEG test images: well above chance
     assert "of the loss." in out.read_text()
+
+
+def _tiny_cifar_folder(root, per_class: int) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", per_class), ("test", per_class // 2)):
+        for c in range(3):
+            (root / split / f"class{c}").mkdir(parents=True)
+            for i in range(n):
+                image = np.clip(rng.normal(60 + 60 * c, 30, (32, 32, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(image).save(root / split / f"class{c}" / f"{i}.jpg")
+
+
+def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
+    _tiny_cifar_folder(tmp_path / "data", per_class=40)
+    results = tmp_path / "budget.jsonl"
+    common = ["--config", "configs/cifar10_resnet.yaml", "--minutes", "0.1", "--data-root", str(tmp_path / "data"),
+              "--workdir", str(tmp_path / "runs"), "--results", str(results)]  # fmt: skip
+    budget.main(["run", "--name", "resnet20", "--tune", "--holdout", "30", *common, "--", "--data.batch_size", "16"])
+    budget.main(["run", "--name", "resnet20", *common, "--", "--data.batch_size", "16"])
+    tuned, final = (json.loads(line) for line in results.read_text().splitlines())
+    assert tuned["split"] == "val" and tuned["train_images"] == 90  # 120 training images, 30 held out
+    assert final["split"] == "test" and final["train_images"] == 120
+    for r in (tuned, final):
+        assert 0.1 <= r["wall_minutes"] < 0.2  # the clock (decoding included) stops the run
+        assert r["steps"] > 0 and 0.0 <= r["top1"] <= 1.0 and 0.0 <= r["top1_flip"] <= 1.0
+        assert r["top1"] > 0.5  # three classes told apart by brightness: learnt, not chance
+    out, plot = tmp_path / "budget.md", tmp_path / "budget.png"
+    budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(plot)])
+    table = out.read_text()
+    assert "## Final runs (test set, scored once)" in table and "## Tuning runs (held-out validation)" in table
+    assert re.search(r"\| resnet20 \(`resnet20`\) \| `configs/cifar10_resnet.yaml` \| --data.batch_size 16 \|", table)
+    assert plot.stat().st_size > 1000

@@ -174,7 +174,11 @@ def report(args: argparse.Namespace) -> str:
     if out.is_file() and NOTES_MARK in out.read_text():
         notes = out.read_text().split(NOTES_MARK, 1)[1]
     out.write_text(text + NOTES_MARK + notes)
-    plot([r for r in rows if r["split"] == "test"], Path(args.plot))
+    final = [r for r in rows if r["split"] == "test"]
+    if final:
+        plot(final, Path(args.plot))
+    else:
+        print(f"no test-set runs yet: {args.plot} not drawn")
     print(text)
     return text
 

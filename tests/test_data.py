@@ -80,7 +80,7 @@ def test_image_folder_layout_and_its_errors(tmp_path):
         ImageFolderDataModule(root=str(tmp_path / "empty"))
     _write_image(tmp_path / "val" / "c_extra" / "0.png")
     with pytest.raises(ValueError, match="class folders that the training split does not: c_extra"):
-        dm.setup("fit")
+        ImageFolderDataModule(root=str(tmp_path), img_size=16, num_workers=0).setup("fit")
 
 
 def test_tiny_imagenet_official_layout_reads_val_labels_and_boxes(tmp_path):

@@ -27,7 +27,7 @@ from vit.data.sampling import mix_seed
 from vit.layers import MoE
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model
-from vit.schedule import find_budget
+from vit.schedule import cosine_decay, find_budget
 from vit.schedule import warmup_cosine as warmup_cosine_progress
 
 
@@ -94,8 +94,7 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     """Learning-rate multiplier: linear from ~0 to 1 over warmup_steps, then cosine down to min_ratio."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cosine_decay((step - warmup_steps) / max(1, total_steps - warmup_steps), min_ratio)
 
 
 def param_groups(
@@ -150,8 +149,12 @@ def adamw(groups: list[dict], lr: float, betas: tuple[float, float], trainer: L.
     """AdamW with its fused kernel: one pass over all parameters instead of a loop of small ops
     (ViT-B's step on a CPU core: 0.42 s -> 0.08 s, benchmarks/README.md). Not under fp16 loss
     scaling, where Lightning must unscale the gradients itself before clipping them."""
-    fused = str(trainer.precision) != "16-mixed"
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=can_fuse(trainer))
+
+
+def can_fuse(trainer: L.Trainer) -> bool:
+    """Fused optimizer kernels, except under fp16 loss scaling (Lightning unscales before clipping)."""
+    return str(trainer.precision) != "16-mixed"
 
 
 class ImageClassifier(L.LightningModule):
@@ -325,8 +328,7 @@ class ImageClassifier(L.LightningModule):
             optimizer = adamw(groups, lr, tuple(hp.betas), self.trainer)
         elif hp.optimizer == "muon":
             hidden = {p for name, p in self.model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
-            fused = str(self.trainer.precision) != "16-mixed"
-            optimizer = MuonAdamW(split_muon_groups(groups, hidden), lr, tuple(hp.betas), fused=fused)
+            optimizer = MuonAdamW(split_muon_groups(groups, hidden), lr, tuple(hp.betas), fused=can_fuse(self.trainer))
         else:
             optimizer = torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=True)
         min_ratio = hp.min_lr / lr if lr > 0 else 0.0

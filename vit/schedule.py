@@ -76,5 +76,9 @@ def warmup_cosine(progress: float, warmup: float, min_ratio: float) -> float:
     fraction, then cosine from 1 down to min_ratio at the end."""
     if progress < warmup:
         return max(progress / warmup, 1e-3)
-    rest = min(1.0, (progress - warmup) / max(1e-12, 1.0 - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * rest))
+    return cosine_decay((progress - warmup) / max(1e-12, 1.0 - warmup), min_ratio)
+
+
+def cosine_decay(fraction: float, min_ratio: float) -> float:
+    """From 1 at fraction 0 down to min_ratio at fraction 1 (and after), along half a cosine."""
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, fraction)))

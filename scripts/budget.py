@@ -119,6 +119,9 @@ def machine() -> str:
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         )
+    # The vector unit matters as much as the name: two machines that both report "AMD EPYC" trained
+    # ResNet-20 at very different speeds (benchmarks/budget.md), so rows compare only when this is equal.
+    cpu += f" ({torch.backends.cpu.get_cpu_capability()})"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     versions = f"torch {torch.__version__}, Python {platform.python_version()}"
     return f"{cpu}, {torch.get_num_threads()} threads, {gpu}; {versions}"
@@ -130,6 +133,14 @@ def _shown(path: Path) -> str:
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def _row(r: dict) -> str:
+    return (
+        f"| {r['name']} (`{r['model_name']}`) | `{r['config']}` | {_recipe(r)} | {r['params'] / 1e6:.2f}M | "
+        f"{r['minutes']:g} | {r['seed']} | {r['epochs']:.1f} | {r['img_per_s']:.0f} | {r['wall_minutes']:.2f} | "
+        f"{100 * r['top1']:.2f}% | {_percent(r.get('top1_flip'))} |"
+    )
 
 
 def _recipe(r: dict) -> str:
@@ -151,23 +162,22 @@ def report(args: argparse.Namespace) -> str:
     ]
     for split, title in (("test", "Final runs (test set, scored once)"), ("val", "Tuning runs (held-out validation)")):
         chosen = [r for r in rows if r["split"] == split]
-        if not chosen:
-            continue
-        lines += [
-            f"## {title}",
-            "",
-            "| model | config | recipe changes | params | budget (min) | seed | epochs | img/s | wall (min) | top-1 "
-            "| top-1, flip TTA |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in sorted(chosen, key=lambda r: (r["minutes"], r["name"], r["seed"])):
-            lines.append(
-                f"| {r['name']} (`{r['model_name']}`) | `{r['config']}` | {_recipe(r)} | {r['params'] / 1e6:.2f}M | "
-                f"{r['minutes']:g} | {r['seed']} | {r['epochs']:.1f} | {r['img_per_s']:.0f} | "
-                f"{r['wall_minutes']:.2f} | {100 * r['top1']:.2f}% | {_percent(r.get('top1_flip'))} |"
-            )
-        lines.append("")
-    lines.append(f"Machine: {rows[-1]['machine']}." if rows else "No runs yet.")
+        machines = list(dict.fromkeys(r["machine"] for r in chosen))  # in order of first appearance
+        for m in machines:  # speeds differ between machines, so each one gets its own table
+            lines += [
+                f"## {title}" + (f", machine {machines.index(m) + 1}" if len(machines) > 1 else ""),
+                "",
+                f"Machine: {m}.",
+                "",
+                "| model | config | recipe changes | params | budget (min) | seed | epochs | img/s | wall (min) "
+                "| top-1 | top-1, flip TTA |",
+                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            on_m = sorted((r for r in chosen if r["machine"] == m), key=lambda r: (r["minutes"], r["name"], r["seed"]))
+            lines += [_row(r) for r in on_m]
+            lines.append("")
+    if not rows:
+        lines.append("No runs yet.")
     text = "\n".join(lines) + "\n"
     out = Path(args.out)
     notes = ""
@@ -175,8 +185,8 @@ def report(args: argparse.Namespace) -> str:
         notes = out.read_text().split(NOTES_MARK, 1)[1]
     out.write_text(text + NOTES_MARK + notes)
     final = [r for r in rows if r["split"] == "test"]
-    if final:
-        plot(final, Path(args.plot))
+    if final:  # the newest machine's final runs: times on different machines do not share an axis
+        plot([r for r in final if r["machine"] == final[-1]["machine"]], Path(args.plot))
     else:
         print(f"no test-set runs yet: {args.plot} not drawn")
     print(text)
@@ -203,7 +213,8 @@ def plot(rows: list[dict], path: Path) -> None:
             for m in budgets
         ]
         ax.plot(budgets, means, marker="o", label=name)
-    ax.set_xlabel("wall-clock budget (minutes, 2-core CPU)")
+    ax.set_title(rows[0]["machine"].split(";")[0], fontsize=9)
+    ax.set_xlabel("wall-clock budget (minutes)")
     ax.set_ylabel("CIFAR-10 test top-1 (%)")
     ax.grid(alpha=0.3)
     ax.legend()

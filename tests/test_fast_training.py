@@ -18,7 +18,7 @@ from vit.data.images import Sample
 from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, to_tensor_images
 from vit.data.transforms import train_transform
 from vit.lit import ImageClassifier
-from vit.optim import MuonAdamW, split_muon_groups
+from vit.optim import MuonAdamW, orthogonalize, split_muon_groups
 from vit.registry import create_model
 from vit.schedule import WallClockBudget, warmup_cosine
 
@@ -280,13 +280,14 @@ def test_warmup_longer_than_half_the_run_is_cut_with_a_warning(tmp_path):
 
 
 def test_muon_steps_the_block_matrices_like_torch_muon_and_the_rest_like_adamw():
+    """With torch's bfloat16 Newton-Schulz iteration the update is torch.optim.Muon's, bit for bit."""
     torch.manual_seed(0)
     model = create_model("vit_nano_patch4_16", num_classes=10)
     reference = create_model("vit_nano_patch4_16", num_classes=10)
     reference.load_state_dict(model.state_dict())
     hidden = {p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
     groups = [{"params": list(model.parameters()), "lr": 1e-2, "weight_decay": 0.1}]
-    optimizer = MuonAdamW(split_muon_groups(groups, hidden), lr=1e-2)
+    optimizer = MuonAdamW(split_muon_groups(groups, hidden), lr=1e-2, ns_dtype=torch.bfloat16)
     ref_hidden = [p for n, p in reference.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
     ref_rest = [p for n, p in reference.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
     ref_muon = torch.optim.Muon(ref_hidden, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
@@ -299,12 +300,39 @@ def test_muon_steps_the_block_matrices_like_torch_muon_and_the_rest_like_adamw()
                 o.step()
                 o.zero_grad()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, msg=name)
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
     # one state for checkpoints: a fresh optimizer loaded from it continues identically
     clone = MuonAdamW(split_muon_groups(groups, hidden), lr=1e-2)
     clone.load_state_dict(optimizer.state_dict())
     assert len(clone.state) == len(list(model.parameters()))
     assert clone._muon.state is clone.state and clone._muon.param_groups[0] is clone.param_groups[0]
+
+
+def test_muon_orthogonalises_in_float32_on_the_cpu():
+    """The default on CPU tensors: float32 (bfloat16 matmuls are ~30x slower on CPUs without bf16 units)."""
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    coefficients = torch.optim.Muon([torch.zeros(2, 2, requires_grad=True)]).defaults["ns_coefficients"]
+    fp32 = orthogonalize(g, coefficients, 5, 1e-7, torch.float32)
+    bf16 = orthogonalize(g, coefficients, 5, 1e-7, torch.bfloat16)
+    assert fp32.dtype == torch.float32 and fp32.shape == g.shape
+    s = torch.linalg.svdvals(fp32)
+    assert s.min() > 0.6 and s.max() < 1.1  # near-orthogonal: singular values near 1, as the coefficients intend
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    assert torch.nn.functional.cosine_similarity(fp32.flatten(), (u @ vh).flatten(), dim=0) > 0.98
+    assert (fp32 - bf16.float()).abs().max() < 0.02  # the same iteration, rounded less
+
+    model = create_model("vit_nano_patch4_16", num_classes=10)
+    hidden = {p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
+    optimizer = MuonAdamW(split_muon_groups([{"params": list(model.parameters())}], hidden), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.tensor([0, 1, 2, 3])).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    qkv = "blocks.0.attn.qkv.weight"
+    expected = orthogonalize(grads[qkv], coefficients, 5, 1e-7, torch.float32)  # the first step: scale-free
+    lr = 1e-2 * 0.2 * 384**0.5  # match_rms_adamw for a (384, 128) matrix; Muon's default weight decay 0.1
+    step = (before[qkv] * (1 - 1e-2 * 0.1) - dict(model.named_parameters())[qkv]) / lr
+    torch.testing.assert_close(step, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_muon_needs_transformer_blocks():
@@ -358,3 +386,14 @@ def test_conv_stem_makes_a_hybrid_with_the_same_token_grid():
     assert model.patch_embed.proj.kernel_size == (1, 1)
     with pytest.raises(ValueError, match="log2"):
         create_model("vit_micro_patch4_32", stem_channels=(48, 96, 192))
+
+
+def test_channels_last_stores_convolutions_nhwc_and_gives_the_same_logits():
+    torch.manual_seed(0)
+    plain = ImageClassifier(model_name="resnet20", num_classes=10).eval()
+    nhwc = ImageClassifier(model_name="resnet20", num_classes=10, channels_last=True).eval()
+    nhwc.model.load_state_dict(plain.model.state_dict())
+    conv = nhwc.model.conv1.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    x = torch.randn(4, 3, 32, 32)
+    torch.testing.assert_close(nhwc(x), plain(x), atol=1e-5, rtol=1e-5)

@@ -136,9 +136,18 @@ def test_pickled_objects_are_refused_with_the_reason_and_a_way_out(tmp_path):
 
 
 def test_timm_name_offline_says_how_to_pass_a_file(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(RuntimeError, match=r"could not get timm's pretrained weights.*--model\.init_from /path"):
+    """Offline (the hub's own switch, read at import time, so set on its constants), a timm: name
+    fails at once with the hub's offline error as the cause and the way to pass a local file."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match=r"could not get timm's pretrained weights.*--model\.init_from /path") as e:
         read_weights("timm:vit_tiny_patch16_224.augreg_in21k")
+    cause = e.value.__cause__
+    while cause is not None and not isinstance(cause, OfflineModeIsEnabled):
+        cause = cause.__cause__ or cause.__context__
+    assert isinstance(cause, OfflineModeIsEnabled), f"not the offline error: {e.value.__cause__!r}"
 
 
 def _to_google_npz(model: torch.nn.Module, path) -> None:

@@ -14,7 +14,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from vit.lit import NonFiniteLossError
+from vit.fault_tolerance import (
+    EXIT_CODES,
+    CheckpointWriteError,
+    NonFiniteLossError,
+    interruptible,
+    stop_message,
+    stop_signal,
+)
 
 
 def _checkpoint_dir(default_root_dir: str | None) -> str:
@@ -24,6 +31,8 @@ def _checkpoint_dir(default_root_dir: str | None) -> str:
 class TrainCLI(LightningCLI):
     """`checkpoint:` configures the ModelCheckpoint every run has: the best (by `monitor`) and the
     last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes."""
+
+    argv: list[str]  # the command line, for the resume command printed when a run is stopped
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -66,6 +75,20 @@ class TrainCLI(LightningCLI):
                 path.rename(archive / path.name)
             print(f"Moved {len(old)} checkpoint(s) of an earlier run to {archive} (resume it with --ckpt_path PATH)")
 
+    def fit(self, model: Any, **kwargs: Any) -> None:
+        """`trainer.fit`, stopped honestly: after a signal, one line naming the checkpoint and the
+        command that resumes, then exit 130 (SIGINT) or 143 (SIGTERM)."""
+        with interruptible():
+            try:
+                self.trainer.fit(model, **kwargs)
+            except (KeyboardInterrupt, SystemExit) as e:
+                name = stop_signal(e)
+                if name is None:
+                    raise
+                if self.trainer.is_global_zero:
+                    print(stop_message(self.trainer, name, self.argv), file=sys.stderr, flush=True)
+                sys.exit(EXIT_CODES[name])
+
     def after_fit(self) -> None:
         """Say where the results went."""
         trainer = self.trainer
@@ -88,12 +111,13 @@ def main(args: list[str] | None = None) -> Any:
     # Tensor cores: TF32 matmuls on Ampere+ GPUs; no effect on CPU.
     torch.set_float32_matmul_precision("high")
     _show_our_logs()
+    TrainCLI.argv = ["scripts/train.py", *args] if args is not None else sys.argv
     try:
         return TrainCLI(
             args=args,
             save_config_kwargs={"overwrite": True},
         )
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, CheckpointWriteError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -24,32 +24,12 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checkpoint import load_pretrained
 from vit.data.sampling import mix_seed
+from vit.fault_tolerance import InterruptCheckpoint, NonFiniteLossError, SafeCheckpoints
 from vit.layers import MoE
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model
 from vit.schedule import cosine_decay, find_budget
 from vit.schedule import warmup_cosine as warmup_cosine_progress
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite."""
-
-
-class InterruptCheckpoint(OnExceptionCheckpoint):
-    """Saves `last-interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is
-    lost. Lightning's `ckpt_path="last"` takes the newest `last*.ckpt`, so resuming picks it up;
-    a run that completes removes it. Not written after a NaN loss (that state is bad), nor before
-    the first optimizer step (nothing to save)."""
-
-    def __init__(self, dirpath: str | Path) -> None:
-        super().__init__(dirpath, filename="last-interrupted")
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, NonFiniteLossError) or trainer.global_step == 0:
-            return
-        if not all(torch.isfinite(p).all() for p in pl_module.parameters()):
-            return
-        super().on_exception(trainer, pl_module, exception)
 
 
 class Throughput(Callback):
@@ -410,8 +390,9 @@ class ImageClassifier(L.LightningModule):
 
 
 def default_callbacks(trainer: L.Trainer) -> list[Callback]:
-    """The safety net every task carries: a checkpoint on interruption, and the lr in the logs."""
-    callbacks: list[Callback] = [InterruptCheckpoint(checkpoint_dir(trainer))]
+    """The safety net every task carries: atomic checkpoint writes, a checkpoint on interruption,
+    and the lr in the logs."""
+    callbacks: list[Callback] = [SafeCheckpoints(), InterruptCheckpoint(checkpoint_dir(trainer))]
     if trainer.loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     return callbacks

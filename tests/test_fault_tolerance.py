@@ -1,0 +1,122 @@
+"""Faults a real run meets, and what each does: signals and kill -9 mid-epoch (exact resume),
+failed checkpoint writes, a corrupt image under DDP, a NaN loss. Runs that receive signals run
+in their own process (scripts/train.py), as a user's would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import ROOT
+from vit.cli import main
+
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+TIMEOUT = 240
+
+
+def write_image_folder(root: Path, classes: int = 4, train: int = 8, val: int = 2, size: int = 32) -> Path:
+    """`root/{train,val}/<class>/*.png`: random pixels around a per-class colour."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", train), ("val", val)):
+        for c in range(classes):
+            for i in range(n):
+                pixels = rng.normal(60 * c, 40, (size, size, 3)).clip(0, 255).astype(np.uint8)
+                path = root / split / f"class{c}" / f"{i}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(pixels).save(path)
+    return root
+
+
+def cifar_recipe(data: Path, run: Path, *overrides: str) -> list[str]:
+    """configs/cifar10_vit.yaml (in-memory data, Muon, patch dropout) on a small image folder:
+    4 steps an epoch, 3 epochs, a checkpoint after every step."""
+    return [
+        "fit", "--config", str(ROOT / "configs/cifar10_vit.yaml"), "--trainer.default_root_dir", str(run), *QUIET,
+        "--data", "vit.data.ImageFolderDataModule", "--data.root", str(data), "--data.val_dir", "val",
+        "--data.batch_size", "8", "--data.num_workers", "0", "--trainer.max_epochs", "3",
+        "--trainer.logger", "false", "--checkpoint.every_n_train_steps", "1", *overrides,
+    ]  # fmt: skip
+
+
+def signal_at(step: int, *signals: str, rank: int = 0) -> list[str]:
+    """Arguments adding tests.faults.SignalAt: these signals to the run after optimizer step `step`."""
+    return [
+        "--trainer.callbacks+=tests.faults.SignalAt", f"--trainer.callbacks.step={step}",
+        f"--trainer.callbacks.signals=[{','.join(signals)}]", f"--trainer.callbacks.rank={rank}",
+    ]  # fmt: skip
+
+
+def run_script(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """scripts/train.py in a fresh process, one thread (as the in-process runs here use)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts/train.py"), *args],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-identical comparisons across processes need the same number of threads in each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def weights(cli_or_path) -> dict[str, torch.Tensor]:
+    if isinstance(cli_or_path, Path):
+        return torch.load(cli_or_path, weights_only=True)["state_dict"]
+    return cli_or_path.model.state_dict()
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:3]}"
+
+
+def assert_stop_line(stopped: subprocess.CompletedProcess, signal_name: str, step: int, saved: Path) -> None:
+    """The last line of stderr says what stopped the run, where it was saved and how to resume."""
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Stopped by {signal_name} at step {step}; saved {saved}. Resume with: python "), line
+    assert line.endswith("--ckpt_path last") and line.count("--ckpt_path") == 1, line
+
+
+def test_sigterm_sigint_and_kill_9_mid_epoch_resume_to_the_same_weights(tmp_path, one_thread):
+    """The shipped CIFAR-10 ViT recipe, stopped three times in the middle of an epoch and resumed
+    each time with --ckpt_path last, ends bit-identical to a run that was never stopped."""
+    data = write_image_folder(tmp_path / "data")
+    run = tmp_path / "run"
+
+    # SIGTERM after step 2 of epoch 0's 4: saved, 143
+    stopped = run_script(cifar_recipe(data, run, *signal_at(2, "SIGTERM")))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    interrupted = run / "checkpoints" / "last-interrupted.ckpt"
+    assert torch.load(interrupted, weights_only=True)["global_step"] == 2
+    assert_stop_line(stopped, "SIGTERM", 2, interrupted)
+
+    # Ctrl-C after step 6 (epoch 1, batch 2): saved, 130
+    stopped = run_script(cifar_recipe(data, run, "--ckpt_path", "last", *signal_at(6, "SIGINT")))
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert torch.load(interrupted, weights_only=True)["global_step"] == 6
+    assert_stop_line(stopped, "SIGINT", 6, interrupted)
+
+    # kill -9 after step 10 (epoch 2, batch 2): nothing saved then; the step-9 checkpoint is the newest
+    stopped = run_script(cifar_recipe(data, run, "--ckpt_path", "last", *signal_at(10, "SIGKILL")))
+    assert stopped.returncode == -signal.SIGKILL, stopped.stderr[-3000:]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 9
+
+    resumed = main(cifar_recipe(data, run, "--ckpt_path", "last"))
+    assert resumed.trainer.global_step == 12
+    straight = main(cifar_recipe(data, tmp_path / "straight"))
+    assert straight.trainer.global_step == 12
+    assert_bit_identical(weights(resumed), weights(straight))

@@ -1,0 +1,171 @@
+"""What a run does when something goes wrong, so that it never loses work and never lies about it.
+
+- A stop by signal (Ctrl-C, SIGTERM from a scheduler) saves `last-interrupted.ckpt`, prints one
+  line naming it and the command that resumes, and exits 130 (SIGINT) or 143 (SIGTERM), as shells
+  and schedulers expect of a killed job, so `&&` chains and job arrays do not take it for done.
+- Checkpoints are written atomically (a temporary file in the same directory, fsync, rename): a
+  full disk or a kill mid-write leaves the previous file intact, never a partial one under a
+  checkpoint's name, and a failed write stops the run with the path and the OS error.
+- `--ckpt_path last` takes the newest `last*.ckpt` that is a complete file, warning about any it skips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import zipfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
+
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + signal number, the shell's convention
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, no permission, ...)."""
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint file that is empty or truncated (not a complete archive)."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save into `.<name>.tmp` beside the target, fsync, then rename over it: the name only
+    ever points at a complete file. A failure removes the temporary file and raises
+    CheckpointWriteError naming the path and the OS error."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise CheckpointWriteError(f"could not write checkpoint {path}: {reason}") from e
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (POSIX; a no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class SafeCheckpoints(Callback):
+    """Puts AtomicCheckpointIO in place of Lightning's plain writer (other CheckpointIO plugins are kept)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+
+class InterruptCheckpoint(OnExceptionCheckpoint):
+    """Saves `last-interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is
+    lost. Lightning's `ckpt_path="last"` takes the newest `last*.ckpt`, so resuming picks it up;
+    a run that completes removes it. Not written when the weights are not finite (that state is
+    bad), nor before the first optimizer step (nothing to save). `saved` is the path written, if any."""
+
+    def __init__(self, dirpath: str | Path) -> None:
+        super().__init__(dirpath, filename="last-interrupted")
+        self.saved: Path | None = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, (NonFiniteLossError, CheckpointWriteError)) or trainer.global_step == 0:
+            return
+        if not all(torch.isfinite(p).all() for p in pl_module.parameters()):
+            return
+        super().on_exception(trainer, pl_module, exception)
+        self.saved = Path(self.ckpt_path)
+
+
+def stop_signal(exception: BaseException) -> str | None:
+    """The signal that stopped a `trainer.fit`, from what it raised: Lightning turns SIGTERM into
+    SIGTERMException and Ctrl-C's KeyboardInterrupt into `sys.exit(1)`."""
+    if isinstance(exception, SIGTERMException):
+        return "SIGTERM"
+    if isinstance(exception, KeyboardInterrupt) or isinstance(exception.__context__, KeyboardInterrupt):
+        return "SIGINT"
+    return None
+
+
+def stop_message(trainer: L.Trainer, signal_name: str, argv: Sequence[str]) -> str:
+    """One line: what stopped the run, where its state is, and the command that resumes it."""
+    saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, InterruptCheckpoint)), None)
+    if saved is None:
+        return f"Stopped by {signal_name} at step {trainer.global_step}; nothing trained yet, so no checkpoint."
+    return (
+        f"Stopped by {signal_name} at step {trainer.global_step}; saved {saved}. "
+        f"Resume with: {resume_command(argv)}"
+    )
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command line that was run, with `--ckpt_path last` in place of any --ckpt_path."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            args.append(arg)
+    return shlex.join(["python", *args, "--ckpt_path", "last"])
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt during the run, even in a process started with SIGINT
+    ignored (a background job of a non-interactive shell); every handler is as before afterwards
+    (Lightning leaves SIGINT ignored after a Ctrl-C)."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def checkpoint_complete(path: str | Path) -> bool:
+    """A torch zip archive with its central directory (written last, so a truncated file lacks it)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def newest_complete(candidates: Sequence[str | Path]) -> Path | None:
+    """The newest (by modification time) complete checkpoint of `candidates`; a warning for each
+    newer one skipped."""
+    for path in sorted(map(Path, candidates), key=lambda p: p.stat().st_mtime_ns, reverse=True):
+        if checkpoint_complete(path):
+            return path
+        log.warning("skipping %s: it is not a complete checkpoint (empty or truncated)", path)
+    return None

@@ -22,3 +22,17 @@ class SignalAt(L.Callback):
             for name in self.signals:
                 os.kill(os.getpid(), getattr(signal, name))
                 time.sleep(0.2)  # let the handler run before the next signal
+
+
+class DiskFullAfter(L.Callback):
+    """From optimizer step `step` on, no file may grow past `max_bytes` (RLIMIT_FSIZE: writes fail
+    with EFBIG part-way, as on a full disk). The caller restores the limit."""
+
+    def __init__(self, step: int, max_bytes: int) -> None:
+        self.step, self.max_bytes = step, max_bytes
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.max_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

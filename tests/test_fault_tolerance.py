@@ -120,3 +120,69 @@ def test_sigterm_sigint_and_kill_9_mid_epoch_resume_to_the_same_weights(tmp_path
     straight = main(cifar_recipe(data, tmp_path / "straight"))
     assert straight.trainer.global_step == 12
     assert_bit_identical(weights(resumed), weights(straight))
+
+
+DIGITS = ["--trainer.logger", "false", "--trainer.limit_val_batches", "1"]
+
+
+@pytest.fixture
+def file_size_limit():
+    """Restores RLIMIT_FSIZE, which tests.faults.DiskFullAfter lowers."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    yield
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+
+
+def test_a_full_disk_stops_the_run_loudly_and_keeps_the_previous_checkpoint(tmp_path, capsys, file_size_limit):
+    """configs/default.yaml, checkpointing every 5 steps; after step 7 the disk is full: the step-10
+    save fails part-way. The run exits 1 naming the file and the OS error; every file under a
+    checkpoint name is complete (the step-5 last.ckpt), and no temporary file is left behind."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([
+            "fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path), *QUIET,
+            *DIGITS, "--trainer.max_epochs", "1", "--checkpoint.every_n_train_steps", "5",
+            "--trainer.callbacks+=tests.faults.DiskFullAfter", "--trainer.callbacks.step=7",
+            "--trainer.callbacks.max_bytes=100000",
+        ])  # fmt: skip
+    assert exit_info.value.code == 1
+    checkpoints = tmp_path / "checkpoints"
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == f"error: could not write checkpoint {checkpoints / 'last.ckpt'}: File too large"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 5
+
+
+def test_an_unwritable_checkpoint_directory_fails_the_run(tmp_path, capsys):
+    (tmp_path / "checkpoints").write_text("a file where the checkpoint directory should be")
+    with pytest.raises(SystemExit) as exit_info:
+        main([
+            "fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path), *QUIET,
+            *DIGITS, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+        ])  # fmt: skip
+    assert exit_info.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert str(tmp_path / "checkpoints") in err.strip().splitlines()[-1]
+
+
+def test_resume_from_last_skips_incomplete_files_and_a_truncated_path_is_named(tmp_path, capsys, caplog):
+    args = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            *QUIET, *DIGITS, "--trainer.limit_train_batches", "3"]  # fmt: skip
+    main([*args, "--trainer.max_epochs", "1"])
+    checkpoints = tmp_path / "checkpoints"
+    good = (checkpoints / "last.ckpt").read_bytes()
+    (checkpoints / "last-interrupted.ckpt").write_bytes(b"")  # newer, as a full disk left them before
+    (checkpoints / "last-v1.ckpt").write_bytes(good[: len(good) // 2])
+
+    with caplog.at_level("WARNING", logger="vit"):
+        resumed = main([*args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == 6  # continued from last.ckpt's 3 steps
+    for name in ("last-interrupted.ckpt", "last-v1.ckpt"):
+        assert f"skipping {checkpoints / name}: it is not a complete checkpoint" in caplog.text
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trainer.max_epochs", "3", "--ckpt_path", str(checkpoints / "last-v1.ckpt")])
+    assert exit_info.value.code == 1
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.startswith(f"error: checkpoint {checkpoints / 'last-v1.ckpt'} is incomplete")

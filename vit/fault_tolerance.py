@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import shlex
@@ -24,7 +25,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
@@ -52,19 +53,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
+        buffer = io.BytesIO()  # serialised first, as Lightning does: a failed write then raises the OS error itself
+        torch.save(checkpoint, buffer)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
+                f.write(buffer.getbuffer())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
-        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-            raise CheckpointWriteError(f"could not write checkpoint {path}: {reason}") from e
+            raise CheckpointWriteError(f"could not write checkpoint {path}: {e.strerror or e}") from e
+        _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -83,6 +85,21 @@ class SafeCheckpoints(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose step checkpoints (`every_n_train_steps`) start with the first steps:
+    until the monitored metric exists (after the first validation) Lightning writes nothing, not
+    even `last.ckpt`, so a crash in the first epoch lost all of it. Here `last.ckpt` is written then."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
+        n = self._every_n_train_steps
+        if not self.save_last or n < 1 or trainer.global_step % n or self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor is not None and self.monitor not in candidates:  # Lightning deferred this save
+            self._save_last_checkpoint(trainer, candidates)
 
 
 class InterruptCheckpoint(OnExceptionCheckpoint):
@@ -119,10 +136,7 @@ def stop_message(trainer: L.Trainer, signal_name: str, argv: Sequence[str]) -> s
     saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, InterruptCheckpoint)), None)
     if saved is None:
         return f"Stopped by {signal_name} at step {trainer.global_step}; nothing trained yet, so no checkpoint."
-    return (
-        f"Stopped by {signal_name} at step {trainer.global_step}; saved {saved}. "
-        f"Resume with: {resume_command(argv)}"
-    )
+    return f"Stopped by {signal_name} at step {trainer.global_step}; saved {saved}. Resume with: {resume_command(argv)}"
 
 
 def resume_command(argv: Sequence[str]) -> str:

@@ -36,3 +36,28 @@ class DiskFullAfter(L.Callback):
             import resource
 
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.max_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+class PoisonAt(L.Callback):
+    """Sets the head's weights to NaN after optimizer step `step`, as a diverging update would
+    (before that step's checkpoint is written: checkpoint callbacks run last)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            import torch
+
+            with torch.no_grad():
+                pl_module.model.head.weight.fill_(float("nan"))
+
+
+class RecordLR(L.Callback):
+    """The learning rate of the first parameter group at each optimizer step, in `lrs`."""
+
+    def __init__(self) -> None:
+        self.lrs: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]

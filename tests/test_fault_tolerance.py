@@ -186,3 +186,36 @@ def test_resume_from_last_skips_incomplete_files_and_a_truncated_path_is_named(t
     assert exit_info.value.code == 1
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
     assert last_line.startswith(f"error: checkpoint {checkpoints / 'last-v1.ckpt'} is incomplete")
+
+
+def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_works(tmp_path, capsys, caplog):
+    """Weights turn NaN after step 5 of 8 (checkpoints every step): the step-5 save is refused,
+    the run exits 1 naming last.ckpt (step 4, finite) as the one to resume from; resuming with
+    --model.lr halved really trains at half the rate, and says so."""
+    from vit.lit import warmup_cosine
+
+    args = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            *QUIET, *DIGITS, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "8",
+            "--checkpoint.every_n_train_steps", "1"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trainer.callbacks+=tests.faults.PoisonAt", "--trainer.callbacks.step=5"])
+    assert exit_info.value.code == 1
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("error: the weights are not finite after step 5 (model.head.weight); not saving")
+    assert f"not saving {last}. The last good checkpoint is {last} " in message
+    assert "--ckpt_path last --model.lr <lower>" in message
+    checkpoint = torch.load(last, weights_only=True)
+    assert checkpoint["global_step"] == 4 and checkpoint["hyper_parameters"]["lr"] == 2e-3
+    assert all(v.isfinite().all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
+    assert not (tmp_path / "checkpoints" / "last-interrupted.ckpt").exists()
+
+    with caplog.at_level("INFO", logger="vit"):
+        resumed = main(
+            [*args, "--ckpt_path", "last", "--model.lr", "1e-3", "--trainer.callbacks+=tests.faults.RecordLR"]
+        )  # noqa: E501
+    assert "resuming with lr 0.001 instead of the checkpoint's 0.002" in caplog.text
+    lrs = next(cb for cb in resumed.trainer.callbacks if hasattr(cb, "lrs")).lrs
+    # the schedule of default.yaml over these 8 steps (warmup cut to 4), peak 1e-3, min_lr 1e-5
+    expected = {step: 1e-3 * warmup_cosine(step, 4, 8, 1e-5 / 1e-3) for step in range(4, 8)}
+    assert lrs == pytest.approx(expected, rel=1e-9)

@@ -52,6 +52,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
         path = Path(path)
+        bad = non_finite(checkpoint.get("state_dict", {}))
+        if bad:
+            raise NonFiniteLossError(
+                f"the weights are not finite after step {checkpoint.get('global_step')} ({', '.join(bad[:3])}); "
+                f"not saving {path}. {NAN_ADVICE.format(checkpoint=last_good(path.parent))}"
+            )
         tmp = path.with_name(f".{path.name}.tmp")
         buffer = io.BytesIO()  # serialised first, as Lightning does: a failed write then raises the OS error itself
         torch.save(checkpoint, buffer)
@@ -67,6 +73,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 tmp.unlink()
             raise CheckpointWriteError(f"could not write checkpoint {path}: {e.strerror or e}") from e
         _fsync_dir(path.parent)
+
+
+NAN_ADVICE = (
+    "The last good checkpoint is {checkpoint} (every checkpoint written holds finite weights). Resume from it "
+    "with a lower learning rate (--ckpt_path last --model.lr <lower>, which takes effect on resume), gradient "
+    "clipping (--trainer.gradient_clip_val 1.0), or check the data."
+)
+
+
+def non_finite(state_dict: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf."""
+    return [k for k, v in state_dict.items() if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()]
+
+
+def last_good(directory: str | Path) -> str:
+    """The checkpoint `--ckpt_path last` resumes from in `directory`, or a note that there is none."""
+    newest = newest_complete(list(Path(directory).glob("last*.ckpt")))
+    return str(newest) if newest is not None else "(none saved yet)"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -106,7 +130,8 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
     """Saves `last-interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is
     lost. Lightning's `ckpt_path="last"` takes the newest `last*.ckpt`, so resuming picks it up;
     a run that completes removes it. Not written when the weights are not finite (that state is
-    bad), nor before the first optimizer step (nothing to save). `saved` is the path written, if any."""
+    bad), nor before the first optimizer step (nothing to save), nor under DDP after an error on one
+    rank (saving needs every rank). `saved` is the path written, if any."""
 
     def __init__(self, dirpath: str | Path) -> None:
         super().__init__(dirpath, filename="last-interrupted")
@@ -114,6 +139,11 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, (NonFiniteLossError, CheckpointWriteError)) or trainer.global_step == 0:
+            return
+        if trainer.world_size > 1 and stop_signal(exception) is None:
+            # One rank failed (a corrupt image, say): the others are not here to save with, and
+            # waiting for them would hang every rank. Fail now; the others follow when their next
+            # collective finds this process gone.
             return
         if not all(torch.isfinite(p).all() for p in pl_module.parameters()):
             return

@@ -7,6 +7,7 @@ training step is a function of (seed, step, rank), which makes resuming from a c
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -24,12 +25,21 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checkpoint import load_pretrained
 from vit.data.sampling import mix_seed
-from vit.fault_tolerance import InterruptCheckpoint, NonFiniteLossError, SafeCheckpoints
+from vit.fault_tolerance import (
+    NAN_ADVICE,
+    InterruptCheckpoint,
+    NonFiniteLossError,
+    SafeCheckpoints,
+    last_good,
+    non_finite,
+)
 from vit.layers import MoE
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model
 from vit.schedule import cosine_decay, find_budget
 from vit.schedule import warmup_cosine as warmup_cosine_progress
+
+log = logging.getLogger(__name__)
 
 
 class Throughput(Callback):
@@ -384,6 +394,7 @@ class ImageClassifier(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "vit_seed" in checkpoint:
             os.environ["PL_GLOBAL_SEED"] = str(checkpoint["vit_seed"])
+        rescale_lr(checkpoint, self.hparams.lr)
 
     def configure_callbacks(self) -> list[Callback]:
         return default_callbacks(self.trainer)
@@ -407,20 +418,45 @@ def checkpoint_dir(trainer: L.Trainer) -> Path:
     return Path(trainer.default_root_dir) / "checkpoints"
 
 
+def rescale_lr(checkpoint: dict[str, Any], lr: float) -> None:
+    """A run resumed with another `lr` (e.g. after a NaN loss) uses it: the optimizer's and the
+    schedule's saved rates, which would otherwise win, are scaled by new / old, so warmup, cosine,
+    layer decay and the head's rate keep their shape. Said in the log."""
+    old = checkpoint.get("hyper_parameters", {}).get("lr")
+    if not old or old == lr:
+        return
+    ratio = lr / old
+    for state in checkpoint.get("optimizer_states", []):
+        for group in state["param_groups"]:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] *= ratio
+    for state in checkpoint.get("lr_schedulers", []):
+        for key in ("base_lrs", "_last_lr"):
+            if key in state:
+                state[key] = [v * ratio for v in state[key]]
+    checkpoint["hyper_parameters"]["lr"] = lr
+    log.info("resuming with lr %g instead of the checkpoint's %g: the saved rates are scaled by %g", lr, old, ratio)
+
+
 def check_finite(module: L.LightningModule, loss: torch.Tensor, batch_idx: int) -> None:
-    """Stop on a NaN/inf loss, on every rank together, before it reaches the weights or a checkpoint."""
+    """Stop on a NaN/inf loss, on every rank together, before it reaches a checkpoint (and, where
+    the weights are still finite, before it reaches them)."""
     bad = not bool(torch.isfinite(loss.detach()))
     trainer = module.trainer
     if trainer.world_size > 1:
         bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
     if not bad:
         return
-    last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+    weights = non_finite(dict(module.named_parameters()))
+    state = (
+        f"the weights were already not finite ({', '.join(weights[:3])}): an earlier step made them so"
+        if weights
+        else "stopped before this step changed the weights"
+    )
     raise NonFiniteLossError(
         f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
-        f"batch {batch_idx}); stopped before updating the weights. "
-        f"The last good checkpoint is {last or '(none saved yet)'}. Lower the learning rate, enable gradient "
-        "clipping (--trainer.gradient_clip_val 1.0) or check the data, then resume with --ckpt_path last."
+        f"batch {batch_idx}); {state}. {NAN_ADVICE.format(checkpoint=last_good(checkpoint_dir(trainer)))}"
     )
 
 

@@ -54,12 +54,13 @@ def signal_at(step: int, *signals: str, rank: int = 0) -> list[str]:
     ]  # fmt: skip
 
 
-def run_script(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_script(args: list[str], env: dict | None = None, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     """scripts/train.py in a fresh process, one thread (as the in-process runs here use)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    env.pop("LOCAL_RANK", None)  # DDP: Lightning starts the other rank itself
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts/train.py"), *args],
-        env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
+        env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )  # fmt: skip
 
 
@@ -213,9 +214,33 @@ def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_wo
     with caplog.at_level("INFO", logger="vit"):
         resumed = main(
             [*args, "--ckpt_path", "last", "--model.lr", "1e-3", "--trainer.callbacks+=tests.faults.RecordLR"]
-        )  # noqa: E501
+        )
     assert "resuming with lr 0.001 instead of the checkpoint's 0.002" in caplog.text
     lrs = next(cb for cb in resumed.trainer.callbacks if hasattr(cb, "lrs")).lrs
     # the schedule of default.yaml over these 8 steps (warmup cut to 4), peak 1e-3, min_lr 1e-5
     expected = {step: 1e-3 * warmup_cosine(step, 4, 8, 1e-5 / 1e-3) for step in range(4, 8)}
     assert lrs == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
+    """2 processes (gloo), per-sample loading, one truncated image: the rank that reads it fails
+    with the file's name, the other follows (its collective finds the peer gone): no hang, no save."""
+    data = write_image_folder(tmp_path / "data")
+    corrupt = data / "train" / "class0" / "3.png"
+    corrupt.write_bytes(corrupt.read_bytes()[:300])
+    stopped = run_script(
+        cifar_recipe(data, tmp_path / "run", "--data.in_memory", "false", "--trainer.accelerator", "cpu",
+                     "--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.batch_size", "4"),
+        env={"MASTER_PORT": str(_free_port())}, timeout=120,  # it hung forever before
+    )  # fmt: skip
+    assert stopped.returncode != 0
+    assert f"cannot decode image {corrupt}" in stopped.stderr
+    assert not list((tmp_path / "run" / "checkpoints").glob("last-interrupted*.ckpt"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

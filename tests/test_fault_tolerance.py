@@ -244,3 +244,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("num_classes", [7, 20])
+def test_a_head_for_another_class_count_than_the_data_is_refused_before_training(tmp_path, num_classes):
+    import lightning as L
+
+    from vit.data import DigitsDataModule
+    from vit.lit import ImageClassifier
+
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, max_steps=1, enable_progress_bar=False)
+    message = f"model.num_classes is {num_classes} but the data has 10 classes"
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(ImageClassifier(num_classes=num_classes), DigitsDataModule(batch_size=8, num_workers=0))
+    assert trainer.global_step == 0

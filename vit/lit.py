@@ -247,6 +247,17 @@ class ImageClassifier(L.LightningModule):
         self.test_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc5 = accuracy(hp.num_classes, top_k=5)
 
+    def setup(self, stage: str) -> None:
+        """A head for another number of classes than the data's fails late and cryptically ("Target
+        7 is out of bounds") or trains silently with unused outputs: refuse it before the run."""
+        data = self.trainer.datamodule
+        classes = getattr(data, "num_classes", None)
+        if classes is not None and self.hparams.num_classes is not None and classes != self.hparams.num_classes:
+            raise ValueError(
+                f"model.num_classes is {self.hparams.num_classes} but the data has {classes} classes; "
+                "leave num_classes unset to take the data's"
+            )
+
     def _freeze(self) -> None:
         hp = self.hparams
         if hp.freeze_backbone:

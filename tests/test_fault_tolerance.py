@@ -258,3 +258,21 @@ def test_a_head_for_another_class_count_than_the_data_is_refused_before_training
     with pytest.raises(ValueError, match=message):
         trainer.fit(ImageClassifier(num_classes=num_classes), DigitsDataModule(batch_size=8, num_workers=0))
     assert trainer.global_step == 0
+
+
+def test_lr_scaling_uses_the_real_batch_when_the_data_is_smaller_than_one(tmp_path):
+    """16 images, batch_size 64, lr 1e-3 per 64 images: every step sees 16, so the lr is 2.5e-4."""
+    import lightning as L
+
+    from tests.faults import RecordLR
+    from vit.data import ImageFolderDataModule
+    from vit.lit import ImageClassifier
+
+    data = write_image_folder(tmp_path / "data", train=4)
+    module = ImageClassifier("vit_nano_patch4_16", {"img_size": 32}, lr=1e-3, lr_base_batch_size=64)
+    datamodule = ImageFolderDataModule(str(data), val_dir="val", img_size=32, batch_size=64, num_workers=0)
+    record = RecordLR()
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, max_steps=1, enable_progress_bar=False,
+                        callbacks=[record], limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule)
+    assert record.lrs == {0: pytest.approx(1e-3 * 16 / 64)}

@@ -364,8 +364,14 @@ class ImageClassifier(L.LightningModule):
         return warmup
 
     def global_batch_size(self) -> int:
-        per_device = self.trainer.datamodule.batch_size if self.trainer.datamodule is not None else 1
-        return per_device * self.trainer.world_size * self.trainer.accumulate_grad_batches
+        """Images per optimizer step: the configured batch, or the whole (per-process) training set
+        where that is smaller, as the loader then gives."""
+        data, world = self.trainer.datamodule, self.trainer.world_size
+        per_device = data.batch_size if data is not None else 1
+        train = getattr(data, "train_set", None)
+        if train is not None:
+            per_device = min(per_device, math.ceil(len(train) / world))
+        return per_device * world * self.trainer.accumulate_grad_batches
 
     # -- evaluation ---------------------------------------------------------------------------
 

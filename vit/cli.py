@@ -35,7 +35,7 @@ class TrainCLI(LightningCLI):
     """`checkpoint:` configures the ModelCheckpoint every run has: the best (by `monitor`) and the
     last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes."""
 
-    argv: list[str]  # the command line, for the resume command printed when a run is stopped
+    argv: list[str] = sys.argv  # the command line, for the resume command printed when a run is stopped
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")

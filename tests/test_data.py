@@ -212,3 +212,26 @@ def test_image_folder_eval_keeps_the_whole_image_unless_training_used_random_res
         dm = ImageFolderDataModule(root=str(tmp_path), img_size=32, crop=crop, num_workers=0)
         top = dm.eval_transform(image=image)["image"][0, 0]
         assert bool((top > 1.5).all()) == edge_kept, crop
+
+
+def test_16_bit_greyscale_is_scaled_to_8_bits_and_float_images_are_refused(tmp_path):
+    levels = np.array([[0, 257 * 100, 65535]], dtype=np.uint16)  # 0, mid-grey, white in 16 bits
+    Image.fromarray(levels).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode.startswith("I")
+    image = read_rgb(tmp_path / "deep.png")
+    assert image.dtype == np.uint8 and image.shape == (1, 3, 3)
+    assert image[0, :, 0].tolist() == [0, 100, 255]  # PIL's convert("RGB") gave [0, 255, 255]
+    Image.fromarray(np.full((2, 2), 0.5, dtype=np.float32)).save(tmp_path / "float.tif")
+    with pytest.raises(ValueError, match=r"float\.tif is a 32-bit float image.*convert it to 8 or 16 bits"):
+        read_rgb(tmp_path / "float.tif")
+
+
+def test_an_empty_class_folder_or_a_class_missing_from_val_is_named_in_a_warning(tmp_path, caplog):
+    _write_image(tmp_path / "train" / "cat" / "0.png")
+    (tmp_path / "train" / "dog").mkdir()
+    _write_image(tmp_path / "val" / "cat" / "0.png")
+    with caplog.at_level("WARNING", logger="vit"):
+        classes, _ = scan_image_folder(tmp_path / "train")
+        scan_image_folder(tmp_path / "val", classes=classes)
+    assert f"{tmp_path / 'train' / 'dog'} has no images: class 'dog'" in caplog.text
+    assert f"{tmp_path / 'val'} has no folder for class 'dog'" in caplog.text

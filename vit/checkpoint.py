@@ -72,6 +72,11 @@ def _torch_load(path: Path) -> Any:
             "`sd = torch.load(path, weights_only=False)`, then save just the tensors with "
             f"`torch.save(sd['state_dict'], 'weights.pth')` or safetensors. ({e})"
         ) from e
+    except (RuntimeError, EOFError) as e:  # PytorchStreamReader on a truncated zip; EOFError on an empty file
+        raise ValueError(
+            f"cannot read {path} ({path.stat().st_size} bytes): the file is incomplete (empty or truncated, "
+            f"e.g. by a full disk or a kill while it was written). ({type(e).__name__})"
+        ) from e
 
 
 # -- our own checkpoints ---------------------------------------------------------------------

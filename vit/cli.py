@@ -11,10 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from vit.lit import NonFiniteLossError
+from vit.fault_tolerance import (
+    EXIT_CODES,
+    CheckpointWriteError,
+    IncompleteCheckpointError,
+    NonFiniteLossError,
+    RunCheckpoint,
+    checkpoint_complete,
+    interruptible,
+    newest_complete,
+    stop_message,
+    stop_signal,
+)
 
 
 def _checkpoint_dir(default_root_dir: str | None) -> str:
@@ -25,8 +35,10 @@ class TrainCLI(LightningCLI):
     """`checkpoint:` configures the ModelCheckpoint every run has: the best (by `monitor`) and the
     last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes."""
 
+    argv: list[str] = sys.argv  # the command line, for the resume command printed when a run is stopped
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         parser.set_defaults(
             {
                 "checkpoint.monitor": "val/acc1",
@@ -53,9 +65,14 @@ class TrainCLI(LightningCLI):
             config.checkpoint.mode = getattr(model_cls, "monitor_mode", "min")
 
     def before_fit(self) -> None:
-        """A fresh run must not mix its checkpoints with an earlier run's in the same directory:
-        move those aside (never delete them), so `last` and `best` are unambiguous."""
-        if self.config.fit.get("ckpt_path") is not None or not self.trainer.is_global_zero:
+        """Resume from a complete checkpoint (`last`: the newest complete one). A fresh run must
+        not mix its checkpoints with an earlier run's in the same directory: move those aside
+        (never delete them), so `last` and `best` are unambiguous."""
+        ckpt_path = self.config.fit.get("ckpt_path")
+        if ckpt_path is not None:
+            self.config_init.fit.ckpt_path = self._complete_checkpoint(ckpt_path)
+            return
+        if not self.trainer.is_global_zero:
             return
         ckpt_dir = Path(self.trainer.checkpoint_callback.dirpath)
         old = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
@@ -65,6 +82,43 @@ class TrainCLI(LightningCLI):
             for path in old:
                 path.rename(archive / path.name)
             print(f"Moved {len(old)} checkpoint(s) of an earlier run to {archive} (resume it with --ckpt_path PATH)")
+
+    def _parse_ckpt_path(self) -> None:
+        """Refuse an incomplete checkpoint file by name, before Lightning reads its hyperparameters."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file() and not checkpoint_complete(ckpt_path):
+            raise IncompleteCheckpointError(
+                f"checkpoint {ckpt_path} is incomplete ({Path(ckpt_path).stat().st_size} bytes: empty or "
+                "truncated, e.g. by a full disk or a kill while it was written); resume from another one"
+            )
+        super()._parse_ckpt_path()
+
+    def _complete_checkpoint(self, ckpt_path: str) -> str:
+        """`last` -> the newest complete `last*.ckpt`, skipping (with a warning) empty or truncated ones."""
+        candidates = list(Path(self.trainer.checkpoint_callback.dirpath).glob("last*.ckpt"))
+        if ckpt_path != "last" or not candidates:
+            return ckpt_path  # no checkpoint yet: Lightning warns and starts from scratch
+        newest = newest_complete(candidates)
+        if newest is None:
+            raise IncompleteCheckpointError(
+                f"--ckpt_path last: none of {', '.join(map(str, candidates))} is a complete checkpoint"
+            )
+        return str(newest)
+
+    def fit(self, model: Any, **kwargs: Any) -> None:
+        """`trainer.fit`, stopped honestly: after a signal, one line naming the checkpoint and the
+        command that resumes, then exit 130 (SIGINT) or 143 (SIGTERM)."""
+        with interruptible():
+            try:
+                self.trainer.fit(model, **kwargs)
+            except (KeyboardInterrupt, SystemExit) as e:
+                name = stop_signal(e)
+                if name is None:
+                    raise
+                if self.trainer.is_global_zero:
+                    print(stop_message(self.trainer, name, self.argv), file=sys.stderr, flush=True)
+                sys.exit(EXIT_CODES[name])
 
     def after_fit(self) -> None:
         """Say where the results went."""
@@ -88,12 +142,13 @@ def main(args: list[str] | None = None) -> Any:
     # Tensor cores: TF32 matmuls on Ampere+ GPUs; no effect on CPU.
     torch.set_float32_matmul_precision("high")
     _show_our_logs()
+    TrainCLI.argv = ["scripts/train.py", *args] if args is not None else sys.argv
     try:
         return TrainCLI(
             args=args,
             save_config_kwargs={"overwrite": True},
         )
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, CheckpointWriteError, IncompleteCheckpointError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         sys.exit(1)
 

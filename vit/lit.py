@@ -7,6 +7,7 @@ training step is a function of (seed, step, rank), which makes resuming from a c
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -24,32 +25,21 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checkpoint import load_pretrained
 from vit.data.sampling import mix_seed
+from vit.fault_tolerance import (
+    NAN_ADVICE,
+    InterruptCheckpoint,
+    NonFiniteLossError,
+    SafeCheckpoints,
+    last_good,
+    non_finite,
+)
 from vit.layers import MoE
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model
 from vit.schedule import cosine_decay, find_budget
 from vit.schedule import warmup_cosine as warmup_cosine_progress
 
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite."""
-
-
-class InterruptCheckpoint(OnExceptionCheckpoint):
-    """Saves `last-interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is
-    lost. Lightning's `ckpt_path="last"` takes the newest `last*.ckpt`, so resuming picks it up;
-    a run that completes removes it. Not written after a NaN loss (that state is bad), nor before
-    the first optimizer step (nothing to save)."""
-
-    def __init__(self, dirpath: str | Path) -> None:
-        super().__init__(dirpath, filename="last-interrupted")
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, NonFiniteLossError) or trainer.global_step == 0:
-            return
-        if not all(torch.isfinite(p).all() for p in pl_module.parameters()):
-            return
-        super().on_exception(trainer, pl_module, exception)
+log = logging.getLogger(__name__)
 
 
 class Throughput(Callback):
@@ -262,6 +252,17 @@ class ImageClassifier(L.LightningModule):
         self.test_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc5 = accuracy(hp.num_classes, top_k=5)
 
+    def setup(self, stage: str) -> None:
+        """A head for another number of classes than the data's fails late and cryptically ("Target
+        7 is out of bounds") or trains silently with unused outputs: refuse it before the run."""
+        data = self.trainer.datamodule
+        classes = getattr(data, "num_classes", None)
+        if classes is not None and self.hparams.num_classes is not None and classes != self.hparams.num_classes:
+            raise ValueError(
+                f"model.num_classes is {self.hparams.num_classes} but the data has {classes} classes; "
+                "leave num_classes unset to take the data's"
+            )
+
     def _freeze(self) -> None:
         hp = self.hparams
         if hp.freeze_backbone:
@@ -370,8 +371,14 @@ class ImageClassifier(L.LightningModule):
         return warmup
 
     def global_batch_size(self) -> int:
-        per_device = self.trainer.datamodule.batch_size if self.trainer.datamodule is not None else 1
-        return per_device * self.trainer.world_size * self.trainer.accumulate_grad_batches
+        """Images per optimizer step: the configured batch, or the whole (per-process) training set
+        where that is smaller, as the loader then gives."""
+        data, world = self.trainer.datamodule, self.trainer.world_size
+        per_device = data.batch_size if data is not None else 1
+        train = getattr(data, "train_set", None)
+        if train is not None:
+            per_device = min(per_device, math.ceil(len(train) / world))
+        return per_device * world * self.trainer.accumulate_grad_batches
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -411,14 +418,16 @@ class ImageClassifier(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "vit_seed" in checkpoint:
             os.environ["PL_GLOBAL_SEED"] = str(checkpoint["vit_seed"])
+        rescale_lr(checkpoint, self.hparams.lr)
 
     def configure_callbacks(self) -> list[Callback]:
         return default_callbacks(self.trainer)
 
 
 def default_callbacks(trainer: L.Trainer) -> list[Callback]:
-    """The safety net every task carries: a checkpoint on interruption, and the lr in the logs."""
-    callbacks: list[Callback] = [InterruptCheckpoint(checkpoint_dir(trainer))]
+    """The safety net every task carries: atomic checkpoint writes, a checkpoint on interruption,
+    and the lr in the logs."""
+    callbacks: list[Callback] = [SafeCheckpoints(), InterruptCheckpoint(checkpoint_dir(trainer))]
     if trainer.loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     return callbacks
@@ -433,20 +442,45 @@ def checkpoint_dir(trainer: L.Trainer) -> Path:
     return Path(trainer.default_root_dir) / "checkpoints"
 
 
+def rescale_lr(checkpoint: dict[str, Any], lr: float) -> None:
+    """A run resumed with another `lr` (e.g. after a NaN loss) uses it: the optimizer's and the
+    schedule's saved rates, which would otherwise win, are scaled by new / old, so warmup, cosine,
+    layer decay and the head's rate keep their shape. Said in the log."""
+    old = checkpoint.get("hyper_parameters", {}).get("lr")
+    if not old or old == lr:
+        return
+    ratio = lr / old
+    for state in checkpoint.get("optimizer_states", []):
+        for group in state["param_groups"]:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] *= ratio
+    for state in checkpoint.get("lr_schedulers", []):
+        for key in ("base_lrs", "_last_lr"):
+            if key in state:
+                state[key] = [v * ratio for v in state[key]]
+    checkpoint["hyper_parameters"]["lr"] = lr
+    log.info("resuming with lr %g instead of the checkpoint's %g: the saved rates are scaled by %g", lr, old, ratio)
+
+
 def check_finite(module: L.LightningModule, loss: torch.Tensor, batch_idx: int) -> None:
-    """Stop on a NaN/inf loss, on every rank together, before it reaches the weights or a checkpoint."""
+    """Stop on a NaN/inf loss, on every rank together, before it reaches a checkpoint (and, where
+    the weights are still finite, before it reaches them)."""
     bad = not bool(torch.isfinite(loss.detach()))
     trainer = module.trainer
     if trainer.world_size > 1:
         bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
     if not bad:
         return
-    last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+    weights = non_finite(dict(module.named_parameters()))
+    state = (
+        f"the weights were already not finite ({', '.join(weights[:3])}): an earlier step made them so"
+        if weights
+        else "stopped before this step changed the weights"
+    )
     raise NonFiniteLossError(
         f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
-        f"batch {batch_idx}); stopped before updating the weights. "
-        f"The last good checkpoint is {last or '(none saved yet)'}. Lower the learning rate, enable gradient "
-        "clipping (--trainer.gradient_clip_val 1.0) or check the data, then resume with --ckpt_path last."
+        f"batch {batch_idx}); {state}. {NAN_ADVICE.format(checkpoint=last_good(checkpoint_dir(trainer)))}"
     )
 
 

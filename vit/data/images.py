@@ -26,15 +26,25 @@ class CorruptImageError(ValueError):
     """An image file that exists but cannot be decoded."""
 
 
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16-bit greyscale (PNG, TIFF)
+
+
 def read_rgb(path: str | Path) -> np.ndarray:
-    """Decode an image file into an RGB uint8 array (H, W, 3)."""
+    """Decode an image file into an RGB uint8 array (H, W, 3). 16-bit greyscale is scaled to 8
+    bits (PIL's own conversion clips it, turning most images white); float images have no
+    standard range and are refused."""
     try:
         with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
+            if image.mode in SIXTEEN_BIT_MODES:
+                grey = np.clip(np.round(np.asarray(image, dtype=np.float64) / 257.0), 0, 255).astype(np.uint8)
+                return np.repeat(grey[..., None], 3, axis=-1)
+            if image.mode != "F":
+                return np.asarray(image.convert("RGB"))
     except FileNotFoundError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
         raise CorruptImageError(f"cannot decode image {path}: {e}") from e
+    raise ValueError(f"{path} is a 32-bit float image, which has no standard range: convert it to 8 or 16 bits")
 
 
 @dataclass(frozen=True)
@@ -63,8 +73,11 @@ def scan_image_folder(root: str | Path, classes: Sequence[str] | None = None) ->
     for label, name in enumerate(classes):
         folder = root / name
         if not folder.is_dir():
-            continue  # a val split may lack a class
+            log.warning("%s has no folder for class %r: it is not evaluated", root, name)
+            continue
         files = sorted(e.name for e in os.scandir(folder) if e.name.lower().endswith(IMAGE_EXTENSIONS))
+        if not files:
+            log.warning("%s has no images: class %r gets none (an empty folder still counts as a class)", folder, name)
         samples += [Sample(str(folder / f), label) for f in files]
     if not samples:
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}/<class name>/")

@@ -41,19 +41,24 @@ class ResumableSampler(DistributedSampler):
 
 
 class ResumableLoader(DataLoader):
-    """A DataLoader with `state_dict` / `load_state_dict`, which Lightning saves in checkpoints
-    and restores on resume, so training continues from the next unseen batch.
+    """A DataLoader that starts an epoch at its next unseen batch after a resume.
 
     `batches_done` reports how many batches of the current epoch were trained on; the datamodule
-    points it at Lightning's own progress counter, so the saved position agrees with where
-    Lightning resumes even after a Ctrl-C in the middle of a step. Without it, batches handed out
-    are counted.
+    points it at Lightning's own progress counter. Each epoch's iteration starts there, read when
+    the first batch is drawn: by then Lightning has restored the counter from the checkpoint.
+    (Lightning's other route, `load_state_dict`, reaches only a loader built after the checkpoint
+    was read, and `trainer.estimated_stepping_batches` in `configure_optimizers` builds it
+    before: mid-epoch resumes of `max_epochs` runs replayed the epoch from batch 0.)
+
+    Without `batches_done` (no trainer), `state_dict` / `load_state_dict` count the batches handed out.
     """
 
     sampler: ResumableSampler
     batches_done: Callable[[], int] | None = None
 
     def __iter__(self) -> Iterator[Any]:
+        if self.batches_done is not None:
+            self.load_state_dict(self.state_dict())
         self._handed_out = 0
         for batch in super().__iter__():
             self._handed_out += 1

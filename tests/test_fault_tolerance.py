@@ -1,0 +1,278 @@
+"""Faults a real run meets, and what each does: signals and kill -9 mid-epoch (exact resume),
+failed checkpoint writes, a corrupt image under DDP, a NaN loss. Runs that receive signals run
+in their own process (scripts/train.py), as a user's would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import ROOT
+from vit.cli import main
+
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+TIMEOUT = 240
+
+
+def write_image_folder(root: Path, classes: int = 4, train: int = 8, val: int = 2, size: int = 32) -> Path:
+    """`root/{train,val}/<class>/*.png`: random pixels around a per-class colour."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", train), ("val", val)):
+        for c in range(classes):
+            for i in range(n):
+                pixels = rng.normal(60 * c, 40, (size, size, 3)).clip(0, 255).astype(np.uint8)
+                path = root / split / f"class{c}" / f"{i}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(pixels).save(path)
+    return root
+
+
+def cifar_recipe(data: Path, run: Path, *overrides: str) -> list[str]:
+    """configs/cifar10_vit.yaml (in-memory data, Muon, patch dropout) on a small image folder:
+    4 steps an epoch, 3 epochs, a checkpoint after every step."""
+    return [
+        "fit", "--config", str(ROOT / "configs/cifar10_vit.yaml"), "--trainer.default_root_dir", str(run), *QUIET,
+        "--data", "vit.data.ImageFolderDataModule", "--data.root", str(data), "--data.val_dir", "val",
+        "--data.batch_size", "8", "--data.num_workers", "0", "--trainer.max_epochs", "3",
+        "--trainer.logger", "false", "--checkpoint.every_n_train_steps", "1", *overrides,
+    ]  # fmt: skip
+
+
+def signal_at(step: int, *signals: str, rank: int = 0) -> list[str]:
+    """Arguments adding tests.faults.SignalAt: these signals to the run after optimizer step `step`."""
+    return [
+        "--trainer.callbacks+=tests.faults.SignalAt", f"--trainer.callbacks.step={step}",
+        f"--trainer.callbacks.signals=[{','.join(signals)}]", f"--trainer.callbacks.rank={rank}",
+    ]  # fmt: skip
+
+
+def run_script(args: list[str], env: dict | None = None, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """scripts/train.py in a fresh process, one thread (as the in-process runs here use)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    env.pop("LOCAL_RANK", None)  # DDP: Lightning starts the other rank itself
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts/train.py"), *args],
+        env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-identical comparisons across processes need the same number of threads in each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def weights(cli_or_path) -> dict[str, torch.Tensor]:
+    if isinstance(cli_or_path, Path):
+        return torch.load(cli_or_path, weights_only=True)["state_dict"]
+    return cli_or_path.model.state_dict()
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:3]}"
+
+
+def assert_stop_line(stopped: subprocess.CompletedProcess, signal_name: str, step: int, saved: Path) -> None:
+    """The last line of stderr says what stopped the run, where it was saved and how to resume."""
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Stopped by {signal_name} at step {step}; saved {saved}. Resume with: python "), line
+    assert line.endswith("--ckpt_path last") and line.count("--ckpt_path") == 1, line
+
+
+def test_sigterm_sigint_and_kill_9_mid_epoch_resume_to_the_same_weights(tmp_path, one_thread):
+    """The shipped CIFAR-10 ViT recipe, stopped three times in the middle of an epoch and resumed
+    each time with --ckpt_path last, ends bit-identical to a run that was never stopped."""
+    data = write_image_folder(tmp_path / "data")
+    run = tmp_path / "run"
+
+    # SIGTERM after step 2 of epoch 0's 4: saved, 143
+    stopped = run_script(cifar_recipe(data, run, *signal_at(2, "SIGTERM")))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    interrupted = run / "checkpoints" / "last-interrupted.ckpt"
+    assert torch.load(interrupted, weights_only=True)["global_step"] == 2
+    assert_stop_line(stopped, "SIGTERM", 2, interrupted)
+
+    # Ctrl-C after step 6 (epoch 1, batch 2): saved, 130
+    stopped = run_script(cifar_recipe(data, run, "--ckpt_path", "last", *signal_at(6, "SIGINT")))
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert torch.load(interrupted, weights_only=True)["global_step"] == 6
+    assert_stop_line(stopped, "SIGINT", 6, interrupted)
+
+    # kill -9 after step 10 (epoch 2, batch 2): nothing saved then; the step-9 checkpoint is the newest
+    stopped = run_script(cifar_recipe(data, run, "--ckpt_path", "last", *signal_at(10, "SIGKILL")))
+    assert stopped.returncode == -signal.SIGKILL, stopped.stderr[-3000:]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 9
+
+    resumed = main(cifar_recipe(data, run, "--ckpt_path", "last"))
+    assert resumed.trainer.global_step == 12
+    straight = main(cifar_recipe(data, tmp_path / "straight"))
+    assert straight.trainer.global_step == 12
+    assert_bit_identical(weights(resumed), weights(straight))
+
+
+DIGITS = ["--trainer.logger", "false", "--trainer.limit_val_batches", "1"]
+
+
+@pytest.fixture
+def file_size_limit():
+    """Restores RLIMIT_FSIZE, which tests.faults.DiskFullAfter lowers."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    yield
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+
+
+def test_a_full_disk_stops_the_run_loudly_and_keeps_the_previous_checkpoint(tmp_path, capsys, file_size_limit):
+    """configs/default.yaml, checkpointing every 5 steps; after step 7 the disk is full: the step-10
+    save fails part-way. The run exits 1 naming the file and the OS error; every file under a
+    checkpoint name is complete (the step-5 last.ckpt), and no temporary file is left behind."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([
+            "fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path), *QUIET,
+            *DIGITS, "--trainer.max_epochs", "1", "--checkpoint.every_n_train_steps", "5",
+            "--trainer.callbacks+=tests.faults.DiskFullAfter", "--trainer.callbacks.step=7",
+            "--trainer.callbacks.max_bytes=100000",
+        ])  # fmt: skip
+    assert exit_info.value.code == 1
+    checkpoints = tmp_path / "checkpoints"
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == f"error: could not write checkpoint {checkpoints / 'last.ckpt'}: File too large"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 5
+
+
+def test_an_unwritable_checkpoint_directory_fails_the_run(tmp_path, capsys):
+    (tmp_path / "checkpoints").write_text("a file where the checkpoint directory should be")
+    with pytest.raises(SystemExit) as exit_info:
+        main([
+            "fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path), *QUIET,
+            *DIGITS, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
+        ])  # fmt: skip
+    assert exit_info.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert str(tmp_path / "checkpoints") in err.strip().splitlines()[-1]
+
+
+def test_resume_from_last_skips_incomplete_files_and_a_truncated_path_is_named(tmp_path, capsys, caplog):
+    args = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            *QUIET, *DIGITS, "--trainer.limit_train_batches", "3"]  # fmt: skip
+    main([*args, "--trainer.max_epochs", "1"])
+    checkpoints = tmp_path / "checkpoints"
+    good = (checkpoints / "last.ckpt").read_bytes()
+    (checkpoints / "last-interrupted.ckpt").write_bytes(b"")  # newer, as a full disk left them before
+    (checkpoints / "last-v1.ckpt").write_bytes(good[: len(good) // 2])
+
+    with caplog.at_level("WARNING", logger="vit"):
+        resumed = main([*args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == 6  # continued from last.ckpt's 3 steps
+    for name in ("last-interrupted.ckpt", "last-v1.ckpt"):
+        assert f"skipping {checkpoints / name}: it is not a complete checkpoint" in caplog.text
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trainer.max_epochs", "3", "--ckpt_path", str(checkpoints / "last-v1.ckpt")])
+    assert exit_info.value.code == 1
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line.startswith(f"error: checkpoint {checkpoints / 'last-v1.ckpt'} is incomplete")
+
+
+def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_works(tmp_path, capsys, caplog):
+    """Weights turn NaN after step 5 of 8 (checkpoints every step): the step-5 save is refused,
+    the run exits 1 naming last.ckpt (step 4, finite) as the one to resume from; resuming with
+    --model.lr halved really trains at half the rate, and says so."""
+    from vit.lit import warmup_cosine
+
+    args = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            *QUIET, *DIGITS, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "8",
+            "--checkpoint.every_n_train_steps", "1"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trainer.callbacks+=tests.faults.PoisonAt", "--trainer.callbacks.step=5"])
+    assert exit_info.value.code == 1
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("error: the weights are not finite after step 5 (model.head.weight); not saving")
+    assert f"not saving {last}. The last good checkpoint is {last} " in message
+    assert "--ckpt_path last --model.lr <lower>" in message
+    checkpoint = torch.load(last, weights_only=True)
+    assert checkpoint["global_step"] == 4 and checkpoint["hyper_parameters"]["lr"] == 2e-3
+    assert all(v.isfinite().all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
+    assert not (tmp_path / "checkpoints" / "last-interrupted.ckpt").exists()
+
+    with caplog.at_level("INFO", logger="vit"):
+        resumed = main(
+            [*args, "--ckpt_path", "last", "--model.lr", "1e-3", "--trainer.callbacks+=tests.faults.RecordLR"]
+        )
+    assert "resuming with lr 0.001 instead of the checkpoint's 0.002" in caplog.text
+    lrs = next(cb for cb in resumed.trainer.callbacks if hasattr(cb, "lrs")).lrs
+    # the schedule of default.yaml over these 8 steps (warmup cut to 4), peak 1e-3, min_lr 1e-5
+    expected = {step: 1e-3 * warmup_cosine(step, 4, 8, 1e-5 / 1e-3) for step in range(4, 8)}
+    assert lrs == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
+    """2 processes (gloo), per-sample loading, one truncated image: the rank that reads it fails
+    with the file's name, the other follows (its collective finds the peer gone): no hang, no save."""
+    data = write_image_folder(tmp_path / "data")
+    corrupt = data / "train" / "class0" / "3.png"
+    corrupt.write_bytes(corrupt.read_bytes()[:300])
+    stopped = run_script(
+        cifar_recipe(data, tmp_path / "run", "--data.in_memory", "false", "--trainer.accelerator", "cpu",
+                     "--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.batch_size", "4"),
+        env={"MASTER_PORT": str(_free_port())}, timeout=120,  # it hung forever before
+    )  # fmt: skip
+    assert stopped.returncode != 0
+    assert f"cannot decode image {corrupt}" in stopped.stderr
+    assert not list((tmp_path / "run" / "checkpoints").glob("last-interrupted*.ckpt"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("num_classes", [7, 20])
+def test_a_head_for_another_class_count_than_the_data_is_refused_before_training(tmp_path, num_classes):
+    import lightning as L
+
+    from vit.data import DigitsDataModule
+    from vit.lit import ImageClassifier
+
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, max_steps=1, enable_progress_bar=False)
+    message = f"model.num_classes is {num_classes} but the data has 10 classes"
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(ImageClassifier(num_classes=num_classes), DigitsDataModule(batch_size=8, num_workers=0))
+    assert trainer.global_step == 0
+
+
+def test_lr_scaling_uses_the_real_batch_when_the_data_is_smaller_than_one(tmp_path):
+    """16 images, batch_size 64, lr 1e-3 per 64 images: every step sees 16, so the lr is 2.5e-4."""
+    import lightning as L
+
+    from tests.faults import RecordLR
+    from vit.data import ImageFolderDataModule
+    from vit.lit import ImageClassifier
+
+    data = write_image_folder(tmp_path / "data", train=4)
+    module = ImageClassifier("vit_nano_patch4_16", {"img_size": 32}, lr=1e-3, lr_base_batch_size=64)
+    datamodule = ImageFolderDataModule(str(data), val_dir="val", img_size=32, batch_size=64, num_workers=0)
+    record = RecordLR()
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, max_steps=1, enable_progress_bar=False,
+                        callbacks=[record], limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule)
+    assert record.lrs == {0: pytest.approx(1e-3 * 16 / 64)}

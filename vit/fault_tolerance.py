@@ -1,0 +1,215 @@
+"""What a run does when something goes wrong, so that it never loses work and never lies about it.
+
+- A stop by signal (Ctrl-C, SIGTERM from a scheduler) saves `last-interrupted.ckpt`, prints one
+  line naming it and the command that resumes, and exits 130 (SIGINT) or 143 (SIGTERM), as shells
+  and schedulers expect of a killed job, so `&&` chains and job arrays do not take it for done.
+- Checkpoints are written atomically (a temporary file in the same directory, fsync, rename): a
+  full disk or a kill mid-write leaves the previous file intact, never a partial one under a
+  checkpoint's name, and a failed write stops the run with the path and the OS error.
+- `--ckpt_path last` takes the newest `last*.ckpt` that is a complete file, warning about any it skips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import shlex
+import signal
+import zipfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
+
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + signal number, the shell's convention
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, no permission, ...)."""
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint file that is empty or truncated (not a complete archive)."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save into `.<name>.tmp` beside the target, fsync, then rename over it: the name only
+    ever points at a complete file. A failure removes the temporary file and raises
+    CheckpointWriteError naming the path and the OS error."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        path = Path(path)
+        bad = non_finite(checkpoint.get("state_dict", {}))
+        if bad:
+            raise NonFiniteLossError(
+                f"the weights are not finite after step {checkpoint.get('global_step')} ({', '.join(bad[:3])}); "
+                f"not saving {path}. {NAN_ADVICE.format(checkpoint=last_good(path.parent))}"
+            )
+        tmp = path.with_name(f".{path.name}.tmp")
+        buffer = io.BytesIO()  # serialised first, as Lightning does: a failed write then raises the OS error itself
+        torch.save(checkpoint, buffer)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(buffer.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise CheckpointWriteError(f"could not write checkpoint {path}: {e.strerror or e}") from e
+        _fsync_dir(path.parent)
+
+
+NAN_ADVICE = (
+    "The last good checkpoint is {checkpoint} (every checkpoint written holds finite weights). Resume from it "
+    "with a lower learning rate (--ckpt_path last --model.lr <lower>, which takes effect on resume), gradient "
+    "clipping (--trainer.gradient_clip_val 1.0), or check the data."
+)
+
+
+def non_finite(state_dict: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf."""
+    return [k for k, v in state_dict.items() if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()]
+
+
+def last_good(directory: str | Path) -> str:
+    """The checkpoint `--ckpt_path last` resumes from in `directory`, or a note that there is none."""
+    newest = newest_complete(list(Path(directory).glob("last*.ckpt")))
+    return str(newest) if newest is not None else "(none saved yet)"
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (POSIX; a no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class SafeCheckpoints(Callback):
+    """Puts AtomicCheckpointIO in place of Lightning's plain writer (other CheckpointIO plugins are kept)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose step checkpoints (`every_n_train_steps`) start with the first steps:
+    until the monitored metric exists (after the first validation) Lightning writes nothing, not
+    even `last.ckpt`, so a crash in the first epoch lost all of it. Here `last.ckpt` is written then."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
+        n = self._every_n_train_steps
+        if not self.save_last or n < 1 or trainer.global_step % n or self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self.monitor is not None and self.monitor not in candidates:  # Lightning deferred this save
+            self._save_last_checkpoint(trainer, candidates)
+
+
+class InterruptCheckpoint(OnExceptionCheckpoint):
+    """Saves `last-interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is
+    lost. Lightning's `ckpt_path="last"` takes the newest `last*.ckpt`, so resuming picks it up;
+    a run that completes removes it. Not written when the weights are not finite (that state is
+    bad), nor before the first optimizer step (nothing to save), nor under DDP after an error on one
+    rank (saving needs every rank). `saved` is the path written, if any."""
+
+    def __init__(self, dirpath: str | Path) -> None:
+        super().__init__(dirpath, filename="last-interrupted")
+        self.saved: Path | None = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, (NonFiniteLossError, CheckpointWriteError)) or trainer.global_step == 0:
+            return
+        if trainer.world_size > 1 and stop_signal(exception) is None:
+            # One rank failed (a corrupt image, say): the others are not here to save with, and
+            # waiting for them would hang every rank. Fail now; the others follow when their next
+            # collective finds this process gone.
+            return
+        if not all(torch.isfinite(p).all() for p in pl_module.parameters()):
+            return
+        super().on_exception(trainer, pl_module, exception)
+        self.saved = Path(self.ckpt_path)
+
+
+def stop_signal(exception: BaseException) -> str | None:
+    """The signal that stopped a `trainer.fit`, from what it raised: Lightning turns SIGTERM into
+    SIGTERMException and Ctrl-C's KeyboardInterrupt into `sys.exit(1)`."""
+    if isinstance(exception, SIGTERMException):
+        return "SIGTERM"
+    if isinstance(exception, KeyboardInterrupt) or isinstance(exception.__context__, KeyboardInterrupt):
+        return "SIGINT"
+    return None
+
+
+def stop_message(trainer: L.Trainer, signal_name: str, argv: Sequence[str]) -> str:
+    """One line: what stopped the run, where its state is, and the command that resumes it."""
+    saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, InterruptCheckpoint)), None)
+    if saved is None:
+        return f"Stopped by {signal_name} at step {trainer.global_step}; nothing trained yet, so no checkpoint."
+    return f"Stopped by {signal_name} at step {trainer.global_step}; saved {saved}. Resume with: {resume_command(argv)}"
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command line that was run, with `--ckpt_path last` in place of any --ckpt_path."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            args.append(arg)
+    return shlex.join(["python", *args, "--ckpt_path", "last"])
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt during the run, even in a process started with SIGINT
+    ignored (a background job of a non-interactive shell); every handler is as before afterwards
+    (Lightning leaves SIGINT ignored after a Ctrl-C)."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def checkpoint_complete(path: str | Path) -> bool:
+    """A torch zip archive with its central directory (written last, so a truncated file lacks it)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def newest_complete(candidates: Sequence[str | Path]) -> Path | None:
+    """The newest (by modification time) complete checkpoint of `candidates`; a warning for each
+    newer one skipped."""
+    for path in sorted(map(Path, candidates), key=lambda p: p.stat().st_mtime_ns, reverse=True):
+        if checkpoint_complete(path):
+            return path
+        log.warning("skipping %s: it is not a complete checkpoint (empty or truncated)", path)
+    return None

@@ -163,9 +163,9 @@ def report(args: argparse.Namespace) -> str:
     for split, title in (("test", "Final runs (test set, scored once)"), ("val", "Tuning runs (held-out validation)")):
         chosen = [r for r in rows if r["split"] == split]
         machines = list(dict.fromkeys(r["machine"] for r in chosen))  # in order of first appearance
-        for m in machines:  # speeds differ between machines, so each one gets its own table
+        for i, m in enumerate(machines, 1):  # speeds differ between machines, so each one gets its own table
             lines += [
-                f"## {title}" + (f", machine {machines.index(m) + 1}" if len(machines) > 1 else ""),
+                f"## {title}" + (f", machine {i}" if len(machines) > 1 else ""),
                 "",
                 f"Machine: {m}.",
                 "",

@@ -114,11 +114,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._muon.step()
+        loss = self._muon.step(closure)  # evaluates the closure (once) before stepping
         if self._adamw is not None:
             self._adamw.step()
         return loss

@@ -83,6 +83,18 @@ def test_our_checkpoint_by_path_and_as_safetensors(tmp_path):
         torch.testing.assert_close(load_model(exported)(x), load_model(ckpt)(x))
 
 
+def test_load_model_builds_a_timm_format_file_given_the_architecture(tmp_path):
+    """The class count comes from the file's head; without the architecture the error says what to give."""
+    state_dict = _timm_state_dict("vit_tiny_patch16_224", depth=2, num_classes=7)
+    torch.save(state_dict, tmp_path / "weights.pth")
+    model = load_model(tmp_path / "weights.pth", model_name="vit_tiny_patch16_224", depth=2)
+    assert not model.training and model.head.out_features == 7
+    for name, value in state_dict.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    with pytest.raises(ValueError, match="give the architecture"):
+        load_model(tmp_path / "weights.pth")
+
+
 def test_a_new_class_count_from_our_checkpoint_via_init_from(tmp_path):
     module = ImageClassifier("vit_nano_patch4_16", num_classes=10)
     _trainer(tmp_path, max_steps=1).fit(module, DigitsDataModule(batch_size=32, num_workers=0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit.layers import Attention, Block, DropPath, LayerScale, PatchEmbed
+from vit.layers import Attention, Block, BlockConfig, DropPath, LayerScale, PatchEmbed
 
 
 def test_patch_embed_is_a_strided_conv_flattened_row_major():
@@ -52,15 +52,15 @@ MASKS = {
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_and_explicit_attention_agree_with_the_formula(mask_kind, causal):
-    attn = Attention(dim=32, num_heads=4).eval()
+    attn = Attention(dim=32, num_heads=4, causal=causal).eval()
     x = torch.randn(3, 10, 32)
     mask = MASKS[mask_kind](3, 10)
     expected, expected_weights = _reference_attention(attn, x, mask, causal)
 
     attn.fused_attn = True
-    fused = attn(x, attn_mask=mask, is_causal=causal)
+    fused = attn(x, attn_mask=mask)
     attn.fused_attn = False
-    explicit, weights = attn(x, attn_mask=mask, is_causal=causal, return_attn=True)
+    explicit, weights = attn(x, attn_mask=mask, return_attn=True)
 
     torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(explicit, expected, atol=1e-5, rtol=1e-5)
@@ -79,7 +79,7 @@ def test_return_attn_uses_the_explicit_path_while_fused_stays_on():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_num_queries_is_slicing_the_output_for_less_work(fused):
-    block = Block(dim=24, num_heads=3, init_values=0.5).eval()
+    block = Block(BlockConfig(embed_dim=24, num_heads=3, init_values=0.5)).eval()
     block.attn.fused_attn = fused
     x = torch.randn(2, 7, 24)
     torch.testing.assert_close(block(x, num_queries=1), block(x)[:, :1], atol=1e-6, rtol=1e-5)
@@ -88,7 +88,7 @@ def test_num_queries_is_slicing_the_output_for_less_work(fused):
     torch.testing.assert_close(out, full_out[:, :2], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(weights, full_weights[:, :, :2])
     with pytest.raises(ValueError, match="unmasked"):
-        block(x, is_causal=True, num_queries=1)
+        Block(BlockConfig(embed_dim=24, num_heads=3), causal=True)(x, num_queries=1)
 
 
 def test_drop_path_drops_whole_samples_and_keeps_the_expectation():
@@ -104,7 +104,7 @@ def test_drop_path_drops_whole_samples_and_keeps_the_expectation():
 
 
 def test_block_is_pre_norm_with_two_residuals():
-    block = Block(dim=24, num_heads=3, init_values=0.5).eval()
+    block = Block(BlockConfig(embed_dim=24, num_heads=3, init_values=0.5)).eval()
     x = torch.randn(2, 7, 24)
     h = x + block.ls1(block.attn(block.norm1(x)))
     expected = h + block.ls2(block.mlp(block.norm2(h)))
@@ -112,9 +112,11 @@ def test_block_is_pre_norm_with_two_residuals():
     assert isinstance(block.ls1, LayerScale) and torch.equal(block.ls1.gamma, torch.full((24,), 0.5))
 
 
-def test_block_passes_masks_to_attention():
-    block = Block(dim=16, num_heads=2).eval()
+def test_a_causal_block_equals_the_same_block_given_a_causal_mask():
+    config = BlockConfig(embed_dim=16, num_heads=2)
+    block, causal_block = Block(config).eval(), Block(config, causal=True).eval()
+    causal_block.load_state_dict(block.state_dict())
     x = torch.randn(1, 6, 16)
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
-    torch.testing.assert_close(block(x, is_causal=True), block(x, attn_mask=causal), atol=1e-6, rtol=1e-5)
-    assert not torch.allclose(block(x, is_causal=True), block(x), atol=1e-4)
+    torch.testing.assert_close(causal_block(x), block(x, attn_mask=causal), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(causal_block(x), block(x), atol=1e-4)

@@ -16,7 +16,19 @@ from torch import nn
 from tests.test_training import _trainer
 from vit import create_model
 from vit.data import DigitsDataModule
-from vit.layers import Attention, Block, KVCache, Mlp, MoE, SwiGLU, make_mlp, make_norm, moe_aux_loss
+from vit.layers import (
+    Attention,
+    Block,
+    BlockConfig,
+    CrossAttention,
+    KVCache,
+    Mlp,
+    MoE,
+    SwiGLU,
+    make_mlp,
+    make_norm,
+    moe_aux_loss,
+)
 from vit.lit import ImageClassifier
 from vit.position import apply_rope, rope_1d, rope_2d, sincos_1d, sincos_2d
 
@@ -136,12 +148,12 @@ def test_rope_leaves_prefix_tokens_unrotated():
 
 
 def test_attention_with_rope_is_invariant_to_shifting_every_position():
-    attn = Attention(32, num_heads=4).eval()
+    attn = Attention(32, num_heads=4, causal=True).eval()
     x = torch.randn(2, 9, 32)
     pos = torch.arange(9)
-    out = attn(x, is_causal=True, rope=rope_1d(pos, 8))
-    torch.testing.assert_close(attn(x, is_causal=True, rope=rope_1d(pos + 50, 8)), out, atol=1e-5, rtol=1e-4)
-    assert not torch.allclose(attn(x, is_causal=True), out, atol=1e-4)  # it did rotate
+    out = attn(x, rope=rope_1d(pos, 8))
+    torch.testing.assert_close(attn(x, rope=rope_1d(pos + 50, 8)), out, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(attn(x), out, atol=1e-4)  # it did rotate
 
 
 def test_gpt_with_rope_runs_past_its_training_context_and_caches_at_the_right_positions():
@@ -231,9 +243,9 @@ def test_qk_norm_normalises_each_heads_queries_and_keys():
 
 
 def test_defaults_are_todays_block():
-    block = Block(64, 4)
+    block = Block(BlockConfig(embed_dim=64, num_heads=4))
     assert isinstance(block.mlp, Mlp) and isinstance(block.mlp.act, nn.GELU)
-    assert isinstance(block.norm1, nn.LayerNorm) and block.cross_attn is None
+    assert isinstance(block.norm1, nn.LayerNorm) and not block.attn.causal
     assert isinstance(block.attn.q_norm, nn.Identity) and not hasattr(block.attn, "kv")
     names = {n for n, _ in block.named_parameters()}
     assert names == {
@@ -356,41 +368,45 @@ def test_image_classifier_adds_and_logs_the_aux_loss(tmp_path):
     torch.testing.assert_close(loss, 0.5 * aux)
 
 
-# -- cross-attention ---------------------------------------------------------------------------
+# -- cross-attention and the attention-pool head ------------------------------------------------
 
 
 def test_cross_attention_takes_keys_and_values_from_the_context():
-    attn = Attention(16, num_heads=2, cross=True, context_dim=12).eval()
+    attn = CrossAttention(16, num_heads=2, context_dim=12).eval()
     x, context = torch.randn(2, 5, 16), torch.randn(2, 7, 12)
     q = (x @ attn.q.weight.T + attn.q.bias).reshape(2, 5, 2, 8).transpose(1, 2)
     k, v = (context @ attn.kv.weight.T + attn.kv.bias).reshape(2, 7, 2, 2, 8).unbind(2)
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     weights = (q @ k.transpose(-2, -1) / math.sqrt(8)).softmax(-1)  # (2, heads, 5, 7)
     expected = (weights @ v).transpose(1, 2).reshape(2, 5, 16) @ attn.proj.weight.T + attn.proj.bias
-    torch.testing.assert_close(attn(x, context=context), expected, atol=1e-5, rtol=1e-5)
-    out, got_weights = attn(x, context=context, return_attn=True)
+    torch.testing.assert_close(attn(x, context), expected, atol=1e-5, rtol=1e-5)
+    out, got_weights = attn(x, context, return_attn=True)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_weights, weights, atol=1e-6, rtol=1e-5)
-    with pytest.raises(ValueError, match="needs a context"):
-        attn(x)
-    with pytest.raises(ValueError, match="build it with cross=True"):
-        Attention(16, 2)(x, context=context)
-
-
-def test_block_with_cross_attention_reads_the_context():
-    block = Block(16, 2, cross_attn=True, context_dim=12).eval()
-    x, context = torch.randn(2, 5, 16), torch.randn(2, 7, 12)
-    h = x + block.attn(block.norm1(x), is_causal=True)
-    h = h + block.cross_attn(block.norm_cross(h), context=context)
-    expected = h + block.mlp(block.norm2(h))
-    torch.testing.assert_close(block(x, is_causal=True, context=context), expected)
     # a masked context position changes nothing
     mask = torch.ones(1, 1, 5, 7, dtype=torch.bool)
     mask[..., 3] = False
     changed = context.clone()
     changed[:, 3] += 10
-    torch.testing.assert_close(
-        block(x, context=context, context_mask=mask), block(x, context=changed, context_mask=mask)
-    )
-    with pytest.raises(ValueError, match="without cross-attention"):
-        Block(16, 2)(x, context=context)
+    torch.testing.assert_close(attn(x, context, attn_mask=mask), attn(x, changed, attn_mask=mask))
+
+
+@pytest.mark.parametrize("class_token", [False, True])
+def test_map_head_equals_timm_and_pools_the_patch_tokens_by_a_learned_query(class_token):
+    """global_pool="map" (SigLIP, big_vision): timm's weights load by name and give timm's logits."""
+    kwargs = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=5)
+    theirs = timm.models.vision_transformer.VisionTransformer(**kwargs, global_pool="map", class_token=class_token)
+    ours = create_model("vit_nano_patch4_16", **kwargs, global_pool="map", class_token=class_token)
+    ours.load_state_dict(theirs.eval().state_dict(), strict=True)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(x), theirs(x), atol=1e-5, rtol=1e-5)
+        tokens = ours.forward_features(x)
+        pool = ours.attn_pool
+        # the latent query attends to the 16 patch tokens only, then a residual MLP
+        y, weights = CrossAttention.forward(
+            pool, pool.latent.expand(3, -1, -1), tokens[:, ours.num_prefix_tokens :], return_attn=True
+        )
+        assert weights.shape == (3, 4, 1, 16)
+        expected = (y + pool.mlp(pool.norm(y)))[:, 0]
+        torch.testing.assert_close(ours.forward_head(tokens, pre_logits=True), expected, atol=1e-6, rtol=1e-5)

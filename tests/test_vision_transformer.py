@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import timm
 import torch
 
 import vit
-from vit import create_model, resample_pos_embed
+from vit import create_model
 
 
 def _perturbed_timm(name: str, **kwargs) -> torch.nn.Module:
@@ -114,6 +116,42 @@ def test_wrong_input_size_is_a_clear_error_unless_dynamic():
     assert dynamic(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
 
 
+def test_dynamic_img_size_resamples_the_position_embedding_as_timm_does():
+    kwargs = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=5, dynamic_img_size=True)
+    theirs = timm.models.vision_transformer.VisionTransformer(**kwargs).eval()
+    ours = create_model("vit_nano_patch4_16", **kwargs).eval()
+    ours.load_state_dict(theirs.state_dict())
+    with torch.no_grad():
+        theirs.pos_embed.normal_()  # a position embedding worth resampling
+        ours.pos_embed.copy_(theirs.pos_embed)
+        for size in ((48, 48), (24, 40)):
+            x = torch.randn(2, 3, *size)
+            torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"global_pool": "avg", "class_token": False, "qk_norm": True, "init_values": 0.1},
+        {"global_pool": "map", "class_token": False, "fc_norm": False, "mlp_ratio": 2.0},
+    ],
+)
+def test_timm_kwargs_build_timms_model_with_our_names_and_logits(kwargs):
+    ours = create_model("vit_nano_patch4_16", num_classes=3, **kwargs).eval()
+    theirs = timm.models.vision_transformer.VisionTransformer(**vit.vision_transformer.timm_kwargs(ours.config))
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs.eval()(x), atol=1e-5, rtol=1e-5)
+
+
+def test_timm_kwargs_refuse_options_timm_builds_differently():
+    config = create_model("vit_nano_patch4_16", norm="rmsnorm", posemb="sincos2d").config
+    with pytest.raises(ValueError, match=re.escape("no equivalent of {'norm': 'rmsnorm', 'posemb': 'sincos2d'}")):
+        vit.vision_transformer.timm_kwargs(config)
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"global_pool": "avg", "class_token": False}])
 def test_forward_with_attn_returns_every_layers_weights_and_the_same_logits(kwargs):
     model = create_model("vit_nano_patch4_16", num_classes=5, **kwargs).eval()
@@ -154,17 +192,3 @@ def test_training_gradients_match_timm_although_the_last_block_skips_unused_toke
     theirs_grads = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, theirs_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
-
-
-@pytest.mark.parametrize(("old", "new", "prefix"), [((14, 14), (24, 24), 1), ((8, 8), (4, 6), 0), ((7, 7), (3, 3), 1)])
-def test_resample_pos_embed_equals_timm(old, new, prefix):
-    posemb = torch.randn(1, prefix + old[0] * old[1], 32)
-    expected = timm.layers.resample_abs_pos_embed(posemb, new_size=new, old_size=old, num_prefix_tokens=prefix)
-    got = resample_pos_embed(posemb, new, old, num_prefix_tokens=prefix)
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    assert torch.equal(got[:, :prefix], posemb[:, :prefix])
-
-
-def test_resample_pos_embed_is_the_identity_at_the_same_size():
-    posemb = torch.randn(1, 65, 16)
-    assert torch.equal(resample_pos_embed(posemb, (8, 8)), posemb)

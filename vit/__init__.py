@@ -2,24 +2,26 @@
 
 from vit import gpt, resnet, vision_transformer  # noqa: F401  (importing registers the models)
 from vit.gpt import GPT, GPTConfig
-from vit.layers import Attention, Block, set_fused_attn
+from vit.layers import Attention, Block, BlockConfig, CrossAttention, set_fused_attn
 from vit.registry import create_model, list_models, model_config
 from vit.resnet import CifarResNet, CifarResNetConfig, ResNetConfig
-from vit.vision_transformer import VisionTransformer, ViTConfig, resample_pos_embed
+from vit.vision_transformer import VisionTransformer, ViTConfig, checkpoint_filter_fn
 
 __all__ = [
     "GPT",
     "Attention",
     "Block",
+    "BlockConfig",
     "CifarResNet",
     "CifarResNetConfig",
+    "CrossAttention",
     "GPTConfig",
     "ResNetConfig",
     "ViTConfig",
     "VisionTransformer",
+    "checkpoint_filter_fn",
     "create_model",
     "list_models",
     "model_config",
-    "resample_pos_embed",
     "set_fused_attn",
 ]

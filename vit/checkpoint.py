@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import pickle
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 from vit.registry import create_model
-from vit.vision_transformer import VisionTransformer, resample_pos_embed
+from vit.vision_transformer import VisionTransformer, checkpoint_filter_fn, load_npz
 
 log = logging.getLogger(__name__)
 
@@ -104,22 +103,53 @@ def _model_weights(checkpoint: dict, path: Path, use_ema: bool) -> dict[str, tor
     return state_dict
 
 
-def load_model(path: str | Path, use_ema: bool = False) -> nn.Module:
-    """Rebuild a trained model from one file alone, in eval mode: our `.ckpt`, or a `.safetensors`
-    written by `export_safetensors` (name and kwargs in its metadata).
+def load_checkpoint(path: str | Path, use_ema: bool = False) -> tuple[nn.Module, dict]:
+    """Our `.ckpt` (or a `.safetensors` from `export_safetensors`) as its model, in eval mode, and the
+    run's metadata (`model_name`, `model_kwargs`, and what the task stored, e.g. a GPT's `vocab`).
 
     `use_ema=True` loads the exponential-moving-average weights, when the run kept them.
     """
     path = Path(path)
     if path.suffix == ".safetensors":
         name, kwargs = _safetensors_model_meta(path)
-        state_dict = read_state_dict(path)
+        meta, state_dict = {"model_name": name, "model_kwargs": kwargs}, read_state_dict(path)
     else:
         checkpoint = read_lightning_checkpoint(path)
-        name, kwargs = checkpoint["vit"]["model_name"], checkpoint["vit"]["model_kwargs"]
-        state_dict = _model_weights(checkpoint, path, use_ema)
-    model = create_model(name, **kwargs)
+        meta, state_dict = checkpoint["vit"], _model_weights(checkpoint, path, use_ema)
+    model = create_model(meta["model_name"], **meta["model_kwargs"])
     model.load_state_dict(state_dict, strict=True)
+    return model.eval(), meta
+
+
+def load_model(
+    source: str | Path, model_name: str | None = None, use_ema: bool = False, **model_kwargs: Any
+) -> nn.Module:
+    """Any weights as a model in eval mode; the one loader behind the scripts.
+
+    - our `.ckpt` or exported `.safetensors`: rebuilt from the file alone (`model_name` not needed);
+    - `timm:<name>`: timm's pretrained weights for our model of that name (or `model_name`);
+    - a timm-format state dict or Google `.npz`: give `model_name` (and `model_kwargs` where the
+      file differs from that name's defaults); the class count follows the file's head, and the
+      weights are adapted as `load_pretrained` does.
+    """
+    text = str(source)
+    if text.startswith("timm:"):
+        model = create_model(model_name or text.removeprefix("timm:"), **model_kwargs)
+        load_pretrained(model, text)
+        return model.eval()
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if model_name is None:
+        try:
+            return load_checkpoint(path, use_ema)[0]
+        except ValueError as e:
+            raise ValueError(f"{e}. For a timm-format state dict, give the architecture (model_name)") from e
+    state_dict = read_weights(path) if path.suffix != ".npz" else {}  # an .npz is read for a built model
+    if "head.weight" in state_dict:
+        model_kwargs.setdefault("num_classes", state_dict["head.weight"].shape[0])
+    model = create_model(model_name, **model_kwargs)
+    load_pretrained(model, path, use_ema=use_ema)
     return model.eval()
 
 
@@ -169,7 +199,7 @@ def read_weights(source: str | Path, model: nn.Module | None = None, use_ema: bo
     if path.suffix == ".npz":
         if not isinstance(model, VisionTransformer):
             raise ValueError(f"{path}: Google .npz checkpoints hold Vision Transformers; the model is {type(model)}")
-        return _read_npz(path, model)
+        return load_npz(path, model)
     if path.suffix == ".ckpt":
         checkpoint = _torch_load(path)
         if isinstance(checkpoint, dict) and "vit" in checkpoint and "state_dict" in checkpoint:
@@ -190,32 +220,6 @@ def _timm_pretrained(name: str) -> dict[str, torch.Tensor]:
         ) from e
 
 
-def _read_npz(path: Path, model: VisionTransformer) -> dict[str, torch.Tensor]:
-    """Google's ViT `.npz` through timm's converter, into a timm ViT built to the file's shapes."""
-    import numpy as np
-    import timm
-
-    with np.load(path, allow_pickle=False) as w:
-        keys = set(w.files)
-        prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in keys), None)
-        if prefix is None:
-            raise ValueError(f"{path} is not a Google ViT checkpoint (no embedding/kernel)")
-        posemb = w.get(f"{prefix}Transformer/posembed_input/pos_embedding", w.get(f"{prefix}pos_embedding"))
-        num_pos = posemb.shape[1]
-        num_classes = w[f"{prefix}head/bias"].shape[0] if f"{prefix}head/bias" in keys else 0
-        patch = w[f"{prefix}embedding/kernel"].shape[0]
-    has_cls = f"{prefix}cls" in keys
-    grid = math.isqrt(num_pos - has_cls)
-    c = model.config
-    source = timm.models.vision_transformer.VisionTransformer(
-        img_size=grid * patch, patch_size=patch, in_chans=c.in_chans, num_classes=num_classes,
-        global_pool="token" if has_cls else "avg", class_token=has_cls, embed_dim=c.embed_dim, depth=c.depth,
-        num_heads=c.num_heads, mlp_ratio=c.mlp_ratio, qkv_bias=c.qkv_bias, fc_norm=False,
-    )  # fmt: skip
-    source.load_pretrained(str(path))
-    return source.state_dict()
-
-
 # -- adapting to a model ---------------------------------------------------------------------
 
 
@@ -227,6 +231,9 @@ class LoadReport:
     reinitialised: list[str] = field(default_factory=list)
     renamed: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+
+    def add(self, kind: str, what: str) -> None:
+        getattr(self, kind).append(what)
 
     def log(self, source: str) -> None:
         for kind, names in asdict(self).items():
@@ -245,7 +252,7 @@ def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> t
     report = LoadReport()
 
     if isinstance(model, VisionTransformer):
-        _adapt_vit(sd, model, target, report)
+        sd = checkpoint_filter_fn(sd, model, report.add)
 
     # A classifier head of another size (new class count): keep the model's fresh initialisation.
     for name in list(sd):
@@ -291,52 +298,6 @@ def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> t
 def _natural(key: str) -> list:
     """blocks.2 before blocks.10."""
     return [int(t) if t.isdigit() else t for t in key.split(".")]
-
-
-def _adapt_vit(sd: dict, model: VisionTransformer, target: dict, report: LoadReport) -> None:
-    # CLS token: dropped when the model has none, kept at its init when the checkpoint has none.
-    source_cls = "cls_token" in sd
-    if source_cls and "cls_token" not in target:
-        del sd["cls_token"]
-        report.dropped.append("cls_token")
-    elif not source_cls and "cls_token" in target:
-        sd["cls_token"] = target["cls_token"]
-        report.reinitialised.append("cls_token")
-
-    # Final norm before pooling (norm) or after it (fc_norm, timm's avg pooling): same parameters.
-    for old, new in (("norm", "fc_norm"), ("fc_norm", "norm")):
-        for suffix in ("weight", "bias"):
-            if f"{old}.{suffix}" in sd and f"{old}.{suffix}" not in target and f"{new}.{suffix}" in target:
-                sd[f"{new}.{suffix}"] = sd.pop(f"{old}.{suffix}")
-                report.renamed.append(f"{old}.{suffix} -> {new}.{suffix}")
-
-    if "pos_embed" in sd:
-        sd["pos_embed"] = _adapt_pos_embed(sd["pos_embed"], source_cls, model, report)
-
-
-def _is_square(n: int) -> bool:
-    return n >= 0 and math.isqrt(n) ** 2 == n
-
-
-def _adapt_pos_embed(posemb: torch.Tensor, source_cls: bool, model: VisionTransformer, report: LoadReport):
-    """Split off the CLS position (if the checkpoint has one), resample the patch grid to the
-    model's, and give the model the prefix it expects."""
-    source_prefix = 1 if source_cls and _is_square(posemb.shape[1] - 1) else 0  # 0: no CLS, or DeiT-III style
-    if not _is_square(posemb.shape[1] - source_prefix):
-        raise ValueError(f"pos_embed: cannot infer a square patch grid from shape {tuple(posemb.shape)}")
-    prefix, grid = posemb[:, :source_prefix], posemb[:, source_prefix:]
-    side = math.isqrt(grid.shape[1])
-    new_grid = model.patch_embed.grid_size
-    if (side, side) != new_grid:
-        grid = resample_pos_embed(grid, new_grid, (side, side), num_prefix_tokens=0)
-        report.resampled.append(f"pos_embed (grid {side}x{side} -> {new_grid[0]}x{new_grid[1]})")
-    if model.num_prefix_tokens and not source_prefix:
-        prefix = torch.zeros_like(grid[:, :1])
-        report.reinitialised.append("pos_embed[CLS] (zeros: the checkpoint has no CLS position)")
-    elif source_prefix and not model.num_prefix_tokens:
-        prefix = prefix[:, :0]
-        report.dropped.append("pos_embed[CLS]")
-    return torch.cat([prefix, grid], dim=1)
 
 
 def load_pretrained(model: nn.Module, source: str | Path, use_ema: bool = False) -> LoadReport:

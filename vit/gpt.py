@@ -1,4 +1,4 @@
-"""A small decoder-only GPT built from the same `Block` as the ViT, run with `is_causal=True`.
+"""A small decoder-only GPT built from the same `Block` as the ViT, made causal.
 
 Token + learned position embeddings -> L Blocks (causal) -> norm -> LM head tied to the token
 embedding (nanoGPT's layout, with our shared Block). The config switches on the newer options of
@@ -15,33 +15,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit.layers import Block, KVCache, make_norm, moe_aux_loss
+from vit.layers import Block, BlockConfig, KVCache, make_norm, moe_aux_loss
 from vit.position import rope_1d, sincos_1d
 from vit.registry import register_model
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(BlockConfig):
+    """The GPT's options: the Block's (see vit.layers.BlockConfig) and these."""
+
     vocab_size: int = 65  # set from the tokenizer by the text datamodule
     block_size: int = 256  # context length
     embed_dim: int = 384
     depth: int = 6
     num_heads: int = 6
-    mlp_ratio: float = 4.0
+    # nanoGPT's one dropout rate: on the embeddings, and the blocks' attn_drop_rate and proj_drop_rate
+    # unless those are set.
     dropout: float = 0.0
-    norm: str = "layernorm"  # or "rmsnorm"
-    mlp: str = "gelu"  # or "swiglu" (hidden 2/3 x mlp_ratio x width: the same parameter count)
     posemb: str = "learn"  # "learn", "sincos" (fixed, Vaswani et al.) or "rope" (rotary q and k)
-    qk_norm: bool = False
-    num_experts: int = 1  # > 1: mixture-of-experts MLP in every block (see vit.layers.MoE)
-    experts_top_k: int = 2
-    expert_capacity: float | None = None  # capacity factor; None: dropless
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.posemb not in ("learn", "sincos", "rope"):
             raise ValueError(f"posemb must be 'learn', 'sincos' or 'rope', got {self.posemb!r}")
-        if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        self.attn_drop_rate = self.attn_drop_rate or self.dropout
+        self.proj_drop_rate = self.proj_drop_rate or self.dropout
 
 
 class GPT(nn.Module):
@@ -51,14 +49,7 @@ class GPT(nn.Module):
         self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim)
         self.pos_embed = nn.Embedding(c.block_size, c.embed_dim) if c.posemb == "learn" else None
         self.drop = nn.Dropout(c.dropout)
-        options = dict(norm=c.norm, mlp=c.mlp, qk_norm=c.qk_norm, num_experts=c.num_experts)
-        options.update(experts_top_k=c.experts_top_k, expert_capacity=c.expert_capacity)
-        self.blocks = nn.ModuleList(
-            [
-                Block(c.embed_dim, c.num_heads, c.mlp_ratio, proj_drop=c.dropout, attn_drop=c.dropout, **options)
-                for _ in range(c.depth)
-            ]
-        )
+        self.blocks = nn.ModuleList([Block(c, causal=True) for _ in range(c.depth)])
         self.norm = make_norm(c.norm, c.embed_dim)
         self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
         self.lm_head.weight = self.tok_embed.weight  # weight tying (Press & Wolf 2017)
@@ -112,7 +103,7 @@ class GPT(nn.Module):
         x = self.tok_embed(idx)
         x = self.drop(x + pos_embed if pos_embed is not None else x)
         for i, block in enumerate(self.blocks):
-            x = block(x, is_causal=True, kv_cache=kv_caches[i] if kv_caches is not None else None, rope=rope)
+            x = block(x, rope=rope, kv_cache=kv_caches[i] if kv_caches is not None else None)
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()

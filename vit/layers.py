@@ -7,6 +7,7 @@ that timm state dicts load into our models without renaming.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -147,19 +148,75 @@ class KVCache:
         return k, v
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention with one fused qkv projection, or cross-attention (`cross=True`).
+class _AttentionBase(nn.Module):
+    """What self- and cross-attention share: heads, qk-norm, the two attention paths, the output
+    projection. Subclasses compute q, k, v (B, heads, N, head_dim) and call `attend`.
 
     Two paths give the same output: the fused `F.scaled_dot_product_attention` (flash /
     memory-efficient kernels on GPU; the default) and an explicit softmax(QK^T/sqrt(d))V that can
     also return the attention weights. `fused_attn` is a per-module switch, and
-    `forward(..., return_attn=True)` takes the explicit path for that one call only, so attention
-    maps can be read while the rest of the model stays fused.
-
-    `cross=True`: queries come from x, keys and values from a `context` sequence of width
-    `context_dim` (an encoder's output, another modality), through `q` and `kv` projections; a
-    self-attention layer keeps timm's single `qkv`. `qk_norm=True` normalises q and k per head
+    `return_attn=True` takes the explicit path for that one call only, so attention maps can be
+    read while the rest of the model stays fused. `qk_norm=True` normalises q and k per head
     (timm's `q_norm`/`k_norm`; ViT-22B, for stable logits at scale), with the block's norm kind.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        qk_norm: bool = False,
+        norm: str = "layernorm",
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.fused_attn = True
+        self.q_norm = make_norm(norm, self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = make_norm(norm, self.head_dim) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, N, dim) -> (B, heads, N, head_dim)."""
+        return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        return_attn: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """softmax(q k^T / sqrt(d) + mask) v, projected: (B, Nq, dim), and the weights if asked."""
+        n_q, n_k = q.shape[2], k.shape[2]
+        if attn_mask is not None or (is_causal and n_k != n_q):
+            # SDPA refuses a mask together with is_causal, and aligns its causal mask top-left when
+            # there are more keys than queries (a cache); one merged mask serves both paths.
+            attn_mask, is_causal = merge_masks(attn_mask, is_causal, n_q, n_k, q.device), False
+        attn = None
+        if self.fused_attn and not return_attn:
+            dropout_p = self.attn_drop.p if self.training else 0.0
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        else:
+            attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, n_q, n_k, q.device))
+            x = self.attn_drop(attn) @ v
+        x = x.transpose(1, 2).reshape(q.shape[0], n_q, self.num_heads * self.head_dim)
+        return self.proj_drop(self.proj(x)), attn
+
+
+class Attention(_AttentionBase):
+    """Multi-head self-attention with one fused `qkv` projection (timm's names and layout).
+
+    `causal=True` (the GPT's) lets token i attend to tokens <= i only; with a key/value cache the
+    mask is aligned so that the newest token sees every cached one.
     """
 
     def __init__(
@@ -171,83 +228,112 @@ class Attention(nn.Module):
         proj_drop: float = 0.0,
         qk_norm: bool = False,
         norm: str = "layernorm",
-        cross: bool = False,
-        context_dim: int | None = None,
+        causal: bool = False,
     ) -> None:
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim**-0.5
-        self.fused_attn = True
-        self.cross = cross
-        if cross:
-            self.q = nn.Linear(dim, dim, bias=qkv_bias)
-            self.kv = nn.Linear(context_dim or dim, dim * 2, bias=qkv_bias)
-        else:
-            self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.q_norm = make_norm(norm, self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = make_norm(norm, self.head_dim) if qk_norm else nn.Identity()
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
+        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm)
+        self.causal = causal
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
 
     def forward(
         self,
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        return_attn: bool = False,
-        num_queries: int | None = None,
-        kv_cache: KVCache | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        context: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        num_queries: int | None = None,
+        return_attn: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`num_queries=n`: only the first n tokens query (keys and values are still every token), so
-        the output is (B, n, C); for a classifier that reads only the CLS token. Not with masks.
-        `kv_cache`: x holds only new tokens; they attend to the cached ones too, and are cached.
+        """(B, N, dim) -> (B, N, dim), and the (B, heads, N, N) weights with `return_attn=True`.
+
+        `attn_mask` follows SDPA (boolean True = may attend, or additive floats).
         `rope`: (cos, sin) tables (vit.position) for the last len(cos) tokens of x; q and k are
         rotated (after qk-norm, before caching), earlier (prefix) tokens are not.
-        `context`: (B, M, context_dim) keys/values of a cross-attention layer."""
-        B, N, C = x.shape
-        if self.cross:
-            if context is None or kv_cache is not None or is_causal:
-                raise ValueError("cross-attention needs a context, and takes no kv_cache or is_causal")
-            q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-            kv = self.kv(context).reshape(B, context.shape[1], 2, self.num_heads, self.head_dim)
-            k, v = (t.transpose(1, 2) for t in kv.unbind(2))
-        else:
-            if context is not None:
-                raise ValueError("context given to a self-attention layer; build it with cross=True")
-            # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
-            # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
-            # views but makes the backward copy the whole qkv gradient once more.)
-            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
-            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, heads, N, head_dim) each
+        `kv_cache`: x holds only new tokens; they attend to the cached ones too, and are cached.
+        `num_queries=n`: only the first n tokens query (keys and values are still every token), so
+        the output is (B, n, dim): for a classifier that reads only the CLS token. Not with masks.
+        """
+        B, N = x.shape[:2]
+        # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
+        # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
+        # views but makes the backward copy the whole qkv gradient once more.)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, heads, N, head_dim) each
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if num_queries is not None:
-            if attn_mask is not None or is_causal:
-                raise ValueError("num_queries is for unmasked attention; got a mask or is_causal")
+            if attn_mask is not None or self.causal:
+                raise ValueError("num_queries is for unmasked attention; got a mask or a causal layer")
             q = q[:, :, :num_queries]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        n_k = k.shape[2]
-        if attn_mask is not None or (is_causal and n_k != N):
-            # SDPA refuses a mask together with is_causal, and aligns its causal mask top-left when
-            # there are more keys than queries (a cache); one merged mask serves both paths.
-            attn_mask, is_causal = merge_masks(attn_mask, is_causal, N, n_k, x.device), False
-        attn = None
-        if self.fused_attn and not return_attn:
-            dropout_p = self.attn_drop.p if self.training else 0.0
-            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
-        else:
-            attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, N, n_k, x.device))
-            x = self.attn_drop(attn) @ v
-        x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, q.shape[2], C)))
+        x, attn = self.attend(q, k, v, attn_mask, self.causal, return_attn)
         return (x, attn) if return_attn else x
+
+
+class CrossAttention(_AttentionBase):
+    """Queries from x, keys and values from another sequence (`context`, of width `context_dim`):
+    separate `q` and `kv` projections, timm's names. Used by the attention-pool head."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        context_dim: int | None = None,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        qk_norm: bool = False,
+        norm: str = "layernorm",
+    ) -> None:
+        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm)
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(context_dim or dim, dim * 2, bias=qkv_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        return_attn: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (B, N, dim) attends to context (B, M, context_dim): (B, N, dim), and the (B, heads, N, M)
+        weights with `return_attn=True`. `attn_mask` (B or 1, 1, N, M) follows SDPA."""
+        B, M = context.shape[:2]
+        kv = self.kv(context).reshape(B, M, 2, self.num_heads, self.head_dim)
+        k, v = (t.transpose(1, 2) for t in kv.unbind(2))
+        q, k = self.q_norm(self._heads(self.q(x))), self.k_norm(k)
+        x, attn = self.attend(q, k, v, attn_mask, return_attn=return_attn)
+        return (x, attn) if return_attn else x
+
+
+class AttentionPoolLatent(CrossAttention):
+    """Multihead attention pooling (big_vision's MAP head; SigLIP's, timm's `global_pool="map"`):
+    a learned query (`latent`) cross-attends to the tokens, then a residual MLP:
+    y = proj(attn(latent, x)); y = y + mlp(norm(y)). Returns (B, dim). timm's parameter names."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        norm: str = "layernorm",
+        mlp: str = "gelu",
+    ) -> None:
+        super().__init__(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, norm=norm)
+        self.latent = nn.Parameter(torch.zeros(1, 1, dim))
+        nn.init.trunc_normal_(self.latent, std=dim**-0.5)
+        self.norm = make_norm(norm, dim)
+        self.mlp = make_mlp(mlp, dim, int(dim * mlp_ratio))
+
+    def forward(self, x: torch.Tensor, return_attn: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (B, N, dim) -> pooled (B, dim); with `return_attn`, also the query's (B, heads, 1, N) weights."""
+        out = super().forward(self.latent.expand(x.shape[0], -1, -1), x, return_attn=return_attn)
+        y, attn = out if return_attn else (out, None)
+        y = (y + self.mlp(self.norm(y)))[:, 0]
+        return (y, attn) if return_attn else y
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -447,97 +533,85 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
+@dataclass
+class BlockConfig:
+    """The options of the one transformer Block, listed once. ViTConfig and GPTConfig inherit them,
+    so a model's kwargs stay flat with timm's names (`create_model(name, embed_dim=..., qk_norm=True)`)
+    and the model hands its own config to every Block.
+
+    Defaults are the ViT paper's / timm's block: norm "layernorm" | "rmsnorm"; mlp "gelu" | "swiglu"
+    (hidden 2/3 x mlp_ratio x width: the same parameter count); num_experts > 1 for a
+    mixture-of-experts MLP (experts_top_k experts per token, expert_capacity a capacity factor or
+    None for dropless); qk_norm; init_values for LayerScale (None: none).
+    """
+
+    embed_dim: int = 768
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    qk_norm: bool = False  # normalise q and k per head (ViT-22B)
+    init_values: float | None = None  # LayerScale init; None: no LayerScale
+    proj_drop_rate: float = 0.0  # dropout on the attention projection and in the MLP
+    attn_drop_rate: float = 0.0  # dropout on the attention weights
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    num_experts: int = 1  # > 1: mixture-of-experts MLP in every block (see MoE)
+    experts_top_k: int = 2
+    expert_capacity: float | None = None  # capacity factor; None: dropless
+
+    def __post_init__(self) -> None:
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+
+
 class Block(nn.Module):
     """Pre-norm transformer block, the one block of every model in this package:
 
     x = x + drop_path(ls1(attn(norm1(x))))
-    x = x + drop_path(ls_cross(cross_attn(norm_cross(x), context)))   # only with cross_attn=True
     x = x + drop_path(ls2(mlp(norm2(x))))
 
-    Options (defaults are the ViT paper's / timm's block): norm "layernorm" | "rmsnorm";
-    mlp "gelu" | "swiglu"; num_experts > 1 for a mixture-of-experts MLP (experts_top_k experts per
-    token, expert_capacity a capacity factor or None for dropless); qk_norm; cross_attn with
-    keys/values from a context of width context_dim. Rotary position tables come in forward.
+    Built from a BlockConfig; `drop_path` (stochastic depth) varies by depth, so the model passes
+    it; `causal=True` makes the self-attention causal (the GPT). Rotary tables come in forward.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        proj_drop: float = 0.0,
-        attn_drop: float = 0.0,
-        drop_path: float = 0.0,
-        init_values: float | None = None,
-        norm: str = "layernorm",
-        mlp: str = "gelu",
-        qk_norm: bool = False,
-        num_experts: int = 1,
-        experts_top_k: int = 2,
-        expert_capacity: float | None = None,
-        cross_attn: bool = False,
-        context_dim: int | None = None,
-    ) -> None:
+    def __init__(self, config: BlockConfig, drop_path: float = 0.0, causal: bool = False) -> None:
         super().__init__()
-        attn_options = dict(qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, qk_norm=qk_norm, norm=norm)
-        self.norm1 = make_norm(norm, dim)
-        self.attn = Attention(dim, num_heads, **attn_options)
-        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.cross_attn = None
-        if cross_attn:
-            self.norm_cross = make_norm(norm, dim)
-            self.cross_attn = Attention(dim, num_heads, **attn_options, cross=True, context_dim=context_dim)
-            self.ls_cross = LayerScale(dim, init_values) if init_values else nn.Identity()
-            self.drop_path_cross = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = make_norm(norm, dim)
-        self.mlp = make_mlp(
-            mlp, dim, int(dim * mlp_ratio), proj_drop, num_experts, experts_top_k, capacity_factor=expert_capacity
+        c, dim = config, config.embed_dim
+        self.norm1 = make_norm(c.norm, dim)
+        self.attn = Attention(
+            dim, c.num_heads, c.qkv_bias, c.attn_drop_rate, c.proj_drop_rate, c.qk_norm, c.norm, causal=causal
         )
-        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.ls1 = LayerScale(dim, c.init_values) if c.init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = make_norm(c.norm, dim)
+        hidden = int(dim * c.mlp_ratio)
+        self.mlp = make_mlp(c.mlp, dim, hidden, c.proj_drop_rate, c.num_experts, c.experts_top_k, c.expert_capacity)
+        self.ls2 = LayerScale(dim, c.init_values) if c.init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(
         self,
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        return_attn: bool = False,
-        num_queries: int | None = None,
-        kv_cache: KVCache | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        context: torch.Tensor | None = None,
-        context_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        num_queries: int | None = None,
+        return_attn: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`return_attn=True` also returns this block's (self-)attention weights, (B, heads, N, N).
+        """`return_attn=True` also returns this block's attention weights, (B, heads, N, N).
         `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost.
-        `kv_cache`, `rope`: see Attention.forward (self-attention only). `context` (B, M, context_dim)
-        and its optional `context_mask` (B or 1, 1, N, M; True = may attend) feed the cross-attention."""
-        y = self.attn(
-            self.norm1(x),
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            return_attn=return_attn,
-            num_queries=num_queries,
-            kv_cache=kv_cache,
-            rope=rope,
-        )
+        `attn_mask`, `rope`, `kv_cache`: see Attention.forward."""
+        y = self.attn(self.norm1(x), attn_mask, rope, kv_cache, num_queries, return_attn)
         y, attn = y if return_attn else (y, None)
         if num_queries is not None:
             x = x[:, :num_queries]
         x = x + self.drop_path1(self.ls1(y))
-        if self.cross_attn is not None:
-            y = self.cross_attn(self.norm_cross(x), attn_mask=context_mask, context=context)
-            x = x + self.drop_path_cross(self.ls_cross(y))
-        elif context is not None:
-            raise ValueError("context given to a block without cross-attention; build it with cross_attn=True")
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return (x, attn) if return_attn else x
 
 
 def set_fused_attn(model: nn.Module, enabled: bool) -> None:
-    """Switch every Attention in `model` between the fused (SDPA) and the explicit path."""
+    """Switch every attention layer in `model` between the fused (SDPA) and the explicit path."""
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, _AttentionBase):
             module.fused_attn = enabled

@@ -8,66 +8,61 @@ the same logits; the tests hold us to that.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timm.layers import resample_abs_pos_embed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from vit.layers import Block, PatchDropout, PatchEmbed, _pair, make_norm, moe_aux_loss
+from vit.layers import AttentionPoolLatent, Block, BlockConfig, PatchDropout, PatchEmbed, make_norm, moe_aux_loss
 from vit.position import rope_2d, sincos_2d
 from vit.registry import register_model
 
 
 @dataclass
-class ViTConfig:
+class ViTConfig(BlockConfig):
+    """The ViT's options: the Block's (embed_dim, num_heads, mlp_ratio, qkv_bias, qk_norm,
+    init_values, norm, mlp, MoE, dropouts; see BlockConfig) and these. timm's names where timm has
+    the option."""
+
     img_size: int | tuple[int, int] = 224
     patch_size: int | tuple[int, int] = 16
     in_chans: int = 3
     num_classes: int = 1000  # 0: no head, forward returns pooled features
-    global_pool: str = "token"  # "token": the CLS token; "avg": mean of the patch tokens
-    embed_dim: int = 768
+    # "token": the CLS token; "avg": mean of the patch tokens; "map": a learned query attending to the
+    # patch tokens (big_vision's MAP head, SigLIP; vit.layers.AttentionPoolLatent).
+    global_pool: str = "token"
     depth: int = 12
-    num_heads: int = 12
-    mlp_ratio: float = 4.0
-    qkv_bias: bool = True
     class_token: bool = True
     # Norm after pooling instead of before (timm/MAE convention for avg pooling); None: avg -> True.
     fc_norm: bool | None = None
-    init_values: float | None = None  # LayerScale init; None: no LayerScale
     drop_rate: float = 0.0  # dropout before the head
     pos_drop_rate: float = 0.0
-    proj_drop_rate: float = 0.0
-    attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0  # stochastic depth, rising linearly from 0 to this over the blocks
     # Resample the position embedding on the fly when the input grid differs from img_size's.
     dynamic_img_size: bool = False
-    norm: str = "layernorm"  # or "rmsnorm"
-    mlp: str = "gelu"  # or "swiglu" (hidden 2/3 x mlp_ratio x width: the same parameter count)
     # "learn" (timm), "sincos2d" (fixed, big_vision; CLS gets no position) or "rope" (2-D axial
     # rotary embedding of q and k in every block; CLS unrotated; no pos_embed parameter).
     posemb: str = "learn"
-    qk_norm: bool = False  # normalise q and k per head (ViT-22B)
-    num_experts: int = 1  # > 1: mixture-of-experts MLP in every block (see vit.layers.MoE)
-    experts_top_k: int = 2
-    expert_capacity: float | None = None  # capacity factor; None: dropless
     # Fraction of patch tokens dropped at random per image while training (not with rope).
     patch_drop_rate: float = 0.0
     # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
     stem_channels: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.posemb not in ("learn", "sincos2d", "rope"):
             raise ValueError(f"posemb must be 'learn', 'sincos2d' or 'rope', got {self.posemb!r}")
-        if self.global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {self.global_pool!r}")
+        if self.global_pool not in ("token", "avg", "map"):
+            raise ValueError(f"global_pool must be 'token', 'avg' or 'map', got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True (use global_pool='avg' without it)")
         if self.patch_drop_rate and self.posemb == "rope":
             raise ValueError("patch_drop_rate needs additive position embeddings (posemb 'learn' or 'sincos2d')")
-        if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
 
 
 class VisionTransformer(nn.Module):
@@ -94,30 +89,15 @@ class VisionTransformer(nn.Module):
         self.patch_drop = PatchDropout(c.patch_drop_rate, self.num_prefix_tokens)
 
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]
-        self.blocks = nn.Sequential(
-            *[
-                Block(
-                    c.embed_dim,
-                    c.num_heads,
-                    c.mlp_ratio,
-                    qkv_bias=c.qkv_bias,
-                    proj_drop=c.proj_drop_rate,
-                    attn_drop=c.attn_drop_rate,
-                    drop_path=dpr[i],
-                    init_values=c.init_values,
-                    norm=c.norm,
-                    mlp=c.mlp,
-                    qk_norm=c.qk_norm,
-                    num_experts=c.num_experts,
-                    experts_top_k=c.experts_top_k,
-                    expert_capacity=c.expert_capacity,
-                )
-                for i in range(c.depth)
-            ]
-        )
+        self.blocks = nn.Sequential(*[Block(c, drop_path=dpr[i]) for i in range(c.depth)])
         use_fc_norm = c.global_pool == "avg" if c.fc_norm is None else c.fc_norm
         self.norm = nn.Identity() if use_fc_norm else make_norm(c.norm, c.embed_dim)
         self.fc_norm = make_norm(c.norm, c.embed_dim) if use_fc_norm else nn.Identity()
+        self.attn_pool = None
+        if c.global_pool == "map":
+            self.attn_pool = AttentionPoolLatent(
+                c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.qk_norm, c.norm, c.mlp
+            )  # fmt: skip
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
         self.init_weights()
@@ -137,7 +117,7 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names (besides norms and biases) that weight decay should skip."""
-        return {"pos_embed", "cls_token"}
+        return {"pos_embed", "cls_token", "attn_pool.latent"}
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward pass: less memory, ~30% more compute."""
@@ -162,51 +142,64 @@ class VisionTransformer(nn.Module):
         cos, sin = rope_2d(self._grid(images), self.embed_dim // self.config.num_heads)
         return cos.to(images.device), sin.to(images.device)
 
-    def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        grid = self._grid(x)
-        x = self.patch_embed(x)
-        pos_embed = self.pos_embed
-        if pos_embed is None:  # rope: positions enter in the attention
-            if self.cls_token is not None:
-                x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-            return self.pos_drop(x)
-        if grid != self.patch_embed.grid_size and self.config.posemb == "sincos2d":
-            pos_embed = self._sincos_pos_embed(grid).to(x.device)  # a closed form: no resampling needed
-        elif grid != self.patch_embed.grid_size:
-            if not self.config.dynamic_img_size:
-                raise ValueError(
-                    f"input of {x.shape[1]} patches ({grid[0]}x{grid[1]}) does not match the position "
-                    f"embedding's {self.patch_embed.grid_size[0]}x{self.patch_embed.grid_size[1]} grid "
-                    f"(img_size={self.config.img_size}); build the model with the new img_size "
-                    "(vit.checkpoint resamples the position embedding on load) or set dynamic_img_size=True"
-                )
-            pos_embed = resample_pos_embed(pos_embed, grid, self.patch_embed.grid_size, self.num_prefix_tokens)
+    def _embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Images -> [CLS] + patch tokens with their positions, before the blocks."""
+        x = self.patch_embed(images)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        return self.patch_drop(self.pos_drop(x + pos_embed))
+        if self.pos_embed is not None:  # rope: positions enter in the attention instead
+            x = x + self._pos_embed(self._grid(images), x.device)
+        return self.patch_drop(self.pos_drop(x))
+
+    def _pos_embed(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """The additive position embedding for a patch grid, resampled (or recomputed) off img_size's."""
+        if grid == self.patch_embed.grid_size:
+            return self.pos_embed
+        if self.config.posemb == "sincos2d":  # a closed form: no resampling needed
+            return self._sincos_pos_embed(grid).to(device)
+        if not self.config.dynamic_img_size:
+            raise ValueError(
+                f"input of {grid[0] * grid[1]} patches ({grid[0]}x{grid[1]}) does not match the position "
+                f"embedding's {self.patch_embed.grid_size[0]}x{self.patch_embed.grid_size[1]} grid "
+                f"(img_size={self.config.img_size}); build the model with the new img_size "
+                "(vit.checkpoint resamples the position embedding on load) or set dynamic_img_size=True"
+            )
+        return resample_abs_pos_embed(
+            self.pos_embed, list(grid), list(self.patch_embed.grid_size), self.num_prefix_tokens
+        )  # fmt: skip
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normed tokens (B, prefix + patches, D)."""
-        return self.norm(self._run_blocks(self._embed(x), rope=self._rope(x)))
+        return self.norm(self._run_blocks(self._embed(x), self._rope(x))[0])
 
     def _run_blocks(
         self,
         x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         last_num_queries: int | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """The blocks in order; the last one returns only its first `last_num_queries` tokens if given."""
+        return_attn: bool = False,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The blocks in order, and their attention weights if `return_attn`; the last block returns
+        only its first `last_num_queries` tokens if given."""
+        attns = []
         for i, block in enumerate(self.blocks):
             num_queries = last_num_queries if i == len(self.blocks) - 1 else None
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, num_queries=num_queries, rope=rope, use_reentrant=False)
+                out = checkpoint(block, x, None, rope, None, num_queries, return_attn, use_reentrant=False)
             else:
-                x = block(x, num_queries=num_queries, rope=rope)
-        return x
+                out = block(x, rope=rope, num_queries=num_queries, return_attn=return_attn)
+            if return_attn:
+                out, attn = out
+                attns.append(attn)
+            x = out
+        return x, attns
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, N, D) -> (B, D) by global_pool; the avg and map pools read the patch tokens only."""
         if self.global_pool == "token":
             return x[:, 0]
+        if self.attn_pool is not None:
+            return self.attn_pool(x[:, self.num_prefix_tokens :])
         return x[:, self.num_prefix_tokens :].mean(dim=1)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -220,9 +213,8 @@ class VisionTransformer(nn.Module):
         and MLP for the CLS token only (its keys and values still come from every token): about 3/4 of
         that block's work, which timm spends on outputs it throws away, is skipped.
         """
-        if self.global_pool == "token":
-            return self.forward_head(self.norm(self._run_blocks(self._embed(x), 1, rope=self._rope(x))))
-        return self.forward_head(self.forward_features(x))
+        last_num_queries = 1 if self.global_pool == "token" else None
+        return self.forward_head(self.norm(self._run_blocks(self._embed(x), self._rope(x), last_num_queries)[0]))
 
     def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits and every block's attention weights, each (B, heads, N, N) with N = prefix + patches.
@@ -230,49 +222,8 @@ class VisionTransformer(nn.Module):
         Uses the explicit attention path for this call only; the weights stay in the autograd graph
         (for gradient-weighted rollout) unless called under `torch.no_grad()`.
         """
-        rope = self._rope(x)
-        x = self._embed(x)
-        attns = []
-        for block in self.blocks:
-            x, attn = block(x, return_attn=True, rope=rope)
-            attns.append(attn)
+        x, attns = self._run_blocks(self._embed(x), self._rope(x), return_attn=True)
         return self.forward_head(self.norm(x)), attns
-
-
-def resample_pos_embed(
-    posemb: torch.Tensor,
-    new_grid: tuple[int, int] | list[int],
-    old_grid: tuple[int, int] | list[int] | None = None,
-    num_prefix_tokens: int = 1,
-    interpolation: str = "bicubic",
-    antialias: bool = True,
-) -> torch.Tensor:
-    """Resample a (1, prefix + H*W, D) position embedding to a new patch grid.
-
-    The patch part is interpolated as an image (bicubic with antialiasing, like timm's
-    `resample_abs_pos_embed`); prefix tokens (CLS) are kept as they are. Identity at the same grid.
-    """
-    new_grid = _pair(tuple(new_grid) if not isinstance(new_grid, int) else new_grid)
-    num_patches = posemb.shape[1] - num_prefix_tokens
-    if old_grid is None:
-        side = math.isqrt(num_patches)
-        if side * side != num_patches:
-            raise ValueError(f"position embedding has {num_patches} patch entries, not a square grid; pass old_grid")
-        old_grid = (side, side)
-    old_grid = _pair(tuple(old_grid) if not isinstance(old_grid, int) else old_grid)
-    if old_grid[0] * old_grid[1] != num_patches:
-        raise ValueError(
-            f"position embedding of shape {tuple(posemb.shape)} has {num_patches} patch entries, "
-            f"not {old_grid[0]}x{old_grid[1]} (+{num_prefix_tokens} prefix)"
-        )
-    if new_grid == old_grid:
-        return posemb
-    prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
-    dim = posemb.shape[-1]
-    grid = grid.float().reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid, size=new_grid, mode=interpolation, antialias=antialias, align_corners=False)
-    grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(posemb.dtype)
-    return torch.cat([prefix, grid], dim=1)
 
 
 # The size table (ViT paper, Table 1; big_vision's `decode_variant`). MLP width is 4x embed_dim.
@@ -307,3 +258,112 @@ VIT_MODELS: dict[str, tuple[str, int, int]] = {
 
 for _name, (_size, _patch, _img) in VIT_MODELS.items():
     register_model(_name, VisionTransformer, ViTConfig, **VIT_SIZES[_size], patch_size=_patch, img_size=_img)
+
+
+# -- checkpoints: timm's kwargs, fix-ups of other layouts, Google's .npz files ------------------------
+
+# Our options that timm's VisionTransformer builds the same way, under the same names.
+_TIMM_FIELDS = (
+    "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "class_token", "embed_dim", "depth",
+    "num_heads", "mlp_ratio", "qkv_bias", "qk_norm", "init_values", "fc_norm", "drop_rate", "pos_drop_rate",
+    "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "dynamic_img_size", "patch_drop_rate",
+)  # fmt: skip
+
+
+def timm_kwargs(config: ViTConfig) -> dict:
+    """The kwargs of timm's `VisionTransformer` that builds this config with the same parameter names,
+    shapes and function; options timm has no equal for (set away from their defaults) are an error."""
+    default = ViTConfig()
+    unmatched = {
+        name: getattr(config, name)
+        for name in ("norm", "mlp", "posemb", "num_experts", "stem_channels")
+        if getattr(config, name) != getattr(default, name)
+    }
+    if unmatched:
+        raise ValueError(f"timm's VisionTransformer has no equivalent of {unmatched}")
+    return {name: getattr(config, name) for name in _TIMM_FIELDS}
+
+
+def checkpoint_filter_fn(
+    state_dict: dict[str, torch.Tensor], model: VisionTransformer, log: Callable[[str, str], None] | None = None
+) -> dict[str, torch.Tensor]:
+    """A ViT state dict (ours or timm's) made to fit `model` (timm's function of that name): the
+    position embedding is resampled to the model's grid, the CLS token and its position follow the
+    model, and the final norm moves between before pooling (`norm`) and after it (`fc_norm`).
+    `log(kind, what)` hears of each change: "resampled", "reinitialised", "renamed" or "dropped"."""
+    log = log or (lambda kind, what: None)
+    sd, target = dict(state_dict), model.state_dict()
+    # CLS token: dropped when the model has none, kept at its init when the checkpoint has none.
+    source_cls = "cls_token" in sd
+    if source_cls and "cls_token" not in target:
+        del sd["cls_token"]
+        log("dropped", "cls_token")
+    elif not source_cls and "cls_token" in target:
+        sd["cls_token"] = target["cls_token"]
+        log("reinitialised", "cls_token")
+
+    # Final norm before pooling (norm) or after it (fc_norm, timm's avg pooling): same parameters.
+    for old, new in (("norm", "fc_norm"), ("fc_norm", "norm")):
+        for suffix in ("weight", "bias"):
+            if f"{old}.{suffix}" in sd and f"{old}.{suffix}" not in target and f"{new}.{suffix}" in target:
+                sd[f"{new}.{suffix}"] = sd.pop(f"{old}.{suffix}")
+                log("renamed", f"{old}.{suffix} -> {new}.{suffix}")
+
+    if "pos_embed" in sd and "pos_embed" in target:
+        sd["pos_embed"] = _adapt_pos_embed(sd["pos_embed"], source_cls, model, log)
+    return sd
+
+
+def _is_square(n: int) -> bool:
+    return n >= 0 and math.isqrt(n) ** 2 == n
+
+
+def _adapt_pos_embed(
+    posemb: torch.Tensor, source_cls: bool, model: VisionTransformer, log: Callable[[str, str], None]
+) -> torch.Tensor:
+    """Split off the CLS position (if the checkpoint has one), resample the patch grid to the
+    model's, and give the model the prefix it expects."""
+    source_prefix = 1 if source_cls and _is_square(posemb.shape[1] - 1) else 0  # 0: no CLS, or DeiT-III style
+    if not _is_square(posemb.shape[1] - source_prefix):
+        raise ValueError(f"pos_embed: cannot infer a square patch grid from shape {tuple(posemb.shape)}")
+    prefix, grid = posemb[:, :source_prefix], posemb[:, source_prefix:]
+    side = math.isqrt(grid.shape[1])
+    new_grid = model.patch_embed.grid_size
+    if (side, side) != new_grid:
+        grid = resample_abs_pos_embed(grid, list(new_grid), [side, side], num_prefix_tokens=0)
+        log("resampled", f"pos_embed (grid {side}x{side} -> {new_grid[0]}x{new_grid[1]})")
+    if model.num_prefix_tokens and not source_prefix:
+        prefix = torch.zeros_like(grid[:, :1])
+        log("reinitialised", "pos_embed[CLS] (zeros: the checkpoint has no CLS position)")
+    elif source_prefix and not model.num_prefix_tokens:
+        prefix = prefix[:, :0]
+        log("dropped", "pos_embed[CLS]")
+    return torch.cat([prefix, grid], dim=1)
+
+
+def load_npz(path: str | Path, model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """Google's ViT `.npz` (big_vision / the original release) as a timm-layout state dict: read by
+    timm's converter into a timm ViT built to the file's shapes (grid, head, CLS) and the model's
+    width and depth. `checkpoint_filter_fn` then fits it to the model."""
+    import numpy as np
+    import timm
+
+    path = Path(path)
+    with np.load(path, allow_pickle=False) as w:
+        keys = set(w.files)
+        prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in keys), None)
+        if prefix is None:
+            raise ValueError(f"{path} is not a Google ViT checkpoint (no embedding/kernel)")
+        posemb = w.get(f"{prefix}Transformer/posembed_input/pos_embedding", w.get(f"{prefix}pos_embedding"))
+        num_pos = posemb.shape[1]
+        num_classes = w[f"{prefix}head/bias"].shape[0] if f"{prefix}head/bias" in keys else 0
+        patch = w[f"{prefix}embedding/kernel"].shape[0]
+        pool = "map" if f"{prefix}MAPHead_0/probe" in keys else "token" if f"{prefix}cls" in keys else "avg"
+    has_cls = f"{prefix}cls" in keys
+    config = replace(
+        model.config, img_size=math.isqrt(num_pos - has_cls) * patch, patch_size=patch, num_classes=num_classes,
+        global_pool=pool, class_token=has_cls, fc_norm=False,
+    )  # fmt: skip
+    source = timm.models.vision_transformer.VisionTransformer(**timm_kwargs(config))
+    source.load_pretrained(str(path))
+    return source.state_dict()

@@ -257,7 +257,7 @@ def test_defaults_are_todays_block():
 
 
 def test_unknown_options_are_clear_errors():
-    with pytest.raises(ValueError, match="posemb must be 'learn', 'sincos2d' or 'rope'"):
+    with pytest.raises(ValueError, match="posemb must be 'learn', 'sincos2d', 'rope' or 'none'"):
         create_model("vit_nano_patch4_16", posemb="sincos")
     with pytest.raises(ValueError, match="posemb must be 'learn', 'sincos' or 'rope'"):
         create_model("gpt_char_cpu", posemb="sincos2d")

@@ -147,8 +147,8 @@ def test_timm_kwargs_build_timms_model_with_our_names_and_logits(kwargs):
 
 
 def test_timm_kwargs_refuse_options_timm_builds_differently():
-    config = create_model("vit_nano_patch4_16", norm="rmsnorm", posemb="sincos2d").config
-    with pytest.raises(ValueError, match=re.escape("no equivalent of {'norm': 'rmsnorm', 'posemb': 'sincos2d'}")):
+    config = create_model("vit_nano_patch4_16", mlp="swiglu", posemb="sincos2d").config
+    with pytest.raises(ValueError, match=re.escape("no equivalent of {'posemb': 'sincos2d', 'mlp': 'swiglu'}")):
         vit.vision_transformer.timm_kwargs(config)
 
 
@@ -192,3 +192,138 @@ def test_training_gradients_match_timm_although_the_last_block_skips_unused_toke
     theirs_grads = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, theirs_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# -- timm's options: registers, pos-embed without prefix, pre/final norm, pools, padding --------
+
+SMALL = dict(img_size=32, patch_size=8, embed_dim=64, depth=3, num_heads=4, num_classes=5)
+TIMM_OPTION_CASES = [
+    {"reg_tokens": 4},
+    {"reg_tokens": 4, "no_embed_class": True, "init_values": 1e-5},  # DINOv2 with registers
+    {"class_token": False, "global_pool": "avg", "no_embed_class": True},
+    {"pre_norm": True},  # CLIP
+    {"final_norm": False, "global_pool": "avg"},
+    {"global_pool": "max", "reg_tokens": 2},
+    {"global_pool": "avgmax"},
+    {"global_pool": "map", "class_token": False, "reg_tokens": 1},
+    {"global_pool": ""},
+    {"posemb": "none"},
+    {"dynamic_img_size": True, "dynamic_img_pad": True},
+    {"pre_norm": True, "norm_eps": 1e-5, "act_layer": "quick_gelu"},  # OpenAI CLIP
+    {"global_pool": "map", "class_token": False, "act_layer": "gelu_tanh"},  # SigLIP
+    {"mlp": "glu", "act_layer": "silu", "mlp_ratio": 2.75, "norm": "rmsnorm", "qk_norm": True},  # SwiGLUPacked
+]
+
+
+def _timm_twin(ours: torch.nn.Module) -> torch.nn.Module:
+    """timm's VisionTransformer built from our config by `timm_kwargs`, with our weights perturbed in."""
+    theirs = timm.models.vision_transformer.VisionTransformer(**vit.vision_transformer.timm_kwargs(ours.config))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    return theirs.eval()
+
+
+@pytest.mark.parametrize("kwargs", TIMM_OPTION_CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_timms_options_give_timms_parameters_and_outputs(kwargs):
+    ours = create_model("vit_nano_patch4_16", **SMALL, **kwargs).eval()
+    theirs = _timm_twin(ours)
+    sizes = [(32, 32), (36, 28)] if kwargs.get("dynamic_img_pad") else [(32, 32)]
+    with torch.no_grad():
+        for size in sizes:
+            x = torch.randn(2, 3, *size)
+            torch.testing.assert_close(ours.forward_features(x), theirs.forward_features(x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+    assert ours.num_prefix_tokens == theirs.num_prefix_tokens
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"indices": 2, "output_fmt": "NCHW"},
+        {"indices": [0, -1], "output_fmt": "NLC", "norm": True, "return_prefix_tokens": True},
+        {"indices": [1], "intermediates_only": True, "stop_early": True},
+    ],
+)
+def test_forward_intermediates_equal_timms(options):
+    ours = create_model("vit_nano_patch4_16", **SMALL, reg_tokens=2).eval()
+    theirs = _timm_twin(ours)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        got, expected = ours.forward_intermediates(x, **options), theirs.forward_intermediates(x, **options)
+    if not options.get("intermediates_only"):
+        torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)  # the final tokens
+        got, expected = got[1], expected[1]
+    assert len(got) == len(expected) == (2 if options["indices"] != [1] else 1)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    if options.get("output_fmt") == "NCHW":
+        assert got[0].shape == (2, 64, 4, 4)
+
+
+def test_a_checkpoint_with_registers_fits_a_model_with_another_grid_or_none():
+    source = create_model("vit_nano_patch4_16", **SMALL, reg_tokens=4).eval()
+    _timm_twin(source)  # random, distinct weights
+    regrid = create_model("vit_nano_patch4_16", **{**SMALL, "img_size": 48}, reg_tokens=4)
+    changes = []
+    sd = vit.checkpoint_filter_fn(source.state_dict(), regrid, lambda kind, what: changes.append((kind, what)))
+    regrid.load_state_dict(sd, strict=True)
+    assert changes == [("resampled", "pos_embed (grid 4x4 -> 6x6)")]
+    assert torch.equal(regrid.pos_embed[:, :5], source.pos_embed[:, :5])  # CLS and register positions kept
+    assert torch.equal(regrid.reg_token, source.reg_token)
+
+    plain = create_model("vit_nano_patch4_16", **SMALL)
+    changes.clear()
+    plain.load_state_dict(vit.checkpoint_filter_fn(source.state_dict(), plain, lambda *c: changes.append(c)))
+    assert changes == [("dropped", "reg_token"), ("dropped", "pos_embed[registers]")]
+    assert torch.equal(plain.pos_embed, torch.cat([source.pos_embed[:, :1], source.pos_embed[:, 5:]], dim=1))
+
+
+# -- timm's model names ----------------------------------------------------------------------------
+
+TIMM_VIT_NAMES = timm.list_models("vit_*", module="vision_transformer")
+
+
+def test_every_timm_vision_transformer_name_is_built_or_refused_with_the_reason():
+    supported = set(vit.list_models("vit_*"))
+    unsupported = vit.registry.unsupported_models()
+    assert all(name in supported or name in unsupported for name in TIMM_VIT_NAMES)
+    assert len([n for n in TIMM_VIT_NAMES if n in supported]) >= 125  # of 138 in timm 1.0.x
+    assert all("ParallelScalingBlock" in r or "ParallelThingsBlock" in r or "diff" in r or "ResPostBlock" in r
+               for n, r in unsupported.items() if n in TIMM_VIT_NAMES)  # fmt: skip
+    parallel = next(n for n, r in unsupported.items() if "ParallelScalingBlock" in r)
+    with pytest.raises(ValueError, match=f"{parallel}' is not supported: timm's block_fn"):
+        create_model(parallel)
+
+
+def test_timm_names_have_timms_parameter_names_and_shapes():
+    """Every supported timm name, built on the meta device (no memory): the same state dict layout."""
+    for name in TIMM_VIT_NAMES:
+        if name not in vit.list_models():
+            continue
+        with torch.device("meta"):
+            ours, theirs = create_model(name), timm.create_model(name)
+        assert {k: v.shape for k, v in ours.state_dict().items()} == {
+            k: v.shape for k, v in theirs.state_dict().items()
+        }, name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vit_base_patch16_clip_quickgelu_224",  # pre-norm, eps 1e-5, quick GELU
+        "vit_base_patch16_siglip_224",  # MAP head, tanh GELU, no CLS
+        "vit_small_patch14_reg4_dinov2",  # registers, pos-embed without prefix, LayerScale
+        "vit_medium_patch16_reg1_gap_256",  # avg pool, one register
+    ],
+)
+def test_timm_named_models_give_timms_logits(name):
+    small = dict(depth=2, num_classes=4)
+    theirs = _perturbed_timm(name, **small)
+    ours = create_model(name, **small).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    size = ours.config.img_size if isinstance(ours.config.img_size, int) else ours.config.img_size[0]
+    x = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-4, rtol=1e-4)

@@ -50,7 +50,7 @@ class GPT(nn.Module):
         self.pos_embed = nn.Embedding(c.block_size, c.embed_dim) if c.posemb == "learn" else None
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList([Block(c, causal=True) for _ in range(c.depth)])
-        self.norm = make_norm(c.norm, c.embed_dim)
+        self.norm = make_norm(c.norm, c.embed_dim, c.norm_eps)
         self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
         self.lm_head.weight = self.tok_embed.weight  # weight tying (Press & Wolf 2017)
         self.init_weights()

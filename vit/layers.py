@@ -20,16 +20,39 @@ def _pair(x: int | tuple[int, int]) -> tuple[int, int]:
     return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
 
 
-def make_norm(kind: str, dim: int) -> nn.Module:
-    """A normalisation layer by name. eps=1e-6 as in timm/big_vision ViTs (PyTorch's default is 1e-5).
+def make_norm(kind: str, dim: int, eps: float = 1e-6) -> nn.Module:
+    """A normalisation layer by name. eps=1e-6 as in timm/big_vision ViTs (PyTorch's default is 1e-5,
+    which CLIP's weights were trained with).
 
     "rmsnorm" (Zhang & Sennrich 2019; LLaMA) scales by the root mean square without centring and
     has no bias: a little cheaper, and in practice as good as LayerNorm."""
     if kind == "layernorm":
-        return nn.LayerNorm(dim, eps=1e-6)
+        return nn.LayerNorm(dim, eps=eps)
     if kind == "rmsnorm":
-        return nn.RMSNorm(dim, eps=1e-6)
+        return nn.RMSNorm(dim, eps=eps)
     raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the GELU approximation OpenAI's CLIP was trained with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # SigLIP's
+    "quick_gelu": QuickGELU,
+    "silu": nn.SiLU,
+}
+
+
+def make_act(name: str) -> nn.Module:
+    """An activation by timm's name."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]()
 
 
 class PatchEmbed(nn.Module):
@@ -48,12 +71,16 @@ class PatchEmbed(nn.Module):
         in_chans: int = 3,
         embed_dim: int = 768,
         stem_channels: tuple[int, ...] | None = None,
+        bias: bool = True,
+        dynamic_img_pad: bool = False,
     ) -> None:
         super().__init__()
         self.img_size = _pair(img_size)
         self.patch_size = _pair(patch_size)
-        check_divisible(self.img_size, self.patch_size)
-        self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+        self.dynamic_img_pad = dynamic_img_pad
+        if not dynamic_img_pad:
+            check_divisible(self.img_size, self.patch_size)
+        self.grid_size = self.dynamic_feat_size(self.img_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.backbone = None
         if stem_channels:
@@ -70,12 +97,21 @@ class PatchEmbed(nn.Module):
             self.backbone = nn.Sequential(*layers)
             self.proj = nn.Conv2d(stem_channels[-1], embed_dim, kernel_size=1)
         else:
-            self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
+            self.proj = nn.Conv2d(in_chans, embed_dim, self.patch_size, stride=self.patch_size, bias=bias)
+
+    def dynamic_feat_size(self, img_size: tuple[int, int]) -> tuple[int, int]:
+        """The patch grid of an image size (rounded up with `dynamic_img_pad`; timm's name)."""
+        (h, w), (ph, pw) = img_size, self.patch_size
+        return (-(-h // ph), -(-w // pw)) if self.dynamic_img_pad else (h // ph, w // pw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> (B, H/p * W/p, D), row-major over the patch grid."""
+        """(B, C, H, W) -> (B, H/p * W/p, D), row-major over the patch grid. With `dynamic_img_pad`
+        the image is zero-padded on the bottom and right to a multiple of the patch size (timm's)."""
         if x.ndim != 4:
             raise ValueError(f"PatchEmbed expects images of shape (B, C, H, W), got {tuple(x.shape)}")
+        if self.dynamic_img_pad:
+            (ph, pw), (h, w) = self.patch_size, x.shape[-2:]
+            x = F.pad(x, (0, (pw - w % pw) % pw, 0, (ph - h % ph) % ph))
         check_divisible(tuple(x.shape[-2:]), self.patch_size)
         if self.backbone is not None:
             x = self.backbone(x)
@@ -168,6 +204,7 @@ class _AttentionBase(nn.Module):
         proj_drop: float = 0.0,
         qk_norm: bool = False,
         norm: str = "layernorm",
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -176,8 +213,8 @@ class _AttentionBase(nn.Module):
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
-        self.q_norm = make_norm(norm, self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = make_norm(norm, self.head_dim) if qk_norm else nn.Identity()
+        self.q_norm = make_norm(norm, self.head_dim, norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = make_norm(norm, self.head_dim, norm_eps) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -228,9 +265,10 @@ class Attention(_AttentionBase):
         proj_drop: float = 0.0,
         qk_norm: bool = False,
         norm: str = "layernorm",
+        norm_eps: float = 1e-6,
         causal: bool = False,
     ) -> None:
-        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm)
+        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps)
         self.causal = causal
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
 
@@ -285,8 +323,9 @@ class CrossAttention(_AttentionBase):
         proj_drop: float = 0.0,
         qk_norm: bool = False,
         norm: str = "layernorm",
+        norm_eps: float = 1e-6,
     ) -> None:
-        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm)
+        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps)
         self.q = nn.Linear(dim, dim, bias=qkv_bias)
         self.kv = nn.Linear(context_dim or dim, dim * 2, bias=qkv_bias)
 
@@ -320,13 +359,14 @@ class AttentionPoolLatent(CrossAttention):
         qkv_bias: bool = True,
         qk_norm: bool = False,
         norm: str = "layernorm",
-        mlp: str = "gelu",
+        norm_eps: float = 1e-6,
+        act: str = "gelu",
     ) -> None:
-        super().__init__(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, norm=norm)
+        super().__init__(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, norm=norm, norm_eps=norm_eps)
         self.latent = nn.Parameter(torch.zeros(1, 1, dim))
         nn.init.trunc_normal_(self.latent, std=dim**-0.5)
-        self.norm = make_norm(norm, dim)
-        self.mlp = make_mlp(mlp, dim, int(dim * mlp_ratio))
+        self.norm = make_norm(norm, dim, norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act)  # a plain MLP whatever the blocks use, as timm
 
     def forward(self, x: torch.Tensor, return_attn: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Tokens (B, N, dim) -> pooled (B, dim); with `return_attn`, also the query's (B, heads, 1, N) weights."""
@@ -348,12 +388,12 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
 
 
 class Mlp(nn.Module):
-    """fc1 -> GELU -> fc2, the transformer feed-forward layer."""
+    """fc1 -> GELU (or `act`) -> fc2, the transformer feed-forward layer."""
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "gelu") -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
+        self.act = make_act(act)
         self.drop1 = nn.Dropout(drop)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
@@ -367,19 +407,25 @@ class SwiGLU(nn.Module):
 
     fc1 computes value and gate in one matmul (first half value, second half gate). Three
     dim x hidden matrices instead of two, so `make_mlp` gives it 2/3 of the GELU MLP's hidden
-    width to keep the parameter count (and FLOPs) about the same.
+    width to keep the parameter count (and FLOPs) about the same. `gate_first=True` is timm's
+    packed layout (`GluMlp`, `SwiGLUPacked`: the first half is the gate).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "silu", gate_first: bool = False
+    ) -> None:
         super().__init__()
+        self.gate_first = gate_first
         self.fc1 = nn.Linear(dim, 2 * hidden_dim)
-        self.act = nn.SiLU()
+        self.act = make_act(act)
         self.drop1 = nn.Dropout(drop)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         value, gate = self.fc1(x).chunk(2, dim=-1)
+        if self.gate_first:
+            value, gate = gate, value
         return self.drop2(self.fc2(self.drop1(self.act(gate) * value)))
 
 
@@ -422,6 +468,7 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         kind: str = "gelu",
         drop: float = 0.0,
+        act: str | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -430,7 +477,7 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor must be positive (or None for dropless), got {capacity_factor}")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = nn.ModuleList([make_mlp(kind, dim, hidden_dim, drop) for _ in range(num_experts)])
+        self.experts = nn.ModuleList([make_mlp(kind, dim, hidden_dim, drop, act=act) for _ in range(num_experts)])
         self.aux_loss: torch.Tensor | None = None
         self.dropped_fraction = 0.0
 
@@ -480,17 +527,22 @@ def make_mlp(
     num_experts: int = 1,
     top_k: int = 2,
     capacity_factor: float | None = None,
+    act: str | None = None,
 ) -> nn.Module:
-    """The feed-forward layer by name: "gelu" (Mlp, timm's) or "swiglu" (SwiGLU at 2/3 of
-    hidden_dim, the same parameter count). num_experts > 1 makes it a MoE of such MLPs; with
-    num_experts = 1 it is the dense layer itself (same parameters and names as before)."""
+    """The feed-forward layer by name: "gelu" (Mlp, timm's; GELU unless `act` names another),
+    "swiglu" (SwiGLU at 2/3 of hidden_dim, the same parameter count) or "glu" (timm's packed
+    GluMlp in a ViT: fc1 is hidden_dim wide, its first half the gate; GELU unless `act`: with "silu"
+    it is timm's SwiGLUPacked). num_experts > 1
+    makes it a MoE of such MLPs; with num_experts = 1 it is the dense layer itself."""
     if num_experts > 1:
-        return MoE(dim, hidden_dim, num_experts, top_k, capacity_factor, kind, drop)
+        return MoE(dim, hidden_dim, num_experts, top_k, capacity_factor, kind, drop, act)
     if kind == "gelu":
-        return Mlp(dim, hidden_dim, drop)
+        return Mlp(dim, hidden_dim, drop, act or "gelu")
     if kind == "swiglu":
-        return SwiGLU(dim, swiglu_hidden_dim(hidden_dim), drop)
-    raise ValueError(f"unknown mlp {kind!r}; expected 'gelu' or 'swiglu'")
+        return SwiGLU(dim, swiglu_hidden_dim(hidden_dim), drop, act or "silu")
+    if kind == "glu":
+        return SwiGLU(dim, hidden_dim // 2, drop, act or "gelu", gate_first=True)
+    raise ValueError(f"unknown mlp {kind!r}; expected 'gelu', 'swiglu' or 'glu'")
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
@@ -539,8 +591,9 @@ class BlockConfig:
     so a model's kwargs stay flat with timm's names (`create_model(name, embed_dim=..., qk_norm=True)`)
     and the model hands its own config to every Block.
 
-    Defaults are the ViT paper's / timm's block: norm "layernorm" | "rmsnorm"; mlp "gelu" | "swiglu"
-    (hidden 2/3 x mlp_ratio x width: the same parameter count); num_experts > 1 for a
+    Defaults are the ViT paper's / timm's block: norm "layernorm" | "rmsnorm" (eps norm_eps); mlp
+    "gelu" | "swiglu" (hidden 2/3 x mlp_ratio x width: the same parameter count) | "glu" (timm's
+    packed layout), with act_layer "gelu" | "gelu_tanh" | "quick_gelu" | "silu"; num_experts > 1 for a
     mixture-of-experts MLP (experts_top_k experts per token, expert_capacity a capacity factor or
     None for dropless); qk_norm; init_values for LayerScale (None: none).
     """
@@ -554,7 +607,9 @@ class BlockConfig:
     proj_drop_rate: float = 0.0  # dropout on the attention projection and in the MLP
     attn_drop_rate: float = 0.0  # dropout on the attention weights
     norm: str = "layernorm"
+    norm_eps: float = 1e-6
     mlp: str = "gelu"
+    act_layer: str | None = None  # the MLP's activation (timm's name); None: the mlp kind's own
     num_experts: int = 1  # > 1: mixture-of-experts MLP in every block (see MoE)
     experts_top_k: int = 2
     expert_capacity: float | None = None  # capacity factor; None: dropless
@@ -577,15 +632,17 @@ class Block(nn.Module):
     def __init__(self, config: BlockConfig, drop_path: float = 0.0, causal: bool = False) -> None:
         super().__init__()
         c, dim = config, config.embed_dim
-        self.norm1 = make_norm(c.norm, dim)
+        self.norm1 = make_norm(c.norm, dim, c.norm_eps)
         self.attn = Attention(
-            dim, c.num_heads, c.qkv_bias, c.attn_drop_rate, c.proj_drop_rate, c.qk_norm, c.norm, causal=causal
+            dim, c.num_heads, c.qkv_bias, c.attn_drop_rate, c.proj_drop_rate, c.qk_norm, c.norm, c.norm_eps, causal
         )
         self.ls1 = LayerScale(dim, c.init_values) if c.init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = make_norm(c.norm, dim)
+        self.norm2 = make_norm(c.norm, dim, c.norm_eps)
         hidden = int(dim * c.mlp_ratio)
-        self.mlp = make_mlp(c.mlp, dim, hidden, c.proj_drop_rate, c.num_experts, c.experts_top_k, c.expert_capacity)
+        self.mlp = make_mlp(
+            c.mlp, dim, hidden, c.proj_drop_rate, c.num_experts, c.experts_top_k, c.expert_capacity, c.act_layer
+        )  # fmt: skip
         self.ls2 = LayerScale(dim, c.init_values) if c.init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 

@@ -24,6 +24,7 @@ class ModelEntry:
 
 
 _MODELS: dict[str, ModelEntry] = {}
+_UNSUPPORTED: dict[str, str] = {}  # names we know of (timm's) but do not build, and why
 
 
 def register_model(name: str, build: Callable[[Any], nn.Module], config_cls: type, **defaults: Any) -> None:
@@ -31,6 +32,16 @@ def register_model(name: str, build: Callable[[Any], nn.Module], config_cls: typ
         raise ValueError(f"model {name!r} is registered twice")
     _check_fields(name, config_cls, defaults)
     _MODELS[name] = ModelEntry(build, config_cls, defaults)
+
+
+def register_unsupported(name: str, reason: str) -> None:
+    """A name users may ask for that we do not build: `create_model(name)` then says why."""
+    _UNSUPPORTED[name] = reason
+
+
+def unsupported_models() -> dict[str, str]:
+    """Known names (timm's) that are not built here, with the reason."""
+    return dict(_UNSUPPORTED)
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -51,10 +62,12 @@ def create_model(name: str, **overrides: Any) -> nn.Module:
 
 
 def _entry(name: str) -> ModelEntry:
+    if name in _UNSUPPORTED:
+        raise ValueError(f"model {name!r} is not supported: {_UNSUPPORTED[name]}")
     if name not in _MODELS:
         close = difflib.get_close_matches(name, _MODELS, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown model {name!r}.{hint} Registered models: {', '.join(list_models())}")
+        raise ValueError(f"unknown model {name!r}.{hint} See vit.list_models() for the {len(_MODELS)} registered names")
     return _MODELS[name]
 
 

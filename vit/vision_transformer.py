@@ -7,20 +7,35 @@ the same logits; the tests hold us to that.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
+import timm
 import torch
 import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from vit.layers import AttentionPoolLatent, Block, BlockConfig, PatchDropout, PatchEmbed, make_norm, moe_aux_loss
+from vit.layers import (
+    ACTIVATIONS,
+    AttentionPoolLatent,
+    Block,
+    BlockConfig,
+    PatchDropout,
+    PatchEmbed,
+    make_norm,
+    moe_aux_loss,
+)
 from vit.position import rope_2d, sincos_2d
-from vit.registry import register_model
+from vit.registry import register_model, register_unsupported
+
+GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 
 
 @dataclass
@@ -33,20 +48,27 @@ class ViTConfig(BlockConfig):
     patch_size: int | tuple[int, int] = 16
     in_chans: int = 3
     num_classes: int = 1000  # 0: no head, forward returns pooled features
-    # "token": the CLS token; "avg": mean of the patch tokens; "map": a learned query attending to the
-    # patch tokens (big_vision's MAP head, SigLIP; vit.layers.AttentionPoolLatent).
+    # "token": the CLS token; "avg" / "max" / "avgmax": mean / max / their average over the patch
+    # tokens; "map": a learned query attending to the patch tokens (big_vision's MAP head, SigLIP;
+    # vit.layers.AttentionPoolLatent); "": no pooling (the head sees every token).
     global_pool: str = "token"
     depth: int = 12
     class_token: bool = True
-    # Norm after pooling instead of before (timm/MAE convention for avg pooling); None: avg -> True.
+    reg_tokens: int = 0  # register tokens after the CLS token (Darcet et al. 2024; DINOv2-reg)
+    # The position embedding covers the patches only; prefix tokens get none (DeiT III, big_vision).
+    no_embed_class: bool = False
+    pre_norm: bool = False  # a norm before the blocks, and no patch-embed bias (CLIP)
+    final_norm: bool = True  # False: no norm after the blocks (nor after pooling)
+    # Norm after pooling instead of before (timm/MAE convention for avg pooling); None: avg/max -> True.
     fc_norm: bool | None = None
     drop_rate: float = 0.0  # dropout before the head
     pos_drop_rate: float = 0.0
     drop_path_rate: float = 0.0  # stochastic depth, rising linearly from 0 to this over the blocks
     # Resample the position embedding on the fly when the input grid differs from img_size's.
     dynamic_img_size: bool = False
-    # "learn" (timm), "sincos2d" (fixed, big_vision; CLS gets no position) or "rope" (2-D axial
-    # rotary embedding of q and k in every block; CLS unrotated; no pos_embed parameter).
+    dynamic_img_pad: bool = False  # pad inputs to a multiple of the patch size
+    # "learn" (timm), "sincos2d" (fixed, big_vision; CLS gets no position), "rope" (2-D axial
+    # rotary embedding of q and k in every block; CLS unrotated; no pos_embed parameter) or "none".
     posemb: str = "learn"
     # Fraction of patch tokens dropped at random per image while training (not with rope).
     patch_drop_rate: float = 0.0
@@ -55,10 +77,10 @@ class ViTConfig(BlockConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.posemb not in ("learn", "sincos2d", "rope"):
-            raise ValueError(f"posemb must be 'learn', 'sincos2d' or 'rope', got {self.posemb!r}")
-        if self.global_pool not in ("token", "avg", "map"):
-            raise ValueError(f"global_pool must be 'token', 'avg' or 'map', got {self.global_pool!r}")
+        if self.posemb not in ("learn", "sincos2d", "rope", "none"):
+            raise ValueError(f"posemb must be 'learn', 'sincos2d', 'rope' or 'none', got {self.posemb!r}")
+        if self.global_pool not in GLOBAL_POOLS:
+            raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True (use global_pool='avg' without it)")
         if self.patch_drop_rate and self.posemb == "rope":
@@ -72,31 +94,39 @@ class VisionTransformer(nn.Module):
         self.num_classes = c.num_classes
         self.global_pool = c.global_pool
         self.embed_dim = self.num_features = c.embed_dim
-        self.num_prefix_tokens = 1 if c.class_token else 0
+        self.num_prefix_tokens = int(c.class_token) + c.reg_tokens
+        self.num_reg_tokens = c.reg_tokens
         self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels)
+        self.patch_embed = PatchEmbed(
+            c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels, not c.pre_norm, c.dynamic_img_pad
+        )  # fmt: skip
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
-        # As in timm and the original ViT, the position embedding has an entry for the CLS token too.
-        num_pos = self.patch_embed.num_patches + self.num_prefix_tokens
+        self.reg_token = nn.Parameter(torch.zeros(1, c.reg_tokens, c.embed_dim)) if c.reg_tokens else None
+        # As in timm and the original ViT, the position embedding has entries for the prefix tokens
+        # too, unless no_embed_class.
+        self.num_pos_prefix = 0 if c.no_embed_class else self.num_prefix_tokens
         if c.posemb == "learn":
-            self.pos_embed = nn.Parameter(torch.zeros(1, num_pos, c.embed_dim))
+            self.pos_embed = nn.Parameter(
+                torch.zeros(1, self.patch_embed.num_patches + self.num_pos_prefix, c.embed_dim)
+            )
         elif c.posemb == "sincos2d":  # fixed: a buffer, recomputed rather than stored in checkpoints
             self.register_buffer("pos_embed", self._sincos_pos_embed(self.patch_embed.grid_size), persistent=False)
-        else:  # rope: positions enter in every attention layer
+        else:  # rope: positions enter in every attention layer; or none
             self.pos_embed = None
         self.pos_drop = nn.Dropout(c.pos_drop_rate)
         self.patch_drop = PatchDropout(c.patch_drop_rate, self.num_prefix_tokens)
+        self.norm_pre = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.pre_norm else nn.Identity()
 
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]
         self.blocks = nn.Sequential(*[Block(c, drop_path=dpr[i]) for i in range(c.depth)])
-        use_fc_norm = c.global_pool == "avg" if c.fc_norm is None else c.fc_norm
-        self.norm = nn.Identity() if use_fc_norm else make_norm(c.norm, c.embed_dim)
-        self.fc_norm = make_norm(c.norm, c.embed_dim) if use_fc_norm else nn.Identity()
+        use_fc_norm = c.global_pool in ("avg", "max", "avgmax") if c.fc_norm is None else c.fc_norm
+        self.norm = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.final_norm and not use_fc_norm else nn.Identity()
+        self.fc_norm = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.final_norm and use_fc_norm else nn.Identity()
         self.attn_pool = None
         if c.global_pool == "map":
             self.attn_pool = AttentionPoolLatent(
-                c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.qk_norm, c.norm, c.mlp
+                c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.qk_norm, c.norm, c.norm_eps, c.act_layer or "gelu"
             )  # fmt: skip
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
@@ -104,11 +134,12 @@ class VisionTransformer(nn.Module):
 
     def init_weights(self) -> None:
         """timm's default: trunc-normal(0.02) for pos-embed and Linear weights, zero biases,
-        CLS token normal(1e-6); conv and norms keep PyTorch's defaults."""
+        CLS and register tokens normal(1e-6); conv and norms keep PyTorch's defaults."""
         if isinstance(self.pos_embed, nn.Parameter):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        if self.cls_token is not None:
-            nn.init.normal_(self.cls_token, std=1e-6)
+        for token in (self.cls_token, self.reg_token):
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
@@ -117,7 +148,7 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names (besides norms and biases) that weight decay should skip."""
-        return {"pos_embed", "cls_token", "attn_pool.latent"}
+        return {"pos_embed", "cls_token", "reg_token", "attn_pool.latent"}
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward pass: less memory, ~30% more compute."""
@@ -130,10 +161,10 @@ class VisionTransformer(nn.Module):
     def _sincos_pos_embed(self, grid: tuple[int, int]) -> torch.Tensor:
         """big_vision's 2-D sin-cos table for the patches, zeros for the prefix tokens: (1, N, D)."""
         table = sincos_2d(grid[0], grid[1], self.embed_dim)
-        return F.pad(table, (0, 0, self.num_prefix_tokens, 0))[None]
+        return F.pad(table, (0, 0, self.num_pos_prefix, 0))[None]
 
     def _grid(self, x: torch.Tensor) -> tuple[int, int]:
-        return (x.shape[-2] // self.patch_embed.patch_size[0], x.shape[-1] // self.patch_embed.patch_size[1])
+        return self.patch_embed.dynamic_feat_size(tuple(x.shape[-2:]))
 
     def _rope(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """posemb="rope": the (cos, sin) tables of the images' patch grid, shared by every block."""
@@ -143,13 +174,16 @@ class VisionTransformer(nn.Module):
         return cos.to(images.device), sin.to(images.device)
 
     def _embed(self, images: torch.Tensor) -> torch.Tensor:
-        """Images -> [CLS] + patch tokens with their positions, before the blocks."""
+        """Images -> [CLS, registers] + patch tokens with their positions, as the blocks take them."""
         x = self.patch_embed(images)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        if self.pos_embed is not None:  # rope: positions enter in the attention instead
-            x = x + self._pos_embed(self._grid(images), x.device)
-        return self.patch_drop(self.pos_drop(x))
+        pos_embed = self._pos_embed(self._grid(images), x.device) if self.pos_embed is not None else None
+        if pos_embed is not None and self.config.no_embed_class:
+            x = x + pos_embed  # the patches only
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        x = torch.cat([*prefix, x], dim=1) if prefix else x
+        if pos_embed is not None and not self.config.no_embed_class:
+            x = x + pos_embed  # prefix and patches
+        return self.norm_pre(self.patch_drop(self.pos_drop(x)))
 
     def _pos_embed(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
         """The additive position embedding for a patch grid, resampled (or recomputed) off img_size's."""
@@ -164,9 +198,7 @@ class VisionTransformer(nn.Module):
                 f"(img_size={self.config.img_size}); build the model with the new img_size "
                 "(vit.checkpoint resamples the position embedding on load) or set dynamic_img_size=True"
             )
-        return resample_abs_pos_embed(
-            self.pos_embed, list(grid), list(self.patch_embed.grid_size), self.num_prefix_tokens
-        )  # fmt: skip
+        return resample_abs_pos_embed(self.pos_embed, list(grid), list(self.patch_embed.grid_size), self.num_pos_prefix)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normed tokens (B, prefix + patches, D)."""
@@ -178,12 +210,16 @@ class VisionTransformer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         last_num_queries: int | None = None,
         return_attn: bool = False,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The blocks in order, and their attention weights if `return_attn`; the last block returns
-        only its first `last_num_queries` tokens if given."""
-        attns = []
-        for i, block in enumerate(self.blocks):
-            num_queries = last_num_queries if i == len(self.blocks) - 1 else None
+        take: Collection[int] = (),
+        depth: int | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The first `depth` blocks (all by default) in order: the output, the attention weights of
+        every block if `return_attn`, and the outputs of the blocks numbered in `take`. The last block
+        returns only its first `last_num_queries` tokens if given."""
+        attns, taken = [], []
+        blocks = self.blocks[:depth] if depth is not None else self.blocks
+        for i, block in enumerate(blocks):
+            num_queries = last_num_queries if i == len(blocks) - 1 else None
             if self.grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(block, x, None, rope, None, num_queries, return_attn, use_reentrant=False)
             else:
@@ -192,15 +228,57 @@ class VisionTransformer(nn.Module):
                 out, attn = out
                 attns.append(attn)
             x = out
-        return x, attns
+            if i in take:
+                taken.append(x)
+        return x, attns, taken
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list | tuple[torch.Tensor, list]:
+        """timm's feature API: the outputs of the blocks chosen by `indices` (an int n: the last n;
+        a list: those, negatives from the end; None: all), for detection / segmentation heads.
+
+        Each is (B, D, H, W) on the patch grid ("NCHW") or (B, patches, D) ("NLC"), prefix tokens
+        removed (or paired with them, `return_prefix_tokens`), after the final norm if `norm`.
+        Returns (final normed tokens, intermediates), or the intermediates only; `stop_early` skips
+        the blocks after the last one asked for (the "final" tokens are then that block's, as in timm).
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take = _take_indices(len(self.blocks), indices)
+        depth = max(take) + 1 if stop_early else None
+        tokens, _, taken = self._run_blocks(self._embed(x), self._rope(x), take=set(take), depth=depth)
+        taken = [self.norm(t) for t in taken] if norm else taken
+        prefix = [t[:, : self.num_prefix_tokens] for t in taken]
+        out = [t[:, self.num_prefix_tokens :] for t in taken]
+        if output_fmt == "NCHW":
+            h, w = self._grid(x)
+            out = [t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for t in out]
+        if return_prefix_tokens:
+            out = list(zip(out, prefix, strict=True))
+        return out if intermediates_only else (self.norm(tokens), out)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (B, N, D) -> (B, D) by global_pool; the avg and map pools read the patch tokens only."""
+        """Tokens (B, N, D) -> (B, D) by global_pool; all but "token" read the patch tokens only."""
+        if not self.global_pool:
+            return x
         if self.global_pool == "token":
             return x[:, 0]
+        patches = x[:, self.num_prefix_tokens :]
         if self.attn_pool is not None:
-            return self.attn_pool(x[:, self.num_prefix_tokens :])
-        return x[:, self.num_prefix_tokens :].mean(dim=1)
+            return self.attn_pool(patches)
+        if self.global_pool == "avg":
+            return patches.mean(dim=1)
+        if self.global_pool == "max":
+            return patches.amax(dim=1)
+        return 0.5 * (patches.amax(dim=1) + patches.mean(dim=1))  # avgmax
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.head_drop(self.fc_norm(self.pool(x)))
@@ -222,8 +300,21 @@ class VisionTransformer(nn.Module):
         Uses the explicit attention path for this call only; the weights stay in the autograd graph
         (for gradient-weighted rollout) unless called under `torch.no_grad()`.
         """
-        x, attns = self._run_blocks(self._embed(x), self._rope(x), return_attn=True)
+        x, attns, _ = self._run_blocks(self._embed(x), self._rope(x), return_attn=True)
         return self.forward_head(self.norm(x)), attns
+
+
+def _take_indices(num_blocks: int, indices: int | list[int] | None) -> list[int]:
+    """timm's block selection: None -> all, n -> the last n, a list -> those (negatives from the end)."""
+    if indices is None or isinstance(indices, int):
+        n = num_blocks if indices is None else indices
+        if not 0 < n <= num_blocks:
+            raise ValueError(f"indices={n}: the last n blocks needs 1 <= n <= {num_blocks}")
+        return list(range(num_blocks - n, num_blocks))
+    take = [i + num_blocks if i < 0 else i for i in indices]
+    if not take or not all(0 <= i < num_blocks for i in take):
+        raise ValueError(f"indices {indices} are not block numbers of a {num_blocks}-block model")
+    return take
 
 
 # The size table (ViT paper, Table 1; big_vision's `decode_variant`). MLP width is 4x embed_dim.
@@ -260,47 +351,131 @@ for _name, (_size, _patch, _img) in VIT_MODELS.items():
     register_model(_name, VisionTransformer, ViTConfig, **VIT_SIZES[_size], patch_size=_patch, img_size=_img)
 
 
+# -- every timm VisionTransformer by name, read from timm's own model functions ---------------------
+
+
+class _Recorded(Exception):
+    pass
+
+
+def timm_model_args(name: str) -> dict:
+    """The kwargs timm's model function `name` hands to its VisionTransformer builder, read by calling
+    the function with the builder swapped for a recorder: nothing is built, the values are timm's."""
+    import timm.models.vision_transformer as timm_vit
+
+    recorded: dict = {}
+
+    def record(variant: str, pretrained: bool = False, **kwargs: object) -> None:
+        recorded.update(kwargs)
+        raise _Recorded
+
+    with mock.patch.object(timm_vit, "_create_vision_transformer", record):
+        try:
+            timm.models.model_entrypoint(name)()
+        except _Recorded:
+            return recorded
+    raise ValueError(f"timm's {name} does not build a VisionTransformer through _create_vision_transformer")
+
+
+def from_timm_args(args: dict) -> dict:
+    """timm's VisionTransformer kwargs as ViTConfig fields; anything without an equal is a ValueError."""
+    from timm.layers import GluMlp, LayerNorm, RmsNorm
+
+    fields = {f.name for f in dataclasses.fields(ViTConfig)}
+    out = {}
+    for key, value in args.items():
+        func, keywords = getattr(value, "func", value), getattr(value, "keywords", {})
+        if key == "norm_layer" and func in (LayerNorm, RmsNorm, nn.LayerNorm, nn.RMSNorm):
+            out["norm"] = "layernorm" if func in (LayerNorm, nn.LayerNorm) else "rmsnorm"
+            out["norm_eps"] = keywords.get("eps", 1e-5 if func is nn.LayerNorm else 1e-6)
+        elif key == "act_layer" and (value in ACTIVATIONS or func in (nn.SiLU, nn.GELU)):
+            out["act_layer"] = value if isinstance(value, str) else {nn.SiLU: "silu", nn.GELU: "gelu"}[func]
+        elif key == "mlp_layer" and func is GluMlp and not keywords.get("gate_last", True):
+            out["mlp"] = "glu"
+        elif key == "pos_embed" and value in ("learn", "none", ""):
+            out["posemb"] = value or "none"
+        elif key in fields and key not in ("norm", "mlp", "posemb", "act_layer"):
+            out[key] = value
+        else:
+            raise ValueError(f"timm's {key}={getattr(func, '__name__', value)!r} has no equivalent here")
+    return out
+
+
+def _register_timm_models() -> None:
+    """Register timm's VisionTransformer names that we build identically; the rest are listed with
+    the reason (`vit.registry.unsupported_models()`)."""
+    for name in timm.list_models("vit_*", module="vision_transformer"):
+        if name in VIT_MODELS:
+            continue
+        try:
+            register_model(name, VisionTransformer, ViTConfig, **from_timm_args(timm_model_args(name)))
+        except ValueError as e:
+            register_unsupported(name, str(e))
+    for name in timm.list_models("vit_*", module="vision_transformer_hybrid"):
+        register_unsupported(name, "a hybrid with timm's ResNet backbone as patch embedding (HybridEmbed) is "
+                             "not built here; our conv-stem hybrid is ViTConfig.stem_channels")  # fmt: skip
+
+
+_register_timm_models()
+
+
 # -- checkpoints: timm's kwargs, fix-ups of other layouts, Google's .npz files ------------------------
 
 # Our options that timm's VisionTransformer builds the same way, under the same names.
 _TIMM_FIELDS = (
     "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "class_token", "embed_dim", "depth",
     "num_heads", "mlp_ratio", "qkv_bias", "qk_norm", "init_values", "fc_norm", "drop_rate", "pos_drop_rate",
-    "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "dynamic_img_size", "patch_drop_rate",
+    "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "dynamic_img_size", "patch_drop_rate", "reg_tokens",
+    "no_embed_class", "pre_norm", "final_norm", "dynamic_img_pad",
 )  # fmt: skip
 
 
 def timm_kwargs(config: ViTConfig) -> dict:
     """The kwargs of timm's `VisionTransformer` that builds this config with the same parameter names,
     shapes and function; options timm has no equal for (set away from their defaults) are an error."""
+    from timm.layers import GluMlp, LayerNorm, RmsNorm
+
     default = ViTConfig()
     unmatched = {
         name: getattr(config, name)
-        for name in ("norm", "mlp", "posemb", "num_experts", "stem_channels")
+        for name in ("num_experts", "stem_channels")
         if getattr(config, name) != getattr(default, name)
     }
+    if config.posemb not in ("learn", "none"):
+        unmatched["posemb"] = config.posemb
+    if config.mlp == "swiglu":  # timm's SwiGLU keeps value and gate in separate matrices
+        unmatched["mlp"] = config.mlp
     if unmatched:
         raise ValueError(f"timm's VisionTransformer has no equivalent of {unmatched}")
-    return {name: getattr(config, name) for name in _TIMM_FIELDS}
+    kwargs = {name: getattr(config, name) for name in _TIMM_FIELDS}
+    kwargs.update(
+        pos_embed=config.posemb,
+        norm_layer=partial(LayerNorm if config.norm == "layernorm" else RmsNorm, eps=config.norm_eps),
+        act_layer=config.act_layer or "gelu",
+    )
+    if config.mlp == "glu":
+        kwargs["mlp_layer"] = partial(GluMlp, gate_last=False)
+    return kwargs
 
 
 def checkpoint_filter_fn(
     state_dict: dict[str, torch.Tensor], model: VisionTransformer, log: Callable[[str, str], None] | None = None
 ) -> dict[str, torch.Tensor]:
     """A ViT state dict (ours or timm's) made to fit `model` (timm's function of that name): the
-    position embedding is resampled to the model's grid, the CLS token and its position follow the
-    model, and the final norm moves between before pooling (`norm`) and after it (`fc_norm`).
+    position embedding is resampled to the model's grid, the CLS and register tokens and their
+    positions follow the model (kept, dropped, or left at the model's init), and the final norm moves
+    between before pooling (`norm`) and after it (`fc_norm`).
     `log(kind, what)` hears of each change: "resampled", "reinitialised", "renamed" or "dropped"."""
     log = log or (lambda kind, what: None)
     sd, target = dict(state_dict), model.state_dict()
-    # CLS token: dropped when the model has none, kept at its init when the checkpoint has none.
-    source_cls = "cls_token" in sd
-    if source_cls and "cls_token" not in target:
-        del sd["cls_token"]
-        log("dropped", "cls_token")
-    elif not source_cls and "cls_token" in target:
-        sd["cls_token"] = target["cls_token"]
-        log("reinitialised", "cls_token")
+    source_prefix = ("cls_token" in sd, sd["reg_token"].shape[1] if "reg_token" in sd else 0)
+    for name in ("cls_token", "reg_token"):
+        if name in sd and (name not in target or sd[name].shape != target[name].shape):
+            del sd[name]
+            log("dropped", name)
+        if name in target and name not in sd:
+            sd[name] = target[name]
+            log("reinitialised", name)
 
     # Final norm before pooling (norm) or after it (fc_norm, timm's avg pooling): same parameters.
     for old, new in (("norm", "fc_norm"), ("fc_norm", "norm")):
@@ -310,7 +485,7 @@ def checkpoint_filter_fn(
                 log("renamed", f"{old}.{suffix} -> {new}.{suffix}")
 
     if "pos_embed" in sd and "pos_embed" in target:
-        sd["pos_embed"] = _adapt_pos_embed(sd["pos_embed"], source_cls, model, log)
+        sd["pos_embed"] = _adapt_pos_embed(sd["pos_embed"], source_prefix, model, log)
     return sd
 
 
@@ -319,26 +494,33 @@ def _is_square(n: int) -> bool:
 
 
 def _adapt_pos_embed(
-    posemb: torch.Tensor, source_cls: bool, model: VisionTransformer, log: Callable[[str, str], None]
+    posemb: torch.Tensor, source_prefix: tuple[bool, int], model: VisionTransformer, log: Callable[[str, str], None]
 ) -> torch.Tensor:
-    """Split off the CLS position (if the checkpoint has one), resample the patch grid to the
-    model's, and give the model the prefix it expects."""
-    source_prefix = 1 if source_cls and _is_square(posemb.shape[1] - 1) else 0  # 0: no CLS, or DeiT-III style
-    if not _is_square(posemb.shape[1] - source_prefix):
+    """Split off the prefix positions (CLS, registers) if the checkpoint has them, resample the patch
+    grid to the model's, and give the model the prefix positions it expects."""
+    has_cls, num_reg = source_prefix
+    if not _is_square(posemb.shape[1] - has_cls - num_reg):  # DeiT III / no_embed_class: patches only
+        has_cls, num_reg = False, 0
+    if not _is_square(posemb.shape[1] - has_cls - num_reg):
         raise ValueError(f"pos_embed: cannot infer a square patch grid from shape {tuple(posemb.shape)}")
-    prefix, grid = posemb[:, :source_prefix], posemb[:, source_prefix:]
+    cls, reg, grid = posemb.split([int(has_cls), num_reg, posemb.shape[1] - has_cls - num_reg], dim=1)
     side = math.isqrt(grid.shape[1])
     new_grid = model.patch_embed.grid_size
     if (side, side) != new_grid:
         grid = resample_abs_pos_embed(grid, list(new_grid), [side, side], num_prefix_tokens=0)
         log("resampled", f"pos_embed (grid {side}x{side} -> {new_grid[0]}x{new_grid[1]})")
-    if model.num_prefix_tokens and not source_prefix:
-        prefix = torch.zeros_like(grid[:, :1])
-        log("reinitialised", "pos_embed[CLS] (zeros: the checkpoint has no CLS position)")
-    elif source_prefix and not model.num_prefix_tokens:
-        prefix = prefix[:, :0]
-        log("dropped", "pos_embed[CLS]")
-    return torch.cat([prefix, grid], dim=1)
+    want_cls = model.cls_token is not None and model.num_pos_prefix > 0
+    want_reg = model.num_reg_tokens if model.num_pos_prefix > 0 else 0
+    parts = []
+    for what, have, want in (("CLS", cls, int(want_cls)), ("registers", reg, want_reg)):
+        if have.shape[1] == want:
+            parts.append(have)
+        elif want:  # the checkpoint has no positions for these tokens
+            parts.append(grid.new_zeros(1, want, grid.shape[2]))
+            log("reinitialised", f"pos_embed[{what}] (zeros: the checkpoint has no {what} position)")
+        else:
+            log("dropped", f"pos_embed[{what}]")
+    return torch.cat([*parts, grid], dim=1)
 
 
 def load_npz(path: str | Path, model: VisionTransformer) -> dict[str, torch.Tensor]:

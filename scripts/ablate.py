@@ -11,39 +11,40 @@ qk-norm and mixture of experts buy, for text and for images, at an equal wall-cl
     # the tables: benchmarks/ablations.md from the results collected so far
     .venv/bin/python scripts/ablate.py report
 
-Each run appends one JSON line to <out>/results.jsonl (the newest line per suite/variant wins).
-The training loops are compact on purpose (no Lightning, no loader processes): the budget is
-spent on the model, the same way for every variant. The learning-rate schedule runs on the
-clock (linear warmup over the first 5% of the budget, then cosine to min_lr at the end), so every
-variant gets a complete schedule in the same time, however fast its steps are.
+Each run appends one JSON line to <out>/results.jsonl (default runs/ablate/; the newest line per
+suite/variant wins). The data is read from --data-root (default ../shared/data next to the
+checkout): tinyshakespeare.txt and the CIFAR-10 JPEG folder cifar10/{train,test}/<class>/.
+
+The training loop is compact on purpose (no Lightning, no loader processes): the budget is spent
+on the model, the same way for every variant. Everything else is the library's: the text split and
+validation windows of vit.data.TextDataModule, CIFAR-10 decoded once by vit.data.memory and
+augmented in batches there (pad-4 crop, flip), and the warmup + cosine of vit.schedule, run on the
+clock (warmup over the first 5% of the budget), so every variant gets a complete schedule in the
+same time, however fast its steps are.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from vit import create_model
-from vit.data.images import read_rgb, scan_image_folder
-from vit.data.text import CharTokenizer, read_text
+from vit.data import ImageFiles, TextDataModule
+from vit.data.images import scan_image_folder
+from vit.data.memory import batch_augment, normalize, to_tensor_images
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from vit.lit import param_groups
+from vit.report import machine, markdown_table, write_report
+from vit.schedule import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
 
 TEXT_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -71,12 +72,7 @@ AUX_LOSS_WEIGHT = 0.01
 IMAGE_MODEL, IMAGE_MODEL_KWARGS, IMAGE_BATCH = "vit_nano_patch4_16", {"img_size": 32, "num_classes": 10}, 64
 
 
-def lr_at(progress: float, lr: float, min_lr: float, warmup: float = 0.05) -> float:
-    """Linear warmup over the first `warmup` of the budget, then cosine down to min_lr at the end."""
-    if progress < warmup:
-        return lr * (progress + 1e-3) / warmup
-    t = min(1.0, (progress - warmup) / (1 - warmup))
-    return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * t))
+WARMUP = 0.05  # of the budget
 
 
 def num_params(model: torch.nn.Module) -> int:
@@ -100,7 +96,7 @@ def train_for(
     start = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(elapsed / seconds, lr, min_lr)
+            group["lr"] = lr * warmup_cosine(elapsed / seconds, WARMUP, min_lr / lr)
         x, y = next(batches)
         loss = loss_fn(model(x), y)
         if hasattr(model, "aux_loss"):
@@ -117,16 +113,8 @@ def train_for(
 # -- text -----------------------------------------------------------------------------------------
 
 
-def shakespeare(block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Train and validation token tensors (nanoGPT's 90/10 split) and the vocabulary size."""
-    text = read_text(SHARED / "tinyshakespeare.txt")
-    tokenizer = CharTokenizer.from_text(text)
-    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-    n = int(len(tokens) * 0.9)
-    return tokens[:n], tokens[n:], len(tokenizer)
-
-
 def windows(tokens: torch.Tensor, starts: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of the windows starting at `starts`, as one batch."""
     idx = starts[:, None] + torch.arange(block_size + 1)
     chunk = tokens[idx]
     return chunk[:, :-1], chunk[:, 1:]
@@ -134,9 +122,13 @@ def windows(tokens: torch.Tensor, starts: torch.Tensor, block_size: int) -> tupl
 
 def run_text(args: argparse.Namespace) -> dict[str, Any]:
     block_size, batch_size = 64, 12
-    train, val, vocab = shakespeare(block_size)
+    # TextDataModule's split (the first 90% trains) and its 1,000 fixed validation windows (seed 0):
+    # the val loss the training pipeline logs for configs/gpt.
+    data = TextDataModule(str(Path(args.data_root) / "tinyshakespeare.txt"), block_size, batch_size, val_windows=1000)
+    data.setup()
+    train, val, starts = data.train_set.tokens, data.val_set.tokens, torch.tensor(data.val_set.starts)
     torch.manual_seed(args.seed)
-    model = create_model("gpt_char_cpu", vocab_size=vocab, **TEXT_VARIANTS[args.variant])
+    model = create_model("gpt_char_cpu", vocab_size=len(data.tokenizer), **TEXT_VARIANTS[args.variant])
     gen = torch.Generator().manual_seed(args.seed)
 
     def batches():
@@ -148,15 +140,14 @@ def run_text(args: argparse.Namespace) -> dict[str, Any]:
 
     # nanoGPT's shakespeare_char recipe: AdamW 1e-3 -> 1e-4, betas (0.9, 0.99), weight decay 0.1, clip 1.0.
     stats = train_for(model, batches(), lm_loss, args.seconds, 1e-3, 1e-4, 0.1, (0.9, 0.99))
-    # Validation: 1,000 fixed windows of the held-out 10% (starts drawn with seed 0), 64k characters.
-    starts = torch.randint(len(val) - block_size - 1, (1000,), generator=torch.Generator().manual_seed(0))
     model.eval()
     losses = []
     with torch.no_grad():
         for chunk in starts.split(100):
             x, y = windows(val, chunk, block_size)
             losses.append(lm_loss(model(x), y).item())
-        long_x, long_y = windows(val, starts[:100], 4 * block_size)
+        long_starts = starts[starts + 4 * block_size < len(val)][:100]  # the first 100 that fit 4x the context
+        long_x, long_y = windows(val, long_starts, 4 * block_size)
         long_loss = lm_loss(model(long_x), long_y).item() if args.variant in ("rope", "sincos", "modern") else None
     return {
         **stats,
@@ -170,45 +161,28 @@ def run_text(args: argparse.Namespace) -> dict[str, Any]:
 # -- images ---------------------------------------------------------------------------------------
 
 
-def cifar_arrays(root: Path, cache: Path, split: str, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """All images of root/split as one uint8 (N, 3, 32, 32) tensor and labels, decoded once and cached.
-    With `limit`, a fixed (seed 0) random subset of that size."""
-    path = cache / f"cifar10_{split}.pt"
-    if path.is_file():
-        images, labels = torch.load(path)
-    else:
-        _, samples = scan_image_folder(root / split)
-        images = torch.from_numpy(np.stack([read_rgb(s.path) for s in samples])).permute(0, 3, 1, 2).contiguous()
-        labels = torch.tensor([s.label for s in samples])
-        cache.mkdir(parents=True, exist_ok=True)
-        torch.save((images, labels), path)
+def cifar_tensors(root: Path, split: str, cache: Path, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images of root/split as one uint8 (N, 3, 32, 32) tensor and their labels, decoded once
+    (vit.data.memory, cached in `cache`). With `limit`, a fixed (seed 0) random subset of that size."""
+    _, samples = scan_image_folder(root / split)
+    data = to_tensor_images(ImageFiles(samples), img_size=32, cache_dir=cache)
+    images, labels = data.images, data.labels
     if limit is not None and limit < len(images):
         keep = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:limit]
         images, labels = images[keep], labels[keep]
     return images, labels
 
 
-MEAN = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
-STD = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
-
-
 def augment(images: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """CIFAR's standard augmentation on a uint8 batch: pad 4 + random 32x32 crop, random flip; normalise."""
-    b = len(images)
-    padded = F.pad(images.float(), (4, 4, 4, 4))
-    dy, dx = torch.randint(9, (b,), generator=gen), torch.randint(9, (b,), generator=gen)
-    rows = (dy[:, None] + torch.arange(32))[:, None, :, None]  # (b, 1, 32, 1)
-    cols = (dx[:, None] + torch.arange(32))[:, None, None, :]  # (b, 1, 1, 32)
-    out = padded[torch.arange(b)[:, None, None, None], torch.arange(3)[None, :, None, None], rows, cols]
-    flip = torch.rand(b, generator=gen) < 0.5
-    out[flip] = out[flip].flip(-1)
-    return (out - MEAN) / STD
+    """CIFAR's standard augmentation on a uint8 batch, as the in-memory pipeline does it: pad 4 +
+    random 32x32 crop, random flip; normalised."""
+    return normalize(batch_augment(images, gen, crop_padding=4, hflip=True), IMAGENET_MEAN, IMAGENET_STD)
 
 
 def run_images(args: argparse.Namespace) -> dict[str, Any]:
-    root, cache = SHARED / "cifar10", Path(args.cache)
-    train_x, train_y = cifar_arrays(root, cache, "train", None)
-    test_x, test_y = cifar_arrays(root, cache, "test", 2000)
+    root, cache = Path(args.data_root) / "cifar10", Path(args.cache or Path(args.out) / "cache")
+    train_x, train_y = cifar_tensors(root, "train", cache)
+    test_x, test_y = cifar_tensors(root, "test", cache, limit=2000)
     torch.manual_seed(args.seed)
     model = create_model(IMAGE_MODEL, **IMAGE_MODEL_KWARGS, **IMAGE_VARIANTS[args.variant])
     gen = torch.Generator().manual_seed(args.seed)
@@ -229,7 +203,7 @@ def run_images(args: argparse.Namespace) -> dict[str, Any]:
     correct = 0
     with torch.no_grad():
         for x, y in zip(test_x.split(250), test_y.split(250), strict=True):
-            correct += (model((x.float() - MEAN) / STD).argmax(-1) == y).sum().item()
+            correct += (model(normalize(x, IMAGENET_MEAN, IMAGENET_STD)).argmax(-1) == y).sum().item()
     return {
         **stats,
         "val_top1": correct / len(test_y),
@@ -314,12 +288,13 @@ def options_text(kwargs: dict[str, Any]) -> str:
 NOTES_MARKER = "<!-- notes: everything below this line is kept when the tables are regenerated -->"
 
 
-def write_report(out: Path, path: Path) -> None:
+def report(out: Path, path: Path) -> None:
+    """The markdown tables of every suite run so far, above the notes kept from the existing file."""
     results = load_results(out)
     lines = [
         "# Ablations of the Block's options (issue 8)",
         "",
-        "Generated by `scripts/ablate.py report` from the runs in `/work/runs/ablate/results.jsonl`.",
+        f"Generated by `scripts/ablate.py report` from the runs in `{out / 'results.jsonl'}`.",
         "Every run: one seed, a fixed wall-clock training budget, on a 2-core CPU shared with other jobs.",
         "With ~2-minute budgets, differences of a few hundredths of a nat (text) or about one point of",
         "accuracy (images) are within run-to-run noise; read the tables as rough evidence, not rankings.",
@@ -337,15 +312,16 @@ def write_report(out: Path, path: Path) -> None:
             "fixed 64-character windows of the held-out last 10%. *4x ctx*: val loss on 100 windows of 256 "
             "characters (4x the training context; learned positions cannot run there).",
             "",
-            "| variant | options | params | steps | tokens/s (in run) | train loss | val loss | 4x ctx |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
+        header = ("variant", "options", "params", "steps", "tokens/s (in run)", "train loss", "val loss", "4x ctx")
+        rows = []
         for v, r in text:
             long = f"{r['val_loss_at_4x_context']:.3f}" if r.get("val_loss_at_4x_context") is not None else "-"
-            lines.append(
-                f"| {v} | {options_text(TEXT_VARIANTS[v])} | {r['params']:,} | {r['steps']:,} | "
-                f"{r['tokens_per_s']:,.0f} | {r['train_loss']:.3f} | **{r['val_loss']:.3f}** | {long} |"
-            )
+            rows.append((
+                v, options_text(TEXT_VARIANTS[v]), f"{r['params']:,}", f"{r['steps']:,}", f"{r['tokens_per_s']:,.0f}",
+                f"{r['train_loss']:.3f}", f"**{r['val_loss']:.3f}**", long,
+            ))  # fmt: skip
+        lines += markdown_table(header, rows, align="llrrrrrr")
         lines += ["", "```bash"]
         lines += [
             f"flock /tmp/vit-bench.lock .venv/bin/python scripts/ablate.py text --variant {v} "
@@ -365,14 +341,14 @@ def write_report(out: Path, path: Path) -> None:
             "(cosine on the clock, 5% warmup), weight decay 0.05, label smoothing 0.1, clip 1.0. Val top-1 "
             "on a fixed 2,000-image subset of the 10,000 test images (random, seed 0), centre (whole) image.",
             "",
-            "| variant | options | params | steps | epochs | img/s (in run) | train loss | val top-1 |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for v, r in images:
-            lines.append(
-                f"| {v} | {options_text(IMAGE_VARIANTS[v])} | {r['params']:,} | {r['steps']:,} | "
-                f"{r['epochs']:.2f} | {r['img_per_s']:,.0f} | {r['train_loss']:.3f} | **{100 * r['val_top1']:.1f}%** |"
-            )
+        header = ("variant", "options", "params", "steps", "epochs", "img/s (in run)", "train loss", "val top-1")
+        rows = [
+            (v, options_text(IMAGE_VARIANTS[v]), f"{r['params']:,}", f"{r['steps']:,}", f"{r['epochs']:.2f}",
+             f"{r['img_per_s']:,.0f}", f"{r['train_loss']:.3f}", f"**{100 * r['val_top1']:.1f}%**")
+            for v, r in images
+        ]  # fmt: skip
+        lines += markdown_table(header, rows, align="llrrrrrr")
         lines += ["", "```bash"]
         lines += [
             f"flock /tmp/vit-bench.lock .venv/bin/python scripts/ablate.py images --variant {v} "
@@ -390,18 +366,19 @@ def write_report(out: Path, path: Path) -> None:
             "the variant's (above 1 is faster). Images: vit_nano at 32 px (8x8 grid), batch 64; text: "
             f"gpt_char_cpu, batch 12 x 64 tokens. Threads: {speed['threads']}; {speed['machine']}.",
             "",
-            "| variant | options | ViT params | img/s | relative | GPT params | tokens/s | relative |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
+        header = ("variant", "options", "ViT params", "img/s", "relative", "GPT params", "tokens/s", "relative")
         img, txt = speed["images"], speed["text"]
+        rows = []
         for v in IMAGE_VARIANTS:
             i, t = img.get(v), txt.get("sincos" if v == "sincos2d" else v)
             opts = options_text(IMAGE_VARIANTS[v])
             if v == "sincos2d":
                 opts = "`posemb='sincos2d'` (ViT) / `posemb='sincos'` (GPT)"
-            cells_i = f"{i['params']:,} | {i['per_s']:,.0f} | {i['relative']:.2f}" if i else "- | - | -"
-            cells_t = f"{t['params']:,} | {t['per_s']:,.0f} | {t['relative']:.2f}" if t else "- | - | -"
-            lines.append(f"| {v} | {opts} | {cells_i} | {cells_t} |")
+            cells_i = [f"{i['params']:,}", f"{i['per_s']:,.0f}", f"{i['relative']:.2f}"] if i else ["-"] * 3
+            cells_t = [f"{t['params']:,}", f"{t['per_s']:,.0f}", f"{t['relative']:.2f}"] if t else ["-"] * 3
+            rows.append((v, opts, *cells_i, *cells_t))
+        lines += markdown_table(header, rows, align="llrrrrrr")
         lines += [
             "",
             "```bash",
@@ -410,15 +387,12 @@ def write_report(out: Path, path: Path) -> None:
             "```",
             "",
         ]
-    notes = ""
-    if path.is_file() and NOTES_MARKER in path.read_text():
-        notes = path.read_text().split(NOTES_MARKER, 1)[1]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + NOTES_MARKER + (notes or "\n"))
-    print(f"wrote {path}")
+    written = write_report(path, "\n".join(lines), NOTES_MARKER)
+    print(f"wrote {written}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Run one suite and append its row to <out>/results.jsonl (returned), or write the report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=["text", "images", "speed", "report"])
     parser.add_argument("--variant", default="default")
@@ -427,14 +401,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="speed: steps per round")
     parser.add_argument("--rounds", type=int, default=5, help="speed: interleaved rounds")
     parser.add_argument("--threads", type=int, default=1, help="1: robust when other jobs share the cores")
-    parser.add_argument("--out", default="/work/runs/ablate")
-    parser.add_argument("--cache", default="/work/runs/ablate/cache", help="decoded CIFAR-10 tensors")
+    parser.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"), help="has tinyshakespeare.txt")
+    parser.add_argument("--out", default="runs/ablate", help="results.jsonl goes here")
+    parser.add_argument("--cache", default=None, help="decoded CIFAR-10 tensors (default: <out>/cache)")
     parser.add_argument("--report", default=str(ROOT / "benchmarks" / "ablations.md"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     if args.suite == "report":
-        write_report(out, Path(args.report))
-        return
+        report(out, Path(args.report))
+        return None
     torch.set_num_threads(args.threads)
     variants = {"text": TEXT_VARIANTS, "images": IMAGE_VARIANTS}.get(args.suite)
     if variants is not None and args.variant not in variants:
@@ -451,7 +426,7 @@ def main() -> None:
         "seed": args.seed,
         "rounds": args.rounds,
         "threads": args.threads,
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+        "machine": machine(),
         "wall_seconds": time.time() - started,
         **result,
     }
@@ -461,6 +436,7 @@ def main() -> None:
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row, indent=1))
+    return row
 
 
 if __name__ == "__main__":

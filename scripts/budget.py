@@ -18,9 +18,7 @@ the results file. Run one at a time, alone on the machine (`flock /tmp/vit-bench
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -28,9 +26,8 @@ from pathlib import Path
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from vit.cli import TrainCLI, _show_our_logs
+from vit.report import machine, markdown_table, write_report
 from vit.schedule import find_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,22 +108,6 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    # The vector unit matters as much as the name: two machines that both report "AMD EPYC" trained
-    # ResNet-20 at very different speeds (benchmarks/budget.md), so rows compare only when this is equal.
-    cpu += f" ({torch.backends.cpu.get_cpu_capability()})"
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    versions = f"torch {torch.__version__}, Python {platform.python_version()}"
-    return f"{cpu}, {torch.get_num_threads()} threads, {gpu}; {versions}"
-
-
 def _shown(path: Path) -> str:
     return str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path)
 
@@ -135,12 +116,18 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
 
 
-def _row(r: dict) -> str:
-    return (
-        f"| {r['name']} (`{r['model_name']}`) | `{r['config']}` | {_recipe(r)} | {r['params'] / 1e6:.2f}M | "
-        f"{r['minutes']:g} | {r['seed']} | {r['epochs']:.1f} | {r['img_per_s']:.0f} | {r['wall_minutes']:.2f} | "
-        f"{100 * r['top1']:.2f}% | {_percent(r.get('top1_flip'))} |"
-    )
+HEADER = (
+    "model", "config", "recipe changes", "params", "budget (min)", "seed", "epochs", "img/s", "wall (min)", "top-1",
+    "top-1, flip TTA",
+)  # fmt: skip
+
+
+def _cells(r: dict) -> list[str]:
+    return [
+        f"{r['name']} (`{r['model_name']}`)", f"`{r['config']}`", _recipe(r), f"{r['params'] / 1e6:.2f}M",
+        f"{r['minutes']:g}", str(r["seed"]), f"{r['epochs']:.1f}", f"{r['img_per_s']:.0f}",
+        f"{r['wall_minutes']:.2f}", f"{100 * r['top1']:.2f}%", _percent(r.get("top1_flip")),
+    ]  # fmt: skip
 
 
 def _recipe(r: dict) -> str:
@@ -169,21 +156,14 @@ def report(args: argparse.Namespace) -> str:
                 "",
                 f"Machine: {m}.",
                 "",
-                "| model | config | recipe changes | params | budget (min) | seed | epochs | img/s | wall (min) "
-                "| top-1 | top-1, flip TTA |",
-                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             on_m = sorted((r for r in chosen if r["machine"] == m), key=lambda r: (r["minutes"], r["name"], r["seed"]))
-            lines += [_row(r) for r in on_m]
+            lines += markdown_table(HEADER, [_cells(r) for r in on_m], align="lllrrrrrrrr")
             lines.append("")
     if not rows:
         lines.append("No runs yet.")
     text = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    notes = ""
-    if out.is_file() and NOTES_MARK in out.read_text():
-        notes = out.read_text().split(NOTES_MARK, 1)[1]
-    out.write_text(text + NOTES_MARK + notes)
+    write_report(args.out, text, NOTES_MARK)
     final = [r for r in rows if r["split"] == "test"]
     if final:  # the newest machine's final runs: times on different machines do not share an axis
         plot([r for r in final if r["machine"] == final[-1]["machine"]], Path(args.plot))

@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from vit.cli import main as train
 from vit.lit import Throughput
+from vit.report import machine, markdown_table, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS = ["vit=configs/cifar10_vit.yaml", "resnet20=configs/cifar10_resnet.yaml"]
@@ -107,15 +103,13 @@ def _train_size(args: argparse.Namespace) -> int:
 
 
 def to_markdown(results: list[Result], args: argparse.Namespace, command: str) -> str:
-    cpu = _cpu_name()
     budget = f"{args.minutes} wall-clock minutes per model" if args.minutes else f"{args.epochs} epochs per model"
     lines = [
         "# ViT vs ResNet on CIFAR-10 (JPEG copy), same data, augmentation and budget",
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {cpu}, {torch.get_num_threads()} torch threads, no GPU; torch {torch.__version__}, "
-        f"Python {platform.python_version()}. Date: {time.strftime('%Y-%m-%d')}.",
+        f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}.",
         "",
         f"Budget: {budget}. Data: `{args.data_root}` (train 50,000 / test 10,000), pad-4 + random crop + "
         f"flip, RandAugment ops {args.randaugment_ops}, no Mixup; batch {args.batch_size}. Each model uses its "
@@ -123,30 +117,22 @@ def to_markdown(results: list[Result], args: argparse.Namespace, command: str) -
         "the budget, then cosine decay. The budget is whole epochs, at least one: a model slower than one "
         "epoch in the budget gets one epoch (see its wall time).",
         "",
-        "| model | name | params | epochs | train img/s | wall time (min) | best val top-1 | last val top-1 |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        lines.append(
-            f"| {r.name} | `{r.model_name}` | {r.params / 1e6:.2f}M | {r.epochs} | {r.img_per_s:.0f} | "
-            f"{r.wall_minutes:.1f} | {100 * r.best_top1:.2f}% | {100 * r.last_top1:.2f}% |"
-        )
+    header = ("model", "name", "params", "epochs", "train img/s", "wall time (min)", "best val top-1", "last val top-1")
+    lines += markdown_table(
+        header,
+        [
+            (r.name, f"`{r.model_name}`", f"{r.params / 1e6:.2f}M", r.epochs, f"{r.img_per_s:.0f}",
+             f"{r.wall_minutes:.1f}", f"{100 * r.best_top1:.2f}%", f"{100 * r.last_top1:.2f}%")
+            for r in results
+        ],
+    )  # fmt: skip
     lines += [
         "",
         "This CIFAR-10 copy is re-encoded as JPEG (quality 75), so accuracies are comparable with each other, "
         "not with papers' CIFAR-10 tables.",
     ]
     return "\n".join(lines) + "\n"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -171,9 +157,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
     results = compare(args)
     command = "python scripts/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(to_markdown(results, args, command))
-    print(Path(args.out).read_text())
+    print(write_report(args.out, to_markdown(results, args, command)).read_text())
     return results
 
 

@@ -17,19 +17,14 @@ Every row is `scripts/train.py` with a config plus overrides: fine-tuning is a c
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.compare import _cpu_name
 from vit.cli import main as train
 from vit.lit import Throughput
+from vit.report import machine, markdown_table, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 VIT_CONFIG = "configs/finetune/tiny_to_cifar10_cpu.yaml"
@@ -99,20 +94,19 @@ def to_markdown(rows: list[Row], args: argparse.Namespace, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {_cpu_name()}, {torch.get_num_threads()} torch threads, no GPU; torch {torch.__version__}, "
-        f"Python {platform.python_version()}. Date: {time.strftime('%Y-%m-%d')}. Data: `{args.cifar_root}` "
+        f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Data: `{args.cifar_root}` "
         "(CIFAR-10 re-encoded as JPEG quality 75: train 50,000 / test 10,000; comparable with each other, not "
         "with papers' CIFAR-10 tables). Top-1 is on the full test split after the last epoch.",
         "",
-        "| study | setting | epochs | train img/s | wall (min) | test top-1 | overrides |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        speed = f"{r.img_per_s:.0f}" if r.img_per_s else "-"
-        lines.append(
-            f"| {r.study} | {r.setting} | {r.epochs} | {speed} | {r.wall_minutes:.1f} | {r.top1:.2f}% | "
-            f"`{r.overrides}` |"
-        )
+    lines += markdown_table(
+        ("study", "setting", "epochs", "train img/s", "wall (min)", "test top-1", "overrides"),
+        [
+            (r.study, r.setting, r.epochs, f"{r.img_per_s:.0f}" if r.img_per_s else "-", f"{r.wall_minutes:.1f}",
+             f"{r.top1:.2f}%", f"`{r.overrides}`")
+            for r in rows
+        ],
+    )  # fmt: skip
     resnet = [r for r in rows if r.study.startswith("ResNet")]
     if len(resnet) == 2:
         before, after = resnet[0].top1, resnet[1].top1
@@ -143,9 +137,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     rows = study(args)
     command = "python scripts/finetune_study.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(to_markdown(rows, args, command))
-    print(Path(args.out).read_text())
+    print(write_report(args.out, to_markdown(rows, args, command)).read_text())
     return rows
 
 

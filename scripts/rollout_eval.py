@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import time
@@ -25,17 +24,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vit.checkpoint import load_model
 from vit.data.images import Sample, read_rgb, scan_tiny_imagenet
 from vit.data.transforms import eval_transform
+from vit.report import machine, markdown_table, write_report
 from vit.rollout import (
     attention_gradients,
+    box_scores,
+    centre_gaussian,
     check_vit,
     forward_with_attn_graph,
     gradient_rollout_joint,
@@ -63,33 +62,6 @@ class BoxedImages(Dataset):
                 "its box would not line up with the map (Tiny-ImageNet images are all 64x64)"
             )
         return self.transform(image=image)["image"], sample.label, torch.tensor(sample.box)
-
-
-def score(maps: torch.Tensor, boxes: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pointing hits and energy-in-box fractions, (B,) each, for (B, h, w) maps and (B, 4) boxes
-    (x0, y0, x1, y1: inclusive pixel coordinates, as in Tiny-ImageNet's annotations)."""
-    m = maps.float()[:, None]
-    if m.shape[-1] != size:
-        m = F.interpolate(m, size=(size, size), mode="bilinear", align_corners=False)
-    m = m[:, 0].flatten(1)
-    lo, hi = m.min(dim=1, keepdim=True).values, m.max(dim=1, keepdim=True).values
-    m = (m - lo) / (hi - lo).clamp(min=1e-12)
-    pixels = torch.arange(size, dtype=torch.float32)
-    ys, xs = pixels[:, None].expand(size, size).flatten(), pixels[None, :].expand(size, size).flatten()
-    x0, y0, x1, y1 = (boxes[:, i : i + 1].float() for i in range(4))
-    inside = (xs >= x0) & (xs <= x1) & (ys >= y0) & (ys <= y1)  # (B, size * size)
-    hits = inside.gather(1, m.argmax(dim=1, keepdim=True))[:, 0].float()
-    total = m.sum(dim=1)
-    energy = torch.where(total > 0, (m * inside).sum(dim=1) / total.clamp(min=1e-12), inside.float().mean(dim=1))
-    return hits, energy
-
-
-def centre_gaussian(batch: int, size: int, sigma_frac: float = 0.25) -> torch.Tensor:
-    """A Gaussian centred on the image, at pixel resolution: the "objects are in the middle" prior."""
-    c = (size - 1) / 2
-    r = torch.arange(size, dtype=torch.float32) - c
-    g = torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * (sigma_frac * size) ** 2))
-    return g.expand(batch, size, size)
 
 
 @dataclass
@@ -157,7 +129,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         maps["baseline: centred Gaussian"] = centre_gaussian(len(x), img_size)
         maps["baseline: uniform random"] = torch.rand(len(x), *grid, generator=generator)
         for name, m in maps.items():
-            hits, energy = score(m, boxes, img_size)
+            hits, energy = box_scores(m, boxes, img_size)
             scores[name].hits += hits.tolist()
             scores[name].energy += energy.tolist()
             scores[name].correct += correct
@@ -191,27 +163,25 @@ def markdown(result: dict, command: str) -> str:
         command,
         "```",
         "",
-        f"{result['seconds'] / 60:.1f} min on {platform.processor() or platform.machine()} "
-        f"({torch.get_num_threads()} threads), torch {torch.__version__}.",
+        f"{result['seconds'] / 60:.1f} min on {machine()}.",
         "",
         "Pointing: the peak of the map (upsampled bilinearly from the 8x8 patch grid to 64x64) is inside the box. "
         "Energy: the share of the min-max scaled, upsampled map inside the box. ± is one standard error. "
         '"pointing, correct" counts only the images the model classifies correctly. '
         "Δ is the difference to the centred Gaussian.",
         "",
-        "| method | pointing | Δ pointing | energy in box | Δ energy | pointing, correct |",
-        "|---|---|---|---|---|---|",
     ]
+    table = []
     for name, r in rows.items():
         dp, de = r["pointing"] - centre["pointing"], r["energy"] - centre["energy"]
         baseline = name.startswith("baseline: centred")
-        lines.append(
-            f"| {name} | {100 * r['pointing']:.1f} ± {100 * r['pointing_se']:.1f}% "
-            f"| {'' if baseline else f'{100 * dp:+.1f}'} "
-            f"| {100 * r['energy']:.1f} ± {100 * r['energy_se']:.1f}% "
-            f"| {'' if baseline else f'{100 * de:+.1f}'} | {100 * r['pointing_correct']:.1f}% |"
-        )
-    return "\n".join(lines) + "\n"
+        table.append((
+            name, f"{100 * r['pointing']:.1f} ± {100 * r['pointing_se']:.1f}%", "" if baseline else f"{100 * dp:+.1f}",
+            f"{100 * r['energy']:.1f} ± {100 * r['energy_se']:.1f}%", "" if baseline else f"{100 * de:+.1f}",
+            f"{100 * r['pointing_correct']:.1f}%",
+        ))  # fmt: skip
+    header = ("method", "pointing", "Δ pointing", "energy in box", "Δ energy", "pointing, correct")
+    return "\n".join(lines + markdown_table(header, table)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -231,9 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = evaluate(args)
     command = "flock /tmp/vit-bench.lock python scripts/rollout_eval.py " + shlex.join(argv or sys.argv[1:])
     text = markdown(result, command)
-    for path, content in ((args.out, text), (args.json, json.dumps(result, indent=2))):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(content)
+    write_report(args.out, text)
+    write_report(args.json, json.dumps(result, indent=2))
     print(text)
     print(f"wrote {args.out} and {args.json}")
     return result

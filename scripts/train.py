@@ -6,17 +6,11 @@
     python scripts/train.py fit --config configs/default.yaml --print_config          # resolved config
 
 A LightningCLI: `model:` and `data:` name a class (class_path) and its arguments (init_args),
-`trainer:` holds Trainer arguments, `checkpoint:` the ModelCheckpoint options.
+`trainer:` holds Trainer arguments, `checkpoint:` the ModelCheckpoint options. The code is
+`vit.cli`; installed (`pip install -e .`, as `make` does), the same command is `vit-train`.
 """
 
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from vit.cli import main
+from vit.tools.train import cli
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.benchmark import SECTIONS, main
 from tests.conftest import SHARED
+from vit.tools.benchmark import SECTIONS, main
 
 
 def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:

@@ -3,8 +3,6 @@ pooling, timm ViTs loaded into ours, gradient rollout, the export script and the
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,8 @@ from vit.checkpoint import load_model, load_pretrained
 from vit.data.transforms import eval_transform
 from vit.rollout import (
     attention_rollout,
+    box_scores,
+    centre_gaussian,
     discard_lowest,
     gradient_rollout,
     gradient_rollout_joint,
@@ -26,6 +26,7 @@ from vit.rollout import (
     rollout,
     rollout_maps,
 )
+from vit.tools import rollout as export
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,6 +245,38 @@ def test_a_non_vit_is_refused_by_name():
         rollout(_two_layers(), start_layer=2)
 
 
+# -- scores against object boxes ------------------------------------------------------------------
+
+
+def test_box_scores_on_hand_made_maps():
+    """4x4 maps on 4x4 images (no upsampling); box (x0, y0, x1, y1) = (2, 2, 3, 3), inclusive: 4 pixels."""
+    inside_peak = torch.zeros(4, 4)
+    inside_peak[3, 2] = 1.0  # row 3, column 2: the only mass, in the box
+    outside_peak = torch.zeros(4, 4)
+    outside_peak[0, 0], outside_peak[2, 2] = 1.0, 0.5  # the peak outside; a third of the mass inside
+    shifted_flat = torch.full((4, 4), 7.0)  # min-max scaling removes the offset: nothing to point with
+    boxes = torch.tensor([[2, 2, 3, 3]] * 3)
+    hits, energy = box_scores(torch.stack([inside_peak, outside_peak, shifted_flat]), boxes, size=4)
+    assert hits.tolist() == [1.0, 0.0, 0.0]  # a flat map's "peak" is its first pixel, (0, 0)
+    torch.testing.assert_close(energy, torch.tensor([1.0, 1 / 3, 4 / 16]))  # flat: the box's share of the image
+
+
+def test_box_scores_upsample_the_patch_grid_to_the_image():
+    grid = torch.tensor([[[0.0, 0.0], [0.0, 1.0]]])  # the bottom-right patch of a 2x2 grid
+    hits, energy = box_scores(grid, torch.tensor([[4, 4, 7, 7]]), size=8)  # that patch's pixels
+    assert hits.item() == 1.0 and 0.5 < energy.item() < 1.0  # bilinear spreads some mass outside
+
+
+def test_centre_gaussian_peaks_in_the_middle_with_the_asked_sigma():
+    g = centre_gaussian(batch=2, size=9, sigma_frac=2 / 9)  # sigma = 2 pixels around pixel (4, 4)
+    assert g.shape == (2, 9, 9) and torch.equal(g[0], g[1])
+    assert g[0, 4, 4].item() == 1.0 and g[0].argmax().item() == 4 * 9 + 4
+    torch.testing.assert_close(g[0, 4, 6], torch.tensor(np.exp(-0.5), dtype=torch.float32))  # one sigma away
+    torch.testing.assert_close(g[0], g[0].T)
+    hits, _ = box_scores(g, torch.tensor([[3, 3, 5, 5]] * 2), size=9)
+    assert hits.tolist() == [1.0, 1.0]
+
+
 def test_render_panel_is_original_heatmap_overlay():
     image = np.zeros((16, 16, 3), dtype=np.uint8)
     grid_map = np.zeros((4, 4))
@@ -257,14 +290,6 @@ def test_render_panel_is_original_heatmap_overlay():
 
 
 # -- export script and TensorBoard callback -----------------------------------------------------
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _our_checkpoint(path: Path, name: str = "vit_nano_patch4_16", **kwargs) -> Path:
@@ -283,7 +308,7 @@ def test_export_writes_png_npy_and_gallery_for_a_tiny_model(tmp_path):
     Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(images / "wide.png")
     Image.fromarray(rng.integers(0, 255, (16, 16), dtype=np.uint8)).save(images / "sub" / "grey.jpg")
     out = tmp_path / "out"
-    _script("rollout").main(["--checkpoint", str(ckpt), str(images), "--out", str(out), "--panel-size", "32"])
+    export.main(["--checkpoint", str(ckpt), str(images), "--out", str(out), "--panel-size", "32"])
 
     for stem in ("00000_grey", "00001_wide"):  # sorted over the folder tree: sub/grey.jpg, wide.png
         panel = Image.open(out / f"{stem}.png")
@@ -300,9 +325,20 @@ def test_export_writes_png_npy_and_gallery_for_a_tiny_model(tmp_path):
 def test_export_of_a_dataset_split_from_a_config(tmp_path):
     ckpt = _our_checkpoint(tmp_path / "tiny.ckpt", num_classes=10)
     argv = ["--checkpoint", str(ckpt), "--config", str(ROOT / "configs/default.yaml"), "--split", "val"]
-    out = _script("rollout").main([*argv, "--limit", "3", "--out", str(tmp_path / "out"), "--panel-size", "32"])
+    out = export.main([*argv, "--limit", "3", "--out", str(tmp_path / "out"), "--panel-size", "32"])
     assert sorted(p.name for p in out.glob("*.npy")) == [f"0000{i}_val_0000{i}.npy" for i in range(3)]
     assert (out / "index.html").read_text().count("(true: ") == 3  # the split's labels are shown
+
+
+def test_export_from_a_config_sees_images_as_its_datamodule_declares(tmp_path):
+    config = tmp_path / "digits.yaml"
+    config.write_text(
+        "data:\n  class_path: vit.data.DigitsDataModule\n  init_args:\n    eval_crop_pct: 0.8\n"
+        "    mean: [0.5, 0.5, 0.5]\n    std: [0.25, 0.25, 0.25]\n"
+    )
+    items, _, settings = export.items_from_config(str(config), "val", None)
+    assert settings == {"crop_pct": 0.8, "mean": (0.5, 0.5, 0.5), "std": (0.25, 0.25, 0.25)}
+    assert len(items) == 360 and items[0].label is not None  # the 20% of the digits held out
 
 
 def test_export_from_a_timm_state_dict_file(tmp_path):
@@ -311,13 +347,12 @@ def test_export_from_a_timm_state_dict_file(tmp_path):
     )
     Image.fromarray(np.full((300, 200, 3), 128, dtype=np.uint8)).save(tmp_path / "photo.jpg")
     argv = ["--checkpoint", str(tmp_path / "t.pth"), "--model", "vit_tiny_patch16_224", "--crop-pct", "0.875"]
-    out = _script("rollout").main([*argv, str(tmp_path / "photo.jpg"), "--out", str(tmp_path / "out")])
+    out = export.main([*argv, str(tmp_path / "photo.jpg"), "--out", str(tmp_path / "out")])
     assert np.load(out / "00000_photo.npy").shape == (14, 14)
     assert (out / "00000_photo.png").is_file() and "00000_photo.png" in (out / "index.html").read_text()
 
 
 def test_export_refuses_bad_input_naming_the_file(tmp_path, capsys):
-    script = _script("rollout")
     good = tmp_path / "ok.png"
     Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(good)
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
@@ -334,7 +369,7 @@ def test_export_refuses_bad_input_naming_the_file(tmp_path, capsys):
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit):
-            script.main([*argv, "--out", str(tmp_path / "out")])
+            export.main([*argv, "--out", str(tmp_path / "out")])
         assert message in capsys.readouterr().err
 
 

@@ -1,14 +1,17 @@
-"""The study scripts run end to end on real data (a couple of batches) and write their tables."""
+"""The study scripts run end to end (real data or a tiny stand-in, a couple of batches or seconds)
+and write their tables."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
+import pytest
 import torch
 
-from scripts import budget, compare, finetune_study
+from scripts import ablate, budget, compare, finetune_study
 from tests.conftest import shared_path
 from vit import create_model
 
@@ -77,3 +80,36 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
     assert "## Final runs (test set, scored once)" in table and "## Tuning runs (held-out validation)" in table
     assert re.search(r"\| resnet20 \(`resnet20`\) \| `configs/cifar10_resnet.yaml` \| --data.batch_size 16 \|", table)
     assert plot.stat().st_size > 1000
+
+
+@pytest.fixture
+def keep_threads():
+    """ablate.py sets the thread count (one by default); other tests must not inherit it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_ablation_runs_train_on_the_clock_and_report_a_row_each(tmp_path, keep_threads):
+    data = tmp_path / "data"
+    _tiny_cifar_folder(data / "cifar10", per_class=40)
+    verse = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    (data / "tinyshakespeare.txt").write_text(verse * 50)
+    out, md = tmp_path / "out", tmp_path / "ablations.md"
+    common = ["--seconds", "2", "--data-root", str(data), "--out", str(out)]
+    text = ablate.main(["text", "--variant", "rope", *common])
+    images = ablate.main(["images", "--variant", "qk_norm", *common])
+    assert 1.5 <= text["train_seconds"] < 3 and 1.5 <= images["train_seconds"] < 3  # the clock stops training
+    assert text["val_loss"] < math.log(len(set(verse)))  # learnt more than the uniform guess
+    assert text["val_loss_at_4x_context"] is not None  # rope runs beyond its training context
+    assert images["steps"] > 0 and 0.0 <= images["val_top1"] <= 1.0
+    assert images["epochs"] == pytest.approx(images["samples"] / 120)  # all 120 training images, decoded once
+    assert len(list((out / "cache").glob("images-*.npz"))) == 2  # train and test, cached by vit.data.memory
+
+    md.write_text("old tables" + ablate.NOTES_MARKER + "\nA note.\n")
+    ablate.main(["report", "--out", str(out), "--report", str(md)])
+    report = md.read_text()
+    assert f"from the runs in `{out / 'results.jsonl'}`" in report
+    assert re.search(r"\| rope \| `posemb='rope'` \| [\d,]+ \| [\d,]+ \|", report)  # the text table's row
+    assert re.search(r"\| qk_norm \| `qk_norm=True` \| [\d,]+ \|.*\| \*\*\d+\.\d%\*\* \|", report)  # images
+    assert report.endswith(ablate.NOTES_MARKER + "\nA note.\n") and "old tables" not in report

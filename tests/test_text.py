@@ -12,7 +12,6 @@ from lightning.pytorch.callbacks import Callback
 
 import vit.gpt
 import vit.vision_transformer
-from scripts.sample import sample
 from tests.conftest import ROOT
 from vit import create_model
 from vit.checkpoint import load_model, read_lightning_checkpoint
@@ -20,6 +19,7 @@ from vit.cli import TrainCLI, main
 from vit.data import CharTokenizer, TextDataModule
 from vit.language_model import LanguageModel
 from vit.layers import Block
+from vit.tools.sample import sample
 
 GPT_CONFIGS = sorted((ROOT / "configs" / "gpt").glob("*.yaml"))
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]

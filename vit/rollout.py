@@ -14,7 +14,8 @@ attention path for that call only, so no module flag is touched and fused attent
 the row sums without `keepdim` (the wrong axis), and discards for the first image of a batch only.)
 
 The rendering helpers (colour map, overlay, the original | heatmap | overlay panel) live here too,
-shared by scripts/rollout.py and the `RolloutLogger` callback.
+shared by the export (`vit.tools.rollout`) and the `RolloutLogger` callback, and so do the scores
+against object boxes (pointing game, energy in box) with their centred-Gaussian baseline.
 """
 
 from __future__ import annotations
@@ -229,6 +230,44 @@ def rollout_maps(
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
+# -- scoring against object boxes ---------------------------------------------------------------
+
+
+def box_scores(maps: torch.Tensor, boxes: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How well (B, h, w) maps find the objects in (B, 4) boxes on size x size images: pointing
+    hits and energy-in-box fractions, (B,) each. Boxes are (x0, y0, x1, y1), inclusive pixel
+    coordinates, as in Tiny-ImageNet's annotations.
+
+    Pointing: the peak of the map, upsampled bilinearly to the image, lies inside the box. Energy:
+    the share of the upsampled map's mass inside the box after min-max scaling it to [0, 1], so a
+    constant offset (which rollout's identity term adds) does not count; a flat map scores the box's
+    share of the image.
+    """
+    m = maps.float()[:, None]
+    if m.shape[-1] != size:
+        m = F.interpolate(m, size=(size, size), mode="bilinear", align_corners=False)
+    m = m[:, 0].flatten(1)
+    lo, hi = m.min(dim=1, keepdim=True).values, m.max(dim=1, keepdim=True).values
+    m = (m - lo) / (hi - lo).clamp(min=1e-12)
+    pixels = torch.arange(size, dtype=torch.float32)
+    ys, xs = pixels[:, None].expand(size, size).flatten(), pixels[None, :].expand(size, size).flatten()
+    x0, y0, x1, y1 = (boxes[:, i : i + 1].float() for i in range(4))
+    inside = (xs >= x0) & (xs <= x1) & (ys >= y0) & (ys <= y1)  # (B, size * size)
+    hits = inside.gather(1, m.argmax(dim=1, keepdim=True))[:, 0].float()
+    total = m.sum(dim=1)
+    energy = torch.where(total > 0, (m * inside).sum(dim=1) / total.clamp(min=1e-12), inside.float().mean(dim=1))
+    return hits, energy
+
+
+def centre_gaussian(batch: int, size: int, sigma_frac: float = 0.25) -> torch.Tensor:
+    """(batch, size, size) Gaussians centred on the image (sigma = sigma_frac x size): the baseline
+    that looks at no image, the prior that objects sit in the middle."""
+    c = (size - 1) / 2
+    r = torch.arange(size, dtype=torch.float32) - c
+    g = torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * (sigma_frac * size) ** 2))
+    return g.expand(batch, size, size)
+
+
 # -- rendering --------------------------------------------------------------------------------
 
 
@@ -326,7 +365,7 @@ class RolloutLogger(Callback):
         model = getattr(pl_module, "model", pl_module)
         maps, logits = rollout_maps(model, x, self.method, self.head_fusion, self.discard_ratio)
         probs = logits.float().softmax(dim=-1).cpu()
-        mean, std = _normalisation(dataset)
+        mean, std = getattr(trainer.datamodule, "mean", None), getattr(trainer.datamodule, "std", None)
         panels = []
         for (image, label), m, p in zip(items, maps.cpu().numpy(), probs, strict=True):
             prob, pred = p.max(dim=-1)
@@ -348,14 +387,6 @@ def denormalise(x: torch.Tensor, mean: tuple[float, ...] | None, std: tuple[floa
     else:
         x = (x - x.min()) / (x.max() - x.min() + 1e-12)
     return (x.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
-
-
-def _normalisation(dataset) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
-    """The mean/std of the albumentations Normalize in the dataset's transform, if there is one."""
-    for t in getattr(getattr(dataset, "transform", None), "transforms", []):
-        if hasattr(t, "mean") and hasattr(t, "std") and getattr(t, "max_pixel_value", None):
-            return tuple(np.atleast_1d(t.mean).tolist()), tuple(np.atleast_1d(t.std).tolist())
-    return None, None
 
 
 def _tensorboard(trainer: L.Trainer):

@@ -43,6 +43,8 @@ class ImageDataModule(L.LightningDataModule):
         mixup_alpha / cutmix_alpha: Beta parameters (0 = off); mixup_prob: fraction of batches mixed;
             mixup_switch_prob: chance of CutMix when both are on.
         eval_crop_pct: eval resize is img_size / eval_crop_pct before the centre crop.
+        mean / std: the per-channel normalisation of pixels in [0, 1]. Kept, with eval_crop_pct, as
+            attributes of the same names: what turns a model input back into the image (rollout).
         skip_corrupt: log and skip undecodable image files instead of stopping.
         val_holdout: hold out this many training images (a fraction if below 1; stratified, fixed
             seed) as the validation set, for tuning; the original validation split becomes the test

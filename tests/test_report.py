@@ -1,0 +1,80 @@
+"""The report helper every study script writes with, and the commands installed with the package."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from vit.report import machine, markdown_table, write_report
+
+
+def test_markdown_table_aligns_numbers_right_and_renders_cells_as_text():
+    lines = markdown_table(("model", "params", "top-1"), [("vit", "1.2M", "70.1%"), ("resnet20", 0.27, 69)], "lrr")
+    assert lines == [
+        "| model | params | top-1 |",
+        "|---|---:|---:|",
+        "| vit | 1.2M | 70.1% |",
+        "| resnet20 | 0.27 | 69 |",
+    ]
+    assert markdown_table(("a", "b"), [])[1] == "|---|---|"  # left as the renderer likes it by default
+
+
+def test_markdown_table_refuses_rows_that_do_not_fit_the_header():
+    with pytest.raises(ValueError, match="2 cells for 3 columns"):
+        markdown_table(("a", "b", "c"), [("x", "y")])
+    with pytest.raises(ValueError, match="2 letters for 3 columns"):
+        markdown_table(("a", "b", "c"), [], align="lr")
+
+
+def test_regenerated_report_keeps_the_notes_below_the_marker(tmp_path):
+    marker = "<!-- notes -->"
+    path = tmp_path / "new" / "report.md"
+    write_report(path, "# v1\n", marker)  # a new file (and folder) gets the marker and an empty notes part
+    assert path.read_text() == "# v1\n<!-- notes -->\n"
+    path.write_text(path.read_text() + "Read this row with care.\n")
+    write_report(path, "# v2\n", marker)
+    assert path.read_text() == "# v2\n<!-- notes -->\nRead this row with care.\n"
+    write_report(path, "# plain\n")  # no marker: the whole file is the report
+    assert path.read_text() == "# plain\n"
+
+
+def test_machine_line_names_the_vector_unit_threads_and_versions():
+    line = machine()
+    assert f"({torch.backends.cpu.get_cpu_capability()})" in line  # two "AMD EPYC"s differ by this
+    assert f"{torch.get_num_threads()} threads" in line and f"torch {torch.__version__}" in line
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+def _project_scripts() -> dict[str, str]:
+    """pyproject.toml's [project.scripts] (no tomllib before Python 3.11)."""
+    section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    return dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', section, flags=re.MULTILINE))
+
+
+SCRIPTS = _project_scripts()
+
+
+def test_the_commands_are_train_rollout_sample_and_bench():
+    assert sorted(SCRIPTS) == ["vit-bench", "vit-rollout", "vit-sample", "vit-train"]
+
+
+@pytest.mark.parametrize("command", sorted(SCRIPTS))
+def test_installed_command_points_at_a_function_and_its_checkout_script_runs(command):
+    """`vit-x` (after pip install) and `python scripts/x.py` (in a checkout) run the same `cli`."""
+    module, _, attr = SCRIPTS[command].partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+    script = ROOT / "scripts" / f"{module.rsplit('.', 1)[1]}.py"
+    assert f"from {module} import {attr}" in script.read_text()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout.lower()

@@ -1,0 +1,268 @@
+"""Export attention-rollout maps: per image a PNG (original | heatmap | overlay, top classes) and the
+raw patch-grid map as .npy, plus an index.html gallery of the run.
+
+    vit-rollout --checkpoint runs/tiny_pretrain/checkpoints/last.ckpt photos/ cat.jpg
+    vit-rollout --checkpoint runs/x/last.ckpt --config configs/tiny_imagenet_vit.yaml \
+        --data-root ../shared/data/tiny-imagenet-200 --split val --limit 200 --out runs/rollout/tiny_val
+    vit-rollout --checkpoint vit_b16.safetensors --model vit_base_patch16_224 --crop-pct 0.875 img/
+    vit-rollout --checkpoint timm:vit_base_patch16_224 --method gradient img/   # needs the network
+
+(`python scripts/rollout.py ...` is the same command.)
+
+The checkpoint is ours (.ckpt / .safetensors from scripts/train.py), a timm-format state dict with
+--model naming the architecture, or timm:<name>. Images are files, folders (searched recursively)
+or a dataset split from a training config. The model sees each image as in validation (shorter
+side resized to img_size / crop_pct, centre crop); the PNG shows that region of the original,
+with the map resized to it bilinearly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from tqdm import tqdm
+
+from vit.checkpoint import load_model, load_pretrained, read_weights
+from vit.data.images import IMAGE_EXTENSIONS, ImageArrays, ImageFiles, read_rgb
+from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
+from vit.registry import create_model
+from vit.rollout import METHODS, check_vit, render_panel, rollout_maps
+from vit.vision_transformer import VisionTransformer
+
+
+@dataclass
+class Item:
+    """One image to explain: a name for its files, how to read it, its label if known."""
+
+    name: str
+    read: Callable[[], np.ndarray]
+    label: int | None = None
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+def load_vit(source: str, model_name: str | None = None) -> VisionTransformer:
+    """Our checkpoint, a timm-format file (with model_name), or timm:<name>, as a ViT in eval mode."""
+    if source.startswith("timm:"):
+        model = create_model(model_name or source.removeprefix("timm:"))
+        load_pretrained(model, source)
+        return check_vit(model, source).eval()
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if model_name is None:
+        try:
+            return check_vit(load_model(path), str(path))
+        except ValueError as e:
+            raise ValueError(f"{e}. For a timm-format state dict, pass --model <architecture>") from e
+    state_dict = read_weights(path)
+    kwargs = {"num_classes": state_dict["head.weight"].shape[0]} if "head.weight" in state_dict else {}
+    model = check_vit(create_model(model_name, **kwargs), f"--model {model_name}")
+    load_pretrained(model, path)
+    return model.eval()
+
+
+# -- the images --------------------------------------------------------------------------------
+
+
+def items_from_paths(paths: list[str]) -> list[Item]:
+    """Image files and folders (searched recursively, sorted), in the order given."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+            if not found:
+                raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {p}")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"image {p} does not exist")
+    return [Item(f.stem, lambda f=f: read_rgb(f)) for f in files]
+
+
+def items_from_config(config: str, split: str, data_root: str | None) -> tuple[list[Item], list[str] | None, dict]:
+    """A dataset split of a training config's datamodule: its items, class names and the eval
+    geometry and normalisation the datamodule declares (crop_pct, mean, std)."""
+    with open(config) as f:
+        data = (yaml.safe_load(f) or {}).get("data")
+    if not data or "class_path" not in data:
+        raise ValueError(f"{config} has no data.class_path (a datamodule)")
+    module, _, name = data["class_path"].rpartition(".")
+    init_args = dict(data.get("init_args") or {})
+    if data_root is not None:
+        init_args["root"] = data_root
+    datamodule = getattr(importlib.import_module(module), name)(**{**init_args, "num_workers": 0})
+    datamodule.setup("fit")
+    dataset = {"train": datamodule.train_set, "val": datamodule.val_set}[split]
+    if isinstance(dataset, ImageFiles):
+        items = [Item(Path(s.path).stem, lambda p=s.path: read_rgb(p), s.label) for s in dataset.samples]
+    elif isinstance(dataset, ImageArrays):
+        items = [
+            Item(f"{split}_{i:05d}", lambda i=i: dataset.images[i], int(dataset.labels[i])) for i in range(len(dataset))
+        ]
+    else:
+        raise ValueError(
+            f"{data['class_path']}'s {split} set is a {type(dataset).__name__}; expected image files or arrays"
+        )
+    settings = {"crop_pct": datamodule.eval_crop_pct, "mean": tuple(datamodule.mean), "std": tuple(datamodule.std)}
+    return items, _class_names(datamodule), settings
+
+
+def _class_names(datamodule) -> list[str] | None:
+    classes, root = getattr(datamodule, "classes", None), getattr(datamodule, "root", None)
+    words = Path(root or ".") / "words.txt"  # Tiny-ImageNet: wnid -> "goldfish, Carassius auratus"
+    if classes and root is not None and words.is_file():
+        lookup = dict(line.split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
+        return [lookup.get(c, c).split(",")[0].strip() for c in classes]
+    return list(classes) if classes else None
+
+
+def model_view(image: np.ndarray, crop_pct: float) -> np.ndarray:
+    """The part of the original image that the eval transform's centre crop keeps (full resolution)."""
+    h, w = image.shape[:2]
+    side = max(1, round(min(h, w) * crop_pct))
+    top, left = (h - side) // 2, (w - side) // 2
+    return image[top : top + side, left : left + side]
+
+
+# -- the export --------------------------------------------------------------------------------
+
+
+def batches(items: list[Item], size: int) -> Iterator[list[Item]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def export(args: argparse.Namespace) -> Path:
+    model = load_vit(args.checkpoint, args.model).to(args.device)
+    settings = {"crop_pct": args.crop_pct, "mean": args.mean, "std": args.std}
+    if args.config:
+        items, class_names, found = items_from_config(args.config, args.split, args.data_root)
+        settings.update(found)
+    else:
+        if not args.images:
+            raise ValueError("give image files or folders, or --config (and --split) for a dataset split")
+        items, class_names = items_from_paths(args.images), None
+    if args.class_names:
+        class_names = [line.strip() for line in Path(args.class_names).read_text().splitlines() if line.strip()]
+    elif class_names is None and model.num_classes == 1000:
+        from timm.data import ImageNetInfo
+
+        info = ImageNetInfo()
+        class_names = [info.index_to_description(i).split(",")[0] for i in range(1000)]
+    if class_names is not None and len(class_names) != model.num_classes:
+        raise ValueError(f"{len(class_names)} class names for a model with {model.num_classes} classes")
+    items = items[: args.limit] if args.limit else items
+    transform = eval_transform(model.patch_embed.img_size[0], settings["crop_pct"], settings["mean"], settings["std"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name_of = (lambda c: class_names[c]) if class_names else str
+    entries = []
+    progress = tqdm(total=len(items), desc="rollout", unit="img")
+    for batch in batches(items, args.batch_size):
+        images = [_read(item) for item in batch]
+        x = torch.stack([transform(image=image)["image"] for image in images]).to(args.device)
+        maps, logits = rollout_maps(
+            model, x, args.method, args.head_fusion, args.discard_ratio, args.start_layer, args.target
+        )
+        probs = logits.float().softmax(dim=-1).cpu()
+        for item, image, m, p in zip(batch, images, maps.cpu().numpy(), probs, strict=True):
+            index = len(entries)
+            stem = f"{index:05d}_{item.name}"
+            top = p.topk(min(args.topk, len(p)))
+            lines = [f"{name_of(int(c))}: {float(v):.2f}" for v, c in zip(top.values, top.indices, strict=True)]
+            if item.label is not None:
+                lines.append(f"(true: {name_of(item.label)})")
+            render_panel(model_view(image, settings["crop_pct"]), m, lines, args.panel_size).save(out / f"{stem}.png")
+            np.save(out / f"{stem}.npy", m.astype(np.float32))
+            entries.append((stem, item.name, lines))
+            progress.update()
+    progress.close()
+    write_gallery(out, entries, args)
+    return out
+
+
+def _read(item: Item) -> np.ndarray:
+    image = item.read()
+    if image.ndim == 2:
+        image = np.repeat(image[..., None], 3, axis=-1)
+    return image
+
+
+def write_gallery(out: Path, entries: list[tuple[str, str, list[str]]], args: argparse.Namespace) -> None:
+    """index.html: every image's panel with its name, predictions and a link to the raw map."""
+    what = f"{args.method} rollout" + (
+        f", {args.head_fusion} fusion, discard {args.discard_ratio}" if args.method == "attention" else ""
+    )
+    figures = "\n".join(
+        f'<figure><a href="{html.escape(stem)}.png"><img src="{html.escape(stem)}.png" loading="lazy"></a>'
+        f"<figcaption><b>{html.escape(name)}</b><br>{'<br>'.join(html.escape(line) for line in lines)}"
+        f'<br><a href="{html.escape(stem)}.npy">map (.npy)</a></figcaption></figure>'
+        for stem, name, lines in entries
+    )
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Attention rollout: {html.escape(args.checkpoint)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1em; }}
+main {{ display: grid; grid-template-columns: repeat(auto-fill, minmax({3 * args.panel_size}px, 1fr)); gap: 1em; }}
+figure {{ margin: 0; }} img {{ width: 100%; image-rendering: auto; }} figcaption {{ font-size: 0.9em; }}
+</style></head><body>
+<h1>Attention rollout</h1>
+<p>{html.escape(args.checkpoint)} &middot; {html.escape(what)} &middot; start layer {args.start_layer}
+&middot; {len(entries)} images &middot; each panel: original | heatmap | overlay</p>
+<main>
+{figures}
+</main></body></html>
+"""
+    (out / "index.html").write_text(page)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("images", nargs="*", help="image files and folders")
+    parser.add_argument("--checkpoint", required=True, help="our .ckpt/.safetensors, a timm state dict, or timm:<name>")
+    parser.add_argument("--model", help="architecture for a timm-format state dict, e.g. vit_base_patch16_224")
+    parser.add_argument("--config", help="a training config whose datamodule supplies the images")
+    parser.add_argument("--split", default="val", choices=["train", "val"])
+    parser.add_argument("--data-root", help="override the config's data.root")
+    parser.add_argument("--limit", type=int, help="only the first N images")
+    parser.add_argument("--out", default="runs/rollout/export", help="output folder")
+    parser.add_argument("--method", default="attention", choices=METHODS)
+    parser.add_argument("--head-fusion", default="mean", choices=["mean", "max", "min"])
+    parser.add_argument("--discard-ratio", type=float, default=0.0)
+    parser.add_argument("--start-layer", type=int, default=0)
+    parser.add_argument("--target", type=int, help="class for --method gradient (default: the predicted one)")
+    parser.add_argument("--topk", type=int, default=3, help="predicted classes shown per image")
+    parser.add_argument("--class-names", help="a text file with one class name per line")
+    parser.add_argument("--crop-pct", type=float, default=1.0, help="eval centre crop (0.875 for ImageNet models)")
+    parser.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN)
+    parser.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD)
+    parser.add_argument("--panel-size", type=int, default=224, help="pixels per panel in the PNGs")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args)
+    except (FileNotFoundError, ValueError, TypeError) as e:  # bad input: the message names the file
+        parser.exit(2, f"error: {e}\n")
+    print(f"wrote {out}/index.html")
+    return out
+
+
+def cli() -> None:
+    """The `vit-rollout` command (an entry point's return value would become the exit status)."""
+    main()
+
+
+if __name__ == "__main__":
+    cli()

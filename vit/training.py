@@ -84,7 +84,9 @@ class TrainingTask(L.LightningModule):
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
         """Stop on a NaN/inf loss, on every rank together, before it reaches a checkpoint (and,
-        where the weights are still finite, before it reaches them)."""
+        where the weights are still finite, before it reaches them). Here, not in training_step,
+        so every task is guarded; the loss is the one backpropagated (divided for gradient
+        accumulation, scaled under fp16), which is non-finite exactly when the task's was."""
         bad = not bool(torch.isfinite(loss.detach()))
         trainer = self.trainer
         if trainer.world_size > 1:

@@ -23,7 +23,8 @@ from vit.checkpoint import (
     read_weights,
 )
 from vit.data import DigitsDataModule
-from vit.lit import ImageClassifier, param_groups
+from vit.lit import ImageClassifier
+from vit.training import param_groups
 
 
 def _timm_state_dict(name: str = "vit_tiny_patch16_224", **kwargs) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from vit.data import (
 )
 from vit.data.images import Sample, scan_image_folder
 from vit.data.mixup import MixupCutmix
-from vit.data.sampling import ResumableSampler
+from vit.data.sampling import ResumableSampler, resumable_loader
 from vit.data.transforms import eval_transform, train_transform
 
 
@@ -195,6 +195,31 @@ def test_sampler_order_depends_only_on_seed_and_epoch_and_shards_ranks():
     sampler.resume_epoch, sampler.resume_position = 2, 4
     assert list(sampler) == first[4:]  # resumed mid-epoch
     assert list(sampler) == first  # and the next pass is whole again
+
+
+class _Indices(torch.utils.data.Dataset):
+    """Item (index, sample seed) -> the index, so a batch shows which samples it holds."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, item: tuple[int, int]) -> int:
+        return item[0]
+
+
+def test_the_training_loader_starts_each_epoch_after_the_batches_the_trainer_finished():
+    import lightning as L
+
+    dataset = _Indices()
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    loader = resumable_loader(dataset, ResumableSampler(dataset, shuffle=False), trainer, batch_size=4)
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 2  # as restored from a mid-epoch checkpoint
+    assert [b.tolist() for b in loader] == [[8, 9, 10, 11]]
+    trainer.fit_loop.epoch_loop.batch_progress.current.processed = 0  # the next epoch
+    assert len(list(loader)) == 3
+
+    alone = resumable_loader(dataset, ResumableSampler(dataset, shuffle=False), None, batch_size=4)
+    assert [b.tolist() for b in alone] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
 def test_image_folder_shapes_with_the_real_cifar_copy():

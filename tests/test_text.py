@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from vit.cli import TrainCLI, main
 from vit.data import CharTokenizer, TextDataModule
 from vit.language_model import LanguageModel
 from vit.layers import Block
+from vit.schedule import warmup_cosine_steps
 from vit.tools.sample import sample
 
 GPT_CONFIGS = sorted((ROOT / "configs" / "gpt").glob("*.yaml"))
@@ -275,6 +277,29 @@ def test_resume_matches_an_uninterrupted_run(text_file, tmp_path):
     )
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_resumed_run_keeps_its_seed_whatever_the_new_process_was_seeded_with(text_file, tmp_path):
+    """Seeded 5, stopped at step 3, resumed in a process seeded 9 (as `seed_everything: true` would
+    pick a new seed): model and data go on with 5, and the process's global seed stays 9."""
+    fit(tmp_path, text_file, "--seed_everything", "5", "--trainer.max_steps", "3")
+    cli = fit(tmp_path, text_file, "--seed_everything", "9", "--trainer.max_steps", "6", "--ckpt_path", "last")
+    assert cli.trainer.global_step == 6
+    assert cli.model.seed == 5 and cli.trainer.train_dataloader.sampler.seed == 5
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["vit_seed"] == 5
+    assert os.environ["PL_GLOBAL_SEED"] == "9"
+
+
+def test_a_run_resumed_with_another_lr_trains_at_it(text_file, tmp_path, caplog):
+    """As after a NaN loss: 3 steps at lr 3e-3, resumed with 1.5e-3: the schedule keeps its shape at half the height."""
+    common = ["--model.warmup_steps", "2", "--model.lr_decay_steps", "6", "--model.min_lr", "0"]
+    fit(tmp_path, text_file, "--trainer.max_steps", "3", *common)
+    with caplog.at_level("INFO", logger="vit"):
+        cli = fit(tmp_path, text_file, "--trainer.max_steps", "6", "--ckpt_path", "last", "--model.lr", "1.5e-3",
+                  "--trainer.callbacks+=tests.faults.RecordLR", *common)  # fmt: skip
+    assert "resuming with lr 0.0015 instead of the checkpoint's 0.003" in caplog.text
+    lrs = next(cb for cb in cli.trainer.callbacks if hasattr(cb, "lrs")).lrs
+    assert lrs == pytest.approx({step: 1.5e-3 * warmup_cosine_steps(step, 2, 6, 0.0) for step in (3, 4, 5)}, rel=1e-9)
 
 
 def test_a_mixture_of_experts_gpt_trains_with_its_load_balancing_loss(text_file, tmp_path):

@@ -18,7 +18,10 @@ from tests.test_data import _write_image
 from vit.checkpoint import load_model, read_lightning_checkpoint
 from vit.cli import main
 from vit.data import DigitsDataModule
-from vit.lit import ImageClassifier, NonFiniteLossError, param_groups, warmup_cosine
+from vit.fault_tolerance import NonFiniteLossError
+from vit.lit import ImageClassifier
+from vit.schedule import warmup_cosine_steps
+from vit.training import param_groups
 
 CONFIGS = sorted([*(ROOT / "configs").glob("*.yaml"), *(ROOT / "configs/finetune").glob("*.yaml")])
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -127,7 +130,7 @@ def test_resnet_baseline_trains_through_the_same_pipeline(tmp_path):
 
 
 def test_warmup_then_cosine_schedule():
-    lrs = [warmup_cosine(s, warmup_steps=4, total_steps=14, min_ratio=0.1) for s in range(15)]
+    lrs = [warmup_cosine_steps(s, warmup_steps=4, total_steps=14, min_ratio=0.1) for s in range(15)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == 1.0 and lrs[9] == pytest.approx(0.55) and lrs[14] == pytest.approx(0.1)
     assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
@@ -156,7 +159,7 @@ def test_lr_is_scaled_by_the_global_batch_and_follows_the_schedule(tmp_path):
     trainer.fit(module, data)
     steps = trainer.global_step  # 22 per epoch
     peak = 1e-3 * 64 / 32
-    expected = [peak * warmup_cosine(s, steps // 2, steps, 0.0) for s in range(steps)]
+    expected = [peak * warmup_cosine_steps(s, steps // 2, steps, 0.0) for s in range(steps)]
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-6, atol=1e-12)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from vit.fault_tolerance import (
     NonFiniteLossError,
     RunCheckpoint,
     checkpoint_complete,
+    checkpoint_dir,
     interruptible,
     newest_complete,
     stop_message,
@@ -27,8 +27,8 @@ from vit.fault_tolerance import (
 )
 
 
-def _checkpoint_dir(default_root_dir: str | None) -> str:
-    return os.path.join(default_root_dir or ".", "checkpoints")
+def _checkpoint_dirpath(default_root_dir: str | None) -> str:
+    return str(checkpoint_dir(default_root_dir))  # a string, as the config file shows it
 
 
 class TrainCLI(LightningCLI):
@@ -48,7 +48,7 @@ class TrainCLI(LightningCLI):
                 "checkpoint.auto_insert_metric_name": False,
             }
         )
-        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dir)
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dirpath)
 
     def before_instantiate_classes(self) -> None:
         """A model class that names its own metric (class attributes `monitor` and `monitor_mode`,

@@ -6,7 +6,8 @@
 - Checkpoints are written atomically (a temporary file in the same directory, fsync, rename): a
   full disk or a kill mid-write leaves the previous file intact, never a partial one under a
   checkpoint's name, and a failed write stops the run with the path and the OS error.
-- `--ckpt_path last` takes the newest `last*.ckpt` that is a complete file, warning about any it skips.
+- `--ckpt_path last` takes the newest `last*.ckpt` that is a complete file, warning about any it
+  skips, in the run's checkpoint folder (`checkpoint_dir`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,20 @@ NAN_ADVICE = (
 def non_finite(state_dict: dict[str, Any]) -> list[str]:
     """Names of the floating-point tensors holding NaN or inf."""
     return [k for k, v in state_dict.items() if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()]
+
+
+def checkpoint_dir(default_root_dir: str | Path | None) -> Path:
+    """Where a run's checkpoints live: `<default_root_dir>/checkpoints`, fixed per run (not per
+    logger version), so `--ckpt_path last` finds them from a new process."""
+    return Path(default_root_dir or ".") / "checkpoints"
+
+
+def trainer_checkpoint_dir(trainer: L.Trainer) -> Path:
+    """The folder `trainer` checkpoints into: its ModelCheckpoint's, when one names it, else the run's."""
+    for cb in trainer.checkpoint_callbacks:
+        if getattr(cb, "dirpath", None):
+            return Path(cb.dirpath)
+    return checkpoint_dir(trainer.default_root_dir)
 
 
 def last_good(directory: str | Path) -> str:

@@ -8,22 +8,20 @@ vocabulary, so `scripts/sample.py` needs only the .ckpt file.
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
 
-from vit.data.sampling import mix_seed
 from vit.data.text import CharTokenizer
 from vit.gpt import GPT
-from vit.lit import adamw, check_finite, default_callbacks, param_groups, warmup_cosine
 from vit.registry import create_model, model_config
+from vit.schedule import warmup_cosine_steps
+from vit.training import TrainingTask
 
 
-class LanguageModel(L.LightningModule):
+class LanguageModel(TrainingTask):
     """Trains a registered GPT (`gpt_char_cpu`, `gpt_char_small`, ...) on a TextDataModule.
 
     Args:
@@ -103,13 +101,8 @@ class LanguageModel(L.LightningModule):
 
     # -- training -----------------------------------------------------------------------------
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Dropout masks depend only on (seed, step, rank): exact resume, and ranks differ.
-        torch.manual_seed(mix_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)), self.global_step, self.global_rank, 2))
-
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        check_finite(self, loss, batch_idx)
         self.log("train/loss", loss, prog_bar=True)
         if self.model.config.num_experts > 1:
             aux = self.model.aux_loss()
@@ -117,15 +110,11 @@ class LanguageModel(L.LightningModule):
             loss = loss + self.hparams.aux_loss_weight * aux
         return loss
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def lr_schedule(self, min_ratio: float) -> Callable[[int], float]:
+        """Warmup over warmup_steps, then cosine until lr_decay_steps (None: the run's last step)."""
         hp = self.hparams
-        optimizer = adamw(param_groups(self.model, hp.weight_decay, hp.lr), hp.lr, tuple(hp.betas), self.trainer)
         total = hp.lr_decay_steps or int(self.trainer.estimated_stepping_batches)
-        min_ratio = hp.min_lr / hp.lr if hp.lr > 0 else 0.0
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, min_ratio)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return lambda step: warmup_cosine_steps(step, hp.warmup_steps, total, min_ratio)
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -137,18 +126,14 @@ class LanguageModel(L.LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("test/loss", self.loss(batch), sync_dist=True)
 
-    # -- checkpoints and callbacks --------------------------------------------------------------
+    # -- checkpoints ----------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Enough to rebuild the model and its tokenizer without Lightning (scripts/sample.py).
-        checkpoint["vit"] = {
-            "model_name": self.hparams.model_name,
-            "model_kwargs": dict(self.model_kwargs),
-            "vocab": self.hparams.vocab,
-        }
+        # With the vocabulary, scripts/sample.py needs nothing but the checkpoint.
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["vit"]["vocab"] = self.hparams.vocab
         checkpoint["hyper_parameters"]["vocab"] = self.hparams.vocab  # resolved from the data
         checkpoint["hyper_parameters"]["model_kwargs"] = dict(self.model_kwargs)
-        checkpoint["vit_seed"] = int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("hyper_parameters", {}).get("vocab")
@@ -157,8 +142,4 @@ class LanguageModel(L.LightningModule):
                 f"the checkpoint's vocabulary ({len(saved)} characters) differs from this text's "
                 f"({len(self.hparams.vocab)}); resume on the text the run was trained on"
             )
-        if "vit_seed" in checkpoint:
-            os.environ["PL_GLOBAL_SEED"] = str(checkpoint["vit_seed"])
-
-    def configure_callbacks(self) -> list[Callback]:
-        return default_callbacks(self.trainer)
+        super().on_load_checkpoint(checkpoint)

@@ -1,77 +1,38 @@
-"""LightningModules: image classification (any registered model) and its training recipe.
+"""ImageClassifier: image classification with any registered model, and its training recipe.
 
-Optimisation: AdamW (or SGD) without weight decay on norms, biases, position embeddings and the
-CLS token; per-step linear warmup then cosine decay; optional weight EMA. Randomness inside a
-training step is a function of (seed, step, rank), which makes resuming from a checkpoint exact.
+Optimisation: AdamW, SGD or Muon, without weight decay on norms, biases, position embeddings and
+the CLS token; per-step linear warmup then cosine decay, by steps or by a wall-clock budget;
+layer-wise lr decay and frozen parts for fine-tuning; optional weight EMA. What every task shares
+(seeding, checkpoint metadata, the NaN guard, the safety callbacks) is vit.training.TrainingTask.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checkpoint import load_pretrained
-from vit.data.sampling import mix_seed
-from vit.fault_tolerance import (
-    NAN_ADVICE,
-    InterruptCheckpoint,
-    NonFiniteLossError,
-    SafeCheckpoints,
-    last_good,
-    non_finite,
-)
 from vit.layers import MoE
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model
-from vit.schedule import cosine_decay, find_budget
-from vit.schedule import warmup_cosine as warmup_cosine_progress
-
-log = logging.getLogger(__name__)
-
-
-class Throughput(Callback):
-    """Training images per second (data loading included, validation excluded), logged per epoch
-    as `train/img_per_s`."""
-
-    def __init__(self) -> None:
-        self.images, self.seconds = 0, 0.0
-        self._epoch_start: float | None = None
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._epoch_start, self._val_seconds, self._epoch_images = time.perf_counter(), 0.0, 0
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._val_start = time.perf_counter()
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._epoch_start is not None:  # not the sanity check before training
-            self._val_seconds += time.perf_counter() - self._val_start
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        self._epoch_images += len(batch[0])
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        seconds = time.perf_counter() - self._epoch_start - self._val_seconds
-        self.images += self._epoch_images
-        self.seconds += seconds
-        pl_module.log("train/img_per_s", self._epoch_images / seconds, sync_dist=True)
-
-    @property
-    def images_per_second(self) -> float:
-        return self.images / self.seconds if self.seconds else float("nan")
+from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
+from vit.training import (
+    HEAD_NAMES,
+    Throughput,  # noqa: F401  (scripts/compare.py and finetune_study.py name it here)
+    TrainingTask,
+    adamw,
+    can_fuse,
+    is_head,
+    param_groups,
+)
 
 
 def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:
@@ -80,74 +41,7 @@ def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:
     return MulticlassAccuracy(num_classes, top_k=min(top_k, num_classes), average="micro")
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """Learning-rate multiplier: linear from ~0 to 1 over warmup_steps, then cosine down to min_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return cosine_decay((step - warmup_steps) / max(1, total_steps - warmup_steps), min_ratio)
-
-
-def param_groups(
-    model: nn.Module,
-    weight_decay: float,
-    lr: float,
-    layer_decay: float | None = None,
-    head_lr: float | None = None,
-) -> list[dict[str, Any]]:
-    """Optimizer groups by (learning rate, weight decay).
-
-    No weight decay on norms, biases and the model's `no_weight_decay()` names (pos_embed,
-    cls_token). With `layer_decay` (BEiT/MAE fine-tuning), a ViT's block i gets
-    lr * layer_decay ** (depth - i) and the embeddings lr * layer_decay ** (depth + 1), so early
-    layers move less; `head_lr` sets the classifier head's rate. Frozen parameters are left out.
-    """
-    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
-    depth = len(model.blocks) if layer_decay is not None and hasattr(model, "blocks") else None
-    if layer_decay is not None and depth is None:
-        raise ValueError(f"layer_decay needs a model with transformer blocks, not {type(model).__name__}")
-    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        wd = 0.0 if p.ndim <= 1 or name in skip else weight_decay
-        group_lr = lr
-        if depth is not None:
-            group_lr = lr * layer_decay ** (depth + 1 - _layer_id(name, depth))
-        if head_lr is not None and _is_head(name):
-            group_lr = head_lr
-        groups.setdefault((group_lr, wd), []).append(p)
-    return [{"params": ps, "lr": group_lr, "weight_decay": wd} for (group_lr, wd), ps in groups.items()]
-
-
-def _layer_id(name: str, depth: int) -> int:
-    """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and the head."""
-    if name.startswith(("patch_embed", "cls_token", "pos_embed")):
-        return 0
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) + 1
-    return depth + 1
-
-
-HEAD_NAMES = ("head", "fc", "linear")  # the classifier of our ViTs, torchvision ResNets, CIFAR ResNets
-
-
-def _is_head(name: str) -> bool:
-    return name.split(".")[0] in HEAD_NAMES
-
-
-def adamw(groups: list[dict], lr: float, betas: tuple[float, float], trainer: L.Trainer) -> torch.optim.AdamW:
-    """AdamW with its fused kernel: one pass over all parameters instead of a loop of small ops
-    (ViT-B's step on a CPU core: 0.42 s -> 0.08 s, benchmarks/README.md). Not under fp16 loss
-    scaling, where Lightning must unscale the gradients itself before clipping them."""
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=can_fuse(trainer))
-
-
-def can_fuse(trainer: L.Trainer) -> bool:
-    """Fused optimizer kernels, except under fp16 loss scaling (Lightning unscales before clipping)."""
-    return str(trainer.precision) != "16-mixed"
-
-
-class ImageClassifier(L.LightningModule):
+class ImageClassifier(TrainingTask):
     """Trains any registered model (`vit.list_models()`) as an image classifier.
 
     Args:
@@ -255,6 +149,7 @@ class ImageClassifier(L.LightningModule):
     def setup(self, stage: str) -> None:
         """A head for another number of classes than the data's fails late and cryptically ("Target
         7 is out of bounds") or trains silently with unused outputs: refuse it before the run."""
+        super().setup(stage)
         data = self.trainer.datamodule
         classes = getattr(data, "num_classes", None)
         if classes is not None and self.hparams.num_classes is not None and classes != self.hparams.num_classes:
@@ -267,7 +162,7 @@ class ImageClassifier(L.LightningModule):
         hp = self.hparams
         if hp.freeze_backbone:
             for name, p in self.model.named_parameters():
-                p.requires_grad_(_is_head(name))
+                p.requires_grad_(is_head(name))
             if not any(p.requires_grad for p in self.model.parameters()):
                 raise ValueError(f"freeze_backbone: {hp.model_name} has no head named {' / '.join(HEAD_NAMES)}")
         if hp.freeze_blocks:
@@ -303,10 +198,6 @@ class ImageClassifier(L.LightningModule):
 
     # -- training -----------------------------------------------------------------------------
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Dropout and drop-path masks depend only on (seed, step, rank): exact resume, and ranks differ.
-        torch.manual_seed(mix_seed(_global_seed(), self.global_step, self.global_rank, 2))
-
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, target = batch  # target: class ids (B,), or soft (B, classes) after Mixup/CutMix
         logits = self(x)
@@ -315,7 +206,6 @@ class ImageClassifier(L.LightningModule):
             aux = self.model.aux_loss()
             self.log("train/aux_loss", aux)
             loss = loss + self.hparams.aux_loss_weight * aux
-        check_finite(self, loss, batch_idx)
         self.log("train/loss", loss, prog_bar=True)
         if target.ndim == 1:
             self.train_acc1(logits, target)
@@ -327,38 +217,44 @@ class ImageClassifier(L.LightningModule):
         if self.ema is not None:
             self.ema.update_parameters(self.model)
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def peak_lr(self) -> float:
+        return self.hparams.lr * self.lr_scale()
+
+    def lr_scale(self) -> float:
+        """global batch / lr_base_batch_size when the latter is set (linear lr scaling), else 1."""
+        base = self.hparams.lr_base_batch_size
+        return self.global_batch_size() / base if base else 1.0
+
+    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         hp = self.hparams
-        scale = self.global_batch_size() / hp.lr_base_batch_size if hp.lr_base_batch_size else 1.0
-        lr, head_lr = hp.lr * scale, hp.head_lr * scale if hp.head_lr is not None else None
+        head_lr = hp.head_lr * self.lr_scale() if hp.head_lr is not None else None
         groups = param_groups(self.model, hp.weight_decay, lr, hp.layer_decay, head_lr)
         if hp.optimizer == "adamw":
-            optimizer = adamw(groups, lr, tuple(hp.betas), self.trainer)
-        elif hp.optimizer == "muon":
+            return adamw(groups, lr, tuple(hp.betas), self.trainer)
+        if hp.optimizer == "muon":
             hidden = {p for name, p in self.model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
-            optimizer = MuonAdamW(split_muon_groups(groups, hidden), lr, tuple(hp.betas), fused=can_fuse(self.trainer))
-        else:
-            optimizer = torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=True)
-        min_ratio = hp.min_lr / lr if lr > 0 else 0.0
+            return MuonAdamW(split_muon_groups(groups, hidden), lr, tuple(hp.betas), fused=can_fuse(self.trainer))
+        return torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=True)
+
+    def lr_schedule(self, min_ratio: float) -> Callable[[int], float]:
+        """Warmup then cosine over the run's steps, or, with a WallClockBudget, over its time."""
+        hp = self.hparams
         budget = find_budget(self.trainer)
         if budget is not None:  # the schedule follows the clock and ends with the budget
             if hp.warmup_steps is not None or hp.warmup_epochs:
                 raise ValueError("with a WallClockBudget, give the warmup as warmup_fraction (of the budget)")
             warmup = self._cap_warmup(hp.warmup_fraction or 0.0, 1.0)
-            schedule = lambda step: warmup_cosine_progress(budget.progress(), warmup, min_ratio)  # noqa: E731
-        else:
-            total = int(self.trainer.estimated_stepping_batches)
-            warmup = hp.warmup_steps
-            if hp.warmup_fraction is not None:
-                warmup = round(hp.warmup_fraction * total)
-            elif warmup is None:
-                batches = self.trainer.num_training_batches  # known once estimated_stepping_batches ran
-                per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches) if batches != math.inf else total
-                warmup = round(hp.warmup_epochs * per_epoch)
-            warmup = self._cap_warmup(warmup, total)
-            schedule = lambda step: warmup_cosine(step, warmup, total, min_ratio)  # noqa: E731
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+            return lambda step: warmup_cosine(budget.progress(), warmup, min_ratio)
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = hp.warmup_steps
+        if hp.warmup_fraction is not None:
+            warmup = round(hp.warmup_fraction * total)
+        elif warmup is None:
+            batches = self.trainer.num_training_batches  # known once estimated_stepping_batches ran
+            per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches) if batches != math.inf else total
+            warmup = round(hp.warmup_epochs * per_epoch)
+        warmup = self._cap_warmup(warmup, total)
+        return lambda step: warmup_cosine_steps(step, warmup, total, min_ratio)
 
     def _cap_warmup(self, warmup: float, total: float) -> float:
         """A warmup longer than half the run leaves no time to learn at the peak rate and decay: cut it."""
@@ -407,82 +303,8 @@ class ImageClassifier(L.LightningModule):
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self.eval_logits(x).softmax(dim=-1)
 
-    # -- checkpoints and callbacks --------------------------------------------------------------
+    # -- checkpoints ----------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Enough to rebuild the bare model without Lightning: vit.checkpoint.load_model(path).
-        checkpoint["vit"] = {"model_name": self.hparams.model_name, "model_kwargs": dict(self.model_kwargs)}
+        super().on_save_checkpoint(checkpoint)
         checkpoint["hyper_parameters"]["num_classes"] = self.hparams.num_classes  # resolved from the data
-        checkpoint["vit_seed"] = _global_seed()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "vit_seed" in checkpoint:
-            os.environ["PL_GLOBAL_SEED"] = str(checkpoint["vit_seed"])
-        rescale_lr(checkpoint, self.hparams.lr)
-
-    def configure_callbacks(self) -> list[Callback]:
-        return default_callbacks(self.trainer)
-
-
-def default_callbacks(trainer: L.Trainer) -> list[Callback]:
-    """The safety net every task carries: atomic checkpoint writes, a checkpoint on interruption,
-    and the lr in the logs."""
-    callbacks: list[Callback] = [SafeCheckpoints(), InterruptCheckpoint(checkpoint_dir(trainer))]
-    if trainer.loggers:
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
-    return callbacks
-
-
-def checkpoint_dir(trainer: L.Trainer) -> Path:
-    """Where a run's checkpoints live: fixed per run directory (not per logger version), so
-    `--ckpt_path last` finds them from a new process."""
-    for cb in trainer.checkpoint_callbacks:
-        if getattr(cb, "dirpath", None):
-            return Path(cb.dirpath)
-    return Path(trainer.default_root_dir) / "checkpoints"
-
-
-def rescale_lr(checkpoint: dict[str, Any], lr: float) -> None:
-    """A run resumed with another `lr` (e.g. after a NaN loss) uses it: the optimizer's and the
-    schedule's saved rates, which would otherwise win, are scaled by new / old, so warmup, cosine,
-    layer decay and the head's rate keep their shape. Said in the log."""
-    old = checkpoint.get("hyper_parameters", {}).get("lr")
-    if not old or old == lr:
-        return
-    ratio = lr / old
-    for state in checkpoint.get("optimizer_states", []):
-        for group in state["param_groups"]:
-            for key in ("lr", "initial_lr"):
-                if key in group:
-                    group[key] *= ratio
-    for state in checkpoint.get("lr_schedulers", []):
-        for key in ("base_lrs", "_last_lr"):
-            if key in state:
-                state[key] = [v * ratio for v in state[key]]
-    checkpoint["hyper_parameters"]["lr"] = lr
-    log.info("resuming with lr %g instead of the checkpoint's %g: the saved rates are scaled by %g", lr, old, ratio)
-
-
-def check_finite(module: L.LightningModule, loss: torch.Tensor, batch_idx: int) -> None:
-    """Stop on a NaN/inf loss, on every rank together, before it reaches a checkpoint (and, where
-    the weights are still finite, before it reaches them)."""
-    bad = not bool(torch.isfinite(loss.detach()))
-    trainer = module.trainer
-    if trainer.world_size > 1:
-        bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
-    if not bad:
-        return
-    weights = non_finite(dict(module.named_parameters()))
-    state = (
-        f"the weights were already not finite ({', '.join(weights[:3])}): an earlier step made them so"
-        if weights
-        else "stopped before this step changed the weights"
-    )
-    raise NonFiniteLossError(
-        f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
-        f"batch {batch_idx}); {state}. {NAN_ADVICE.format(checkpoint=last_good(checkpoint_dir(trainer)))}"
-    )
-
-
-def _global_seed() -> int:
-    return int(os.environ.get("PL_GLOBAL_SEED", 0))

@@ -79,6 +79,14 @@ def warmup_cosine(progress: float, warmup: float, min_ratio: float) -> float:
     return cosine_decay((progress - warmup) / max(1e-12, 1.0 - warmup), min_ratio)
 
 
+def warmup_cosine_steps(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Learning-rate multiplier at optimizer step `step`: linear from ~0 to 1 over warmup_steps,
+    then cosine down to min_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return cosine_decay((step - warmup_steps) / max(1, total_steps - warmup_steps), min_ratio)
+
+
 def cosine_decay(fraction: float, min_ratio: float) -> float:
     """From 1 at fraction 0 down to min_ratio at fraction 1 (and after), along half a cosine."""
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, fraction)))

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from vit.data.images import ImageArrays, ImageFiles, scan_image_folder, scan_tiny_imagenet
 from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, resize_batch, to_tensor_images
 from vit.data.mixup import MixupCutmix
-from vit.data.sampling import ResumableLoader, ResumableSampler, mix_seed
+from vit.data.sampling import ResumableSampler, mix_seed, resumable_loader, run_seed
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
 from vit.schedule import training_progress
 
@@ -141,28 +141,21 @@ class ImageDataModule(L.LightningDataModule):
             cache = Path(self.trainer.default_root_dir) / "cache"
         return to_tensor_images(dataset, self.img_size, 1.0 if train else self.eval_crop_pct, cache)
 
-    def _seed(self) -> int:
-        return int(os.environ.get("PL_GLOBAL_SEED", 0))
-
     def train_dataloader(self) -> DataLoader:
+        seed = run_seed(self.trainer)
         if self.in_memory:  # whole batches gathered from one tensor, in this process
             self.train_set = self._in_memory(self.train_set, train=True)
-            sampler = BatchSampler(self.train_set, self.batch_size, shuffle=True, seed=self._seed(), drop_last=True)
-            loader = ResumableLoader(self.train_set, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
-        else:
-            sampler = ResumableSampler(self.train_set, shuffle=True, seed=self._seed())
-            loader = ResumableLoader(
-                self.train_set,
-                batch_size=self.batch_size,
-                sampler=sampler,
-                drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
-                **self._loader_options(),
-            )
-        trainer = self.trainer
-        if trainer is not None:
-            # Batches of this epoch whose training step finished: where Lightning itself resumes.
-            loader.batches_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return loader
+            sampler = BatchSampler(self.train_set, self.batch_size, shuffle=True, seed=seed, drop_last=True)
+            return resumable_loader(self.train_set, sampler, self.trainer, batch_size=None, pin_memory=self.pin_memory)
+        sampler = ResumableSampler(self.train_set, shuffle=True, seed=seed)
+        return resumable_loader(
+            self.train_set,
+            sampler,
+            self.trainer,
+            batch_size=self.batch_size,
+            drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
+            **self._loader_options(),
+        )
 
     def val_dataloader(self) -> DataLoader:
         self.val_set = self._in_memory(self.val_set, train=False)
@@ -198,7 +191,7 @@ class ImageDataModule(L.LightningDataModule):
         if trainer is None or not trainer.training or not self.mixup_enabled:
             return batch
         x, y = batch
-        rng = np.random.default_rng(mix_seed(self._seed(), trainer.global_step, trainer.global_rank, 1))
+        rng = np.random.default_rng(mix_seed(run_seed(trainer), trainer.global_step, trainer.global_rank, 1))
         return MixupCutmix(self.num_classes, **self.mixup_options)(x, y, rng)
 
     def _augment_in_memory(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
 """Reproducible, resumable data order.
 
 The training sampler's shuffle depends only on (seed, epoch), and each sample gets its own
-augmentation seed from (seed, epoch, index). Together with the per-step seeding in `vit.lit`,
-a run interrupted and resumed from a checkpoint, even mid-epoch, sees exactly the batches and
-augmentations an uninterrupted run would have seen.
+augmentation seed from (seed, epoch, index). Together with the per-step seeding in
+`vit.training`, a run interrupted and resumed from a checkpoint, even mid-epoch, sees exactly the
+batches and augmentations an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import lightning as L
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -19,6 +20,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 def mix_seed(*values: int) -> int:
     """A well-mixed 32-bit seed from several integers (e.g. seed, epoch, index)."""
     return int(np.random.SeedSequence([int(v) % 2**63 for v in values]).generate_state(1)[0])
+
+
+def run_seed(trainer: L.Trainer | None) -> int:
+    """The seed of the run `trainer` is in: its task's (vit.training.TrainingTask.seed, the
+    checkpoint's on resume, so data and model agree on it); 0 outside a run."""
+    seed = getattr(trainer.lightning_module, "seed", None) if trainer is not None else None
+    return seed or 0
 
 
 class ResumableSampler(DistributedSampler):
@@ -43,7 +51,7 @@ class ResumableSampler(DistributedSampler):
 class ResumableLoader(DataLoader):
     """A DataLoader that starts an epoch at its next unseen batch after a resume.
 
-    `batches_done` reports how many batches of the current epoch were trained on; the datamodule
+    `batches_done` reports how many batches of the current epoch were trained on; `resumable_loader`
     points it at Lightning's own progress counter. Each epoch's iteration starts there, read when
     the first batch is drawn: by then Lightning has restored the counter from the checkpoint.
     (Lightning's other route, `load_state_dict`, reaches only a loader built after the checkpoint
@@ -72,3 +80,15 @@ class ResumableLoader(DataLoader):
         self.sampler.resume_epoch = state["epoch"]
         self.sampler.resume_position = state["position"]
         self.sampler.seed = state["seed"]
+
+
+def resumable_loader(
+    dataset: Dataset, sampler: DistributedSampler, trainer: L.Trainer | None, **loader_options: Any
+) -> ResumableLoader:
+    """A ResumableLoader over `sampler` that starts each epoch where `trainer` resumes: after the
+    batches of that epoch whose training step finished, Lightning's own count, which it restores
+    from the checkpoint. Without a trainer it counts the batches it hands out."""
+    loader = ResumableLoader(dataset, sampler=sampler, **loader_options)
+    if trainer is not None:
+        loader.batches_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return loader

@@ -10,7 +10,6 @@ loss compares across runs and resumes.
 
 from __future__ import annotations
 
-import os
 import urllib.request
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from vit.data.sampling import ResumableLoader, ResumableSampler
+from vit.data.sampling import ResumableSampler, resumable_loader, run_seed
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -173,19 +172,14 @@ class TextDataModule(L.LightningDataModule):
         self.val_set = FixedWindows(val, self.block_size, starts.tolist())
 
     def train_dataloader(self) -> DataLoader:
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        loader = ResumableLoader(
+        return resumable_loader(
             self.train_set,
+            ResumableSampler(self.train_set, shuffle=True, seed=run_seed(self.trainer)),
+            self.trainer,
             batch_size=self.batch_size,
-            sampler=ResumableSampler(self.train_set, shuffle=True, seed=seed),
             drop_last=len(self.train_set) > self.batch_size,
             num_workers=self.num_workers,
         )
-        trainer = self.trainer
-        if trainer is not None:
-            # Batches of this epoch whose training step finished: where Lightning itself resumes.
-            loader.batches_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return loader
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

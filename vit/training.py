@@ -1,0 +1,274 @@
+"""What every training task shares: `TrainingTask`, the base of our LightningModules, and the
+optimizer helpers it is built from.
+
+The base owns the run's seed, the checkpoint metadata, the optimizer with its per-step
+learning-rate schedule, the safety callbacks and the NaN guard; a task (vit.lit.ImageClassifier,
+vit.language_model.LanguageModel) says only what is its own: the model, the loss and metrics,
+and its schedule. Randomness inside a training step is a function of (seed, step, rank), which
+makes resuming from a checkpoint exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from torch import nn
+
+from vit.data.sampling import mix_seed
+from vit.fault_tolerance import (
+    NAN_ADVICE,
+    InterruptCheckpoint,
+    NonFiniteLossError,
+    SafeCheckpoints,
+    last_good,
+    non_finite,
+    trainer_checkpoint_dir,
+)
+
+log = logging.getLogger(__name__)
+
+
+def global_seed() -> int:
+    """The seed `seed_everything` set (LightningCLI's `seed_everything:`, or `L.seed_everything` in
+    a script), 0 if none. Lightning keeps it only in the environment variable PL_GLOBAL_SEED, so
+    this is the one place that reads it: a task takes it when its run starts (TrainingTask.setup),
+    and everything else gets the seed from the task."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+class TrainingTask(L.LightningModule):
+    """Base of the LightningModules: what every task trains with.
+
+    - `seed`: the run's seed, taken from `seed_everything` when a run starts and from the
+      checkpoint when it resumes (saved as `vit_seed`), so a resumed run draws what the
+      uninterrupted one would even if the new process was seeded differently. The datamodules
+      read it from here (vit.data.sampling.run_seed).
+    - dropout and drop-path masks seeded by (seed, step, rank) before every step: exact resume,
+      and ranks differ.
+    - the NaN guard: a non-finite loss stops the run on every rank before it reaches the weights.
+    - checkpoints: `vit` holds the model name and kwargs (vit.checkpoint.load_model rebuilds the
+      model from the file alone); a run resumed with another `lr` trains at it (rescale_lr).
+    - the optimizer (`make_optimizer`, AdamW by default) at the peak rate (`peak_lr`), stepped
+      each optimizer step by a LambdaLR with the task's multiplier (`lr_schedule`).
+    - the callbacks every run carries (`default_callbacks`).
+
+    A task saves its hyperparameters, which include model_name, lr, min_lr, weight_decay and
+    betas; builds `self.model` and `self.model_kwargs` in `configure_model`; and implements
+    `lr_schedule`.
+    """
+
+    model: nn.Module | None
+    model_kwargs: dict[str, Any]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seed: int | None = None
+        self._batch_idx = 0  # for the NaN guard's message
+
+    def setup(self, stage: str) -> None:
+        # Before a checkpoint is read: on_load_checkpoint then puts the resumed run's seed in its place.
+        self.seed = global_seed()
+
+    # -- training -----------------------------------------------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        torch.manual_seed(mix_seed(self.seed, self.global_step, self.global_rank, 2))
+        self._batch_idx = batch_idx
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """Stop on a NaN/inf loss, on every rank together, before it reaches a checkpoint (and,
+        where the weights are still finite, before it reaches them). Here, not in training_step,
+        so every task is guarded; the loss is the one backpropagated (divided for gradient
+        accumulation, scaled under fp16), which is non-finite exactly when the task's was."""
+        bad = not bool(torch.isfinite(loss.detach()))
+        trainer = self.trainer
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if not bad:
+            return
+        weights = non_finite(dict(self.named_parameters()))
+        state = (
+            f"the weights were already not finite ({', '.join(weights[:3])}): an earlier step made them so"
+            if weights
+            else "stopped before this step changed the weights"
+        )
+        raise NonFiniteLossError(
+            f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
+            f"batch {self._batch_idx}); {state}. "
+            f"{NAN_ADVICE.format(checkpoint=last_good(trainer_checkpoint_dir(trainer)))}"
+        )
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        lr = self.peak_lr()
+        optimizer = self.make_optimizer(lr)
+        min_ratio = self.hparams.min_lr / lr if lr > 0 else 0.0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_schedule(min_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def peak_lr(self) -> float:
+        return self.hparams.lr
+
+    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        hp = self.hparams
+        return adamw(param_groups(self.model, hp.weight_decay, lr), lr, tuple(hp.betas), self.trainer)
+
+    def lr_schedule(self, min_ratio: float) -> Callable[[int], float]:
+        """The multiplier of the peak rate at each optimizer step, ending at min_ratio."""
+        raise NotImplementedError
+
+    # -- checkpoints and callbacks --------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Enough to rebuild the bare model without Lightning: vit.checkpoint.load_model(path).
+        checkpoint["vit"] = {"model_name": self.hparams.model_name, "model_kwargs": dict(self.model_kwargs)}
+        checkpoint["vit_seed"] = self.seed
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.seed = checkpoint.get("vit_seed", self.seed)
+        rescale_lr(checkpoint, self.hparams.lr)
+
+    def configure_callbacks(self) -> list[Callback]:
+        return default_callbacks(self.trainer)
+
+
+def default_callbacks(trainer: L.Trainer) -> list[Callback]:
+    """The safety net every task carries: atomic checkpoint writes, a checkpoint on interruption,
+    and the lr in the logs."""
+    callbacks: list[Callback] = [SafeCheckpoints(), InterruptCheckpoint(trainer_checkpoint_dir(trainer))]
+    if trainer.loggers:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    return callbacks
+
+
+def rescale_lr(checkpoint: dict[str, Any], lr: float) -> None:
+    """A run resumed with another `lr` (e.g. after a NaN loss) uses it: the optimizer's and the
+    schedule's saved rates, which would otherwise win, are scaled by new / old, so warmup, cosine,
+    layer decay and the head's rate keep their shape. Said in the log."""
+    old = checkpoint.get("hyper_parameters", {}).get("lr")
+    if not old or old == lr:
+        return
+    ratio = lr / old
+    for state in checkpoint.get("optimizer_states", []):
+        for group in state["param_groups"]:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] *= ratio
+    for state in checkpoint.get("lr_schedulers", []):
+        for key in ("base_lrs", "_last_lr"):
+            if key in state:
+                state[key] = [v * ratio for v in state[key]]
+    checkpoint["hyper_parameters"]["lr"] = lr
+    log.info("resuming with lr %g instead of the checkpoint's %g: the saved rates are scaled by %g", lr, old, ratio)
+
+
+class Throughput(Callback):
+    """Training images per second, data loading included and validation excluded: logged per
+    epoch as `train/img_per_s` (the mean over ranks) and, for the whole run, `images_per_second`,
+    which scripts/compare.py and scripts/finetune_study.py read after `fit`.
+
+    Kept beside Lightning's ThroughputMonitor, which reports something else: rates over its last
+    `window_size` batches (each window leaving out its first batch's time), to a logger only, on
+    rank 0 only, with nothing a script can read back (it does give FLOPs and MFU, from a model's
+    `flops_per_batch`). Both on one run (vit_nano_patch4_16 on the digits, batch 64, 4 epochs of
+    22 steps, 2-core CPU): ours 467, 465, 467, 474 img/s per epoch and 468.5 for the run; its
+    22-batch windows ending with each epoch 469, 468, 469, 476, those across an epoch's end
+    (validation, checkpoints) 456-457, and its run totals 463.3 (train/samples / train/time).
+    """
+
+    def __init__(self) -> None:
+        self.images, self.seconds = 0, 0.0
+        self._epoch_start: float | None = None
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_start, self._val_seconds, self._epoch_images = time.perf_counter(), 0.0, 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._epoch_start is not None:  # not the sanity check before training
+            self._val_seconds += time.perf_counter() - self._val_start
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self._epoch_images += len(batch[0])
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seconds = time.perf_counter() - self._epoch_start - self._val_seconds
+        self.images += self._epoch_images
+        self.seconds += seconds
+        pl_module.log("train/img_per_s", self._epoch_images / seconds, sync_dist=True)
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images / self.seconds if self.seconds else float("nan")
+
+
+# -- optimizer ---------------------------------------------------------------------------------
+
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    lr: float,
+    layer_decay: float | None = None,
+    head_lr: float | None = None,
+) -> list[dict[str, Any]]:
+    """Optimizer groups by (learning rate, weight decay).
+
+    No weight decay on norms, biases and the model's `no_weight_decay()` names (pos_embed,
+    cls_token). With `layer_decay` (BEiT/MAE fine-tuning), a ViT's block i gets
+    lr * layer_decay ** (depth - i) and the embeddings lr * layer_decay ** (depth + 1), so early
+    layers move less; `head_lr` sets the classifier head's rate. Frozen parameters are left out.
+    """
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    depth = len(model.blocks) if layer_decay is not None and hasattr(model, "blocks") else None
+    if layer_decay is not None and depth is None:
+        raise ValueError(f"layer_decay needs a model with transformer blocks, not {type(model).__name__}")
+    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        wd = 0.0 if p.ndim <= 1 or name in skip else weight_decay
+        group_lr = lr
+        if depth is not None:
+            group_lr = lr * layer_decay ** (depth + 1 - _layer_id(name, depth))
+        if head_lr is not None and is_head(name):
+            group_lr = head_lr
+        groups.setdefault((group_lr, wd), []).append(p)
+    return [{"params": ps, "lr": group_lr, "weight_decay": wd} for (group_lr, wd), ps in groups.items()]
+
+
+def _layer_id(name: str, depth: int) -> int:
+    """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and the head."""
+    if name.startswith(("patch_embed", "cls_token", "pos_embed")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return depth + 1
+
+
+HEAD_NAMES = ("head", "fc", "linear")  # the classifier of our ViTs, torchvision ResNets, CIFAR ResNets
+
+
+def is_head(name: str) -> bool:
+    """Whether parameter `name` belongs to the classifier head."""
+    return name.split(".")[0] in HEAD_NAMES
+
+
+def adamw(groups: list[dict], lr: float, betas: tuple[float, float], trainer: L.Trainer) -> torch.optim.AdamW:
+    """AdamW with its fused kernel: one pass over all parameters instead of a loop of small ops
+    (ViT-B's step on a CPU core: 0.42 s -> 0.08 s, benchmarks/README.md). Not under fp16 loss
+    scaling, where Lightning must unscale the gradients itself before clipping them."""
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=can_fuse(trainer))
+
+
+def can_fuse(trainer: L.Trainer) -> bool:
+    """Fused optimizer kernels, except under fp16 loss scaling (Lightning unscales before clipping)."""
+    return str(trainer.precision) != "16-mixed"

@@ -40,9 +40,9 @@ from vit.data import ImageFiles, TextDataModule
 from vit.data.images import scan_image_folder
 from vit.data.memory import batch_augment, normalize, to_tensor_images
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from vit.lit import param_groups
 from vit.report import machine, markdown_table, write_report
 from vit.schedule import warmup_cosine
+from vit.training import param_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vit.cli import main as train
-from vit.lit import Throughput
 from vit.report import machine, markdown_table, write_report
+from vit.training import Throughput
 
 ROOT = Path(__file__).resolve().parents[1]
 VIT_CONFIG = "configs/finetune/tiny_to_cifar10_cpu.yaml"

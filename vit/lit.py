@@ -26,7 +26,6 @@ from vit.registry import create_model
 from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
 from vit.training import (
     HEAD_NAMES,
-    Throughput,  # noqa: F401  (scripts/compare.py and finetune_study.py name it here)
     TrainingTask,
     adamw,
     can_fuse,

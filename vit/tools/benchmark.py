@@ -44,6 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import vit
 from vit.layers import Attention
 from vit.report import cpu_name, markdown_table
+from vit.vision_transformer import timm_kwargs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -194,22 +195,7 @@ def timm_twin(model: vit.VisionTransformer) -> nn.Module:
     """timm's VisionTransformer in the same configuration, with the same weights."""
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
-    c = model.config
-    theirs = TimmViT(
-        img_size=c.img_size,
-        patch_size=c.patch_size,
-        in_chans=c.in_chans,
-        num_classes=c.num_classes,
-        global_pool=c.global_pool,
-        embed_dim=c.embed_dim,
-        depth=c.depth,
-        num_heads=c.num_heads,
-        mlp_ratio=c.mlp_ratio,
-        qkv_bias=c.qkv_bias,
-        class_token=c.class_token,
-        fc_norm=c.fc_norm,
-        init_values=c.init_values,
-    )
+    theirs = TimmViT(**timm_kwargs(model.config))
     theirs.load_state_dict(model.state_dict())
     return theirs
 

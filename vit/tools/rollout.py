@@ -30,10 +30,9 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from vit.checkpoint import load_model, load_pretrained, read_weights
+from vit.checkpoint import load_model
 from vit.data.images import IMAGE_EXTENSIONS, ImageArrays, ImageFiles, read_rgb
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
-from vit.registry import create_model
 from vit.rollout import METHODS, check_vit, render_panel, rollout_maps
 from vit.vision_transformer import VisionTransformer
 
@@ -51,24 +50,13 @@ class Item:
 
 
 def load_vit(source: str, model_name: str | None = None) -> VisionTransformer:
-    """Our checkpoint, a timm-format file (with model_name), or timm:<name>, as a ViT in eval mode."""
-    if source.startswith("timm:"):
-        model = create_model(model_name or source.removeprefix("timm:"))
-        load_pretrained(model, source)
-        return check_vit(model, source).eval()
-    path = Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if model_name is None:
-        try:
-            return check_vit(load_model(path), str(path))
-        except ValueError as e:
-            raise ValueError(f"{e}. For a timm-format state dict, pass --model <architecture>") from e
-    state_dict = read_weights(path)
-    kwargs = {"num_classes": state_dict["head.weight"].shape[0]} if "head.weight" in state_dict else {}
-    model = check_vit(create_model(model_name, **kwargs), f"--model {model_name}")
-    load_pretrained(model, path)
-    return model.eval()
+    """Any source `vit.checkpoint.load_model` reads (with `--model` for a timm-format file), as a ViT."""
+    try:
+        return check_vit(load_model(source, model_name), source)
+    except ValueError as e:
+        if model_name is None and "give the architecture" in str(e):
+            raise ValueError(f"{e}: pass --model <architecture>") from e
+        raise
 
 
 # -- the images --------------------------------------------------------------------------------

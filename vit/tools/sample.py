@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from vit.checkpoint import load_model, read_lightning_checkpoint
+from vit.checkpoint import load_checkpoint
 from vit.data.text import CharTokenizer
 
 
@@ -34,12 +34,11 @@ def sample(
         raise ValueError("the prompt is empty; give at least one character, e.g. --prompt $'\\n'")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    checkpoint = read_lightning_checkpoint(ckpt_path)
-    vocab = checkpoint["vit"].get("vocab")
+    model, meta = load_checkpoint(ckpt_path)
+    vocab = meta.get("vocab")
     if vocab is None:
         raise ValueError(f"{ckpt_path} has no vocabulary; it was not written by a LanguageModel run")
     tokenizer = CharTokenizer(vocab)
-    model = load_model(ckpt_path)
     idx = torch.tensor([tokenizer.encode(prompt)] * num_samples, dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(idx, max_new_tokens, temperature, top_k, generator=generator, use_cache=use_cache)

@@ -359,8 +359,9 @@ class _Recorded(Exception):
 
 
 def timm_model_args(name: str) -> dict:
-    """The kwargs timm's model function `name` hands to its VisionTransformer builder, read by calling
-    the function with the builder swapped for a recorder: nothing is built, the values are timm's."""
+    """The kwargs timm's `create_model(name)` builds its VisionTransformer with: those its model function
+    passes (read by calling it with the builder swapped for a recorder, so nothing is built) and the
+    defaults its builder takes from the name's pretrained config (image size, classes)."""
     import timm.models.vision_transformer as timm_vit
 
     recorded: dict = {}
@@ -373,8 +374,19 @@ def timm_model_args(name: str) -> dict:
         try:
             timm.models.model_entrypoint(name)()
         except _Recorded:
-            return recorded
-    raise ValueError(f"timm's {name} does not build a VisionTransformer through _create_vision_transformer")
+            pass
+        else:
+            raise ValueError(f"timm's {name} does not build a VisionTransformer through _create_vision_transformer")
+    # What timm's builder adds from the name's default pretrained config (DINOv2: 518 px, no head).
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg is not None:
+        defaults = {"in_chans": cfg.input_size[0]}
+        if cfg.num_classes is not None and cfg.num_classes >= 0:
+            defaults["num_classes"] = cfg.num_classes
+        if cfg.fixed_input_size:
+            defaults["img_size"] = tuple(cfg.input_size[-2:])
+        recorded = defaults | recorded
+    return recorded
 
 
 def from_timm_args(args: dict) -> dict:
@@ -470,8 +482,10 @@ def checkpoint_filter_fn(
     sd, target = dict(state_dict), model.state_dict()
     source_prefix = ("cls_token" in sd, sd["reg_token"].shape[1] if "reg_token" in sd else 0)
     for name in ("cls_token", "reg_token"):
+        if name in sd and name in target and sd[name].shape[-1] != target[name].shape[-1]:
+            continue  # another width: not adaptable, the caller reports it
         if name in sd and (name not in target or sd[name].shape != target[name].shape):
-            del sd[name]
+            del sd[name]  # no such token in the model, or another number of registers
             log("dropped", name)
         if name in target and name not in sd:
             sd[name] = target[name]
@@ -515,9 +529,10 @@ def _adapt_pos_embed(
     for what, have, want in (("CLS", cls, int(want_cls)), ("registers", reg, want_reg)):
         if have.shape[1] == want:
             parts.append(have)
-        elif want:  # the checkpoint has no positions for these tokens
+        elif want:  # the checkpoint has no (or other) positions for these tokens
             parts.append(grid.new_zeros(1, want, grid.shape[2]))
-            log("reinitialised", f"pos_embed[{what}] (zeros: the checkpoint has no {what} position)")
+            had = f"has {have.shape[1]}, the model {want}" if have.shape[1] else f"has no {what} position"
+            log("reinitialised", f"pos_embed[{what}] (zeros: the checkpoint {had})")
         else:
             log("dropped", f"pos_embed[{what}]")
     return torch.cat([*parts, grid], dim=1)

@@ -276,3 +276,37 @@ def test_lr_scaling_uses_the_real_batch_when_the_data_is_smaller_than_one(tmp_pa
                         callbacks=[record], limit_val_batches=0)  # fmt: skip
     trainer.fit(module, datamodule)
     assert record.lrs == {0: pytest.approx(1e-3 * 16 / 64)}
+
+
+def test_last_checkpoint_is_the_final_state_when_the_final_epoch_is_not_the_best(tmp_path):
+    """Lightning 2.6 refreshes last.ckpt only when a top-k checkpoint is written at that step; a
+    resume from it would repeat every epoch since the best one."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from vit.fault_tolerance import RunCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("score", 1.0 / (1 + self.current_epoch))  # best at epoch 0, worse after
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
+    ckpt = RunCheckpoint(dirpath=tmp_path, monitor="score", mode="max", save_last=True, save_top_k=1)
+    trainer = L.Trainer(max_epochs=3, callbacks=[ckpt], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    module = Module()
+    trainer.fit(module, data, data)
+    last = torch.load(ckpt.last_model_path, weights_only=True)
+    assert torch.load(ckpt.best_model_path, weights_only=True)["global_step"] == 2  # epoch 0 was the best
+    assert last["global_step"] == trainer.global_step == 6
+    assert torch.equal(last["state_dict"]["layer.weight"], module.layer.weight.detach())

@@ -127,9 +127,25 @@ class SafeCheckpoints(Callback):
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint whose step checkpoints (`every_n_train_steps`) start with the first steps:
-    until the monitored metric exists (after the first validation) Lightning writes nothing, not
-    even `last.ckpt`, so a crash in the first epoch lost all of it. Here `last.ckpt` is written then."""
+    """ModelCheckpoint whose `last.ckpt` is always the newest state.
+
+    - Step checkpoints (`every_n_train_steps`) start with the first steps: until the monitored metric
+      exists (after the first validation) Lightning writes nothing, not even `last.ckpt`, so a crash
+      in the first epoch lost all of it. Here `last.ckpt` is written then.
+    - Lightning (2.6) refreshes `last.ckpt` at a validation only when a top-k checkpoint was written
+      at that step, so after an epoch that is not the best it kept an older state and a resume
+      repeated the epochs since. Here it is written after every validation.
+    """
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if (
+            self.save_last
+            and not self._should_skip_saving_checkpoint(trainer)
+            and not self._should_save_on_train_epoch_end(trainer)
+            and self._last_global_step_saved != trainer.global_step
+        ):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args)

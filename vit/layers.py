@@ -205,10 +205,15 @@ class _AttentionBase(nn.Module):
         qk_norm: bool = False,
         norm: str = "layernorm",
         norm_eps: float = 1e-6,
+        **in_proj: nn.Module,
     ) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}")
+        # The subclass's input projections (qkv, or q and kv) come first, as they always did: the
+        # registration order is the initialisation order, so the same seed gives the same weights.
+        for name, module in in_proj.items():
+            setattr(self, name, module)
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
@@ -268,9 +273,9 @@ class Attention(_AttentionBase):
         norm_eps: float = 1e-6,
         causal: bool = False,
     ) -> None:
-        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps)
+        qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, qkv=qkv)
         self.causal = causal
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
 
     def forward(
         self,
@@ -325,9 +330,8 @@ class CrossAttention(_AttentionBase):
         norm: str = "layernorm",
         norm_eps: float = 1e-6,
     ) -> None:
-        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps)
-        self.q = nn.Linear(dim, dim, bias=qkv_bias)
-        self.kv = nn.Linear(context_dim or dim, dim * 2, bias=qkv_bias)
+        q, kv = nn.Linear(dim, dim, bias=qkv_bias), nn.Linear(context_dim or dim, dim * 2, bias=qkv_bias)
+        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, q=q, kv=kv)
 
     def forward(
         self,

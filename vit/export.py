@@ -99,7 +99,7 @@ def image_spec(model: nn.Module, img_size: int | tuple[int, int] | None = None, 
             f"export_onnx exports image classifiers (VisionTransformer, the ResNets of vit.resnet), not "
             f"{type(model).__name__}"
         )
-    size = default if img_size is None else torch.nn.modules.utils._pair(img_size)
+    size = default if img_size is None else (img_size, img_size) if isinstance(img_size, int) else img_size
     spec = ImageSpec(in_chans, tuple(multiple), tuple(size), dynamic)
     spec.check((1, in_chans, *size))
     return spec

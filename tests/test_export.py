@@ -72,6 +72,8 @@ def test_what_cannot_be_exported_is_refused_before_tracing(tmp_path):
         export_onnx(vit, tmp_path / "vit.onnx", img_size=18)
     with pytest.raises(ValueError, match="opset 17 has no antialiased Resize"):
         export_onnx(vit, tmp_path / "vit.onnx", opset=17)
+    with pytest.raises(ValueError, match="mixture-of-experts ViT cannot be exported"):
+        export_onnx(create_model("vit_nano_patch4_16", num_experts=2), tmp_path / "moe.onnx")
     with pytest.raises(FileNotFoundError):
         OnnxClassifier(tmp_path / "missing.onnx")
 

@@ -129,6 +129,11 @@ def export_onnx(
     size). `dynamic=False`: the graph takes `img_size` (default: the model's) and any batch.
     """
     spec = image_spec(model, img_size, dynamic)
+    if isinstance(model, VisionTransformer) and model.config.num_experts > 1:
+        raise ValueError(
+            "a mixture-of-experts ViT cannot be exported: its routing loops over experts with data-dependent "
+            "token counts (vit.layers MoE.forward), which torch.export cannot trace"
+        )
     model = copy.deepcopy(model).float().cpu().eval()
     size = spec.img_size
     if isinstance(model, VisionTransformer) and dynamic:
@@ -150,7 +155,8 @@ def export_onnx(
         if spec.multiple == (1, 1):  # Dim * 1 is not a derived dimension: use the plain ones
             shapes[2], shapes[3] = (torch.export.Dim(n, min=1, max=MAX_SIZE) for n in ("height", "width"))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", (UserWarning, DeprecationWarning, FutureWarning))
+        for category in (UserWarning, DeprecationWarning, FutureWarning):  # the tracer's notes on torch internals
+            warnings.simplefilter("ignore", category)
         try:
             program = torch.onnx.export(
                 model, (images,), dynamo=True, dynamic_shapes=(shapes,), opset_version=opset,

@@ -1,0 +1,100 @@
+"""ONNX export: onnxruntime runs the exported file at any batch and image size and gives our
+PyTorch logits; inputs the file cannot take are refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")  # torch's dynamo exporter translates with it
+
+from scripts.export import main as export_main  # noqa: E402
+from vit import create_model  # noqa: E402
+from vit.export import ImageSpec, OnnxClassifier, export_onnx, max_abs_diff  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vit_onnx(tmp_path_factory):
+    """vit_nano_patch4_16 (16 px, patch 4, learned position embedding built for 16 px), exported."""
+    torch.manual_seed(0)
+    model = create_model("vit_nano_patch4_16", num_classes=5).eval()
+    path = export_onnx(model, tmp_path_factory.mktemp("onnx") / "vit.onnx")
+    return model, OnnxClassifier(path), path
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("size", [16, 24])
+def test_exported_vit_gives_our_logits_at_the_export_size_and_another(vit_onnx, batch, size):
+    model, onnx_model, _ = vit_onnx
+    images = torch.randn(batch, 3, size, size)
+    # At another size the position embedding is resampled, as a model built with dynamic_img_size=True does.
+    reference = create_model("vit_nano_patch4_16", num_classes=5, dynamic_img_size=True).eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = reference(images)
+        if size == 16:
+            torch.testing.assert_close(expected, model(images))
+    torch.testing.assert_close(torch.from_numpy(onnx_model(images)), expected, atol=1e-4, rtol=0)
+    assert max_abs_diff(model, onnx_model, images) < 1e-4
+
+
+def test_graph_has_symbolic_batch_height_width_and_antialiased_resize(vit_onnx):
+    graph = onnx.load(str(vit_onnx[2])).graph
+    dims = graph.input[0].type.tensor_type.shape.dim
+    assert [bool(d.dim_param) for d in dims] == [True, False, True, True]  # B, 3, H, W
+    resizes = [n for n in graph.node if n.op_type == "Resize"]
+    antialias = [onnx.helper.get_attribute_value(a) for n in resizes for a in n.attribute if a.name == "antialias"]
+    assert resizes and antialias == [1] * len(resizes)
+
+
+def test_images_the_exported_vit_cannot_take_are_refused_with_the_reason(vit_onnx):
+    onnx_model = vit_onnx[1]
+    with pytest.raises(ValueError, match="not a positive multiple of the patch size 4x4"):
+        onnx_model(torch.randn(1, 3, 18, 16))
+    with pytest.raises(ValueError, match="expected 3 channels"):
+        onnx_model(torch.randn(1, 1, 16, 16))
+    with pytest.raises(ValueError, match=r"shape \(batch, 3, height, width\)"):
+        onnx_model(torch.randn(3, 16, 16))
+    with pytest.raises(ValueError, match="float images"):
+        onnx_model(torch.zeros(1, 3, 16, 16, dtype=torch.uint8))
+    static = ImageSpec(3, (4, 4), (16, 16), dynamic=False)
+    with pytest.raises(ValueError, match="fixed image size 16x16, got 24x24"):
+        static.check((1, 3, 24, 24))
+
+
+def test_what_cannot_be_exported_is_refused_before_tracing(tmp_path):
+    with pytest.raises(TypeError, match="exports image classifiers"):
+        export_onnx(create_model("gpt_char_cpu", vocab_size=10), tmp_path / "gpt.onnx")
+    vit = create_model("vit_nano_patch4_16", num_classes=5)
+    with pytest.raises(ValueError, match="not a positive multiple of the patch size"):
+        export_onnx(vit, tmp_path / "vit.onnx", img_size=18)
+    with pytest.raises(ValueError, match="opset 17 has no antialiased Resize"):
+        export_onnx(vit, tmp_path / "vit.onnx", opset=17)
+    with pytest.raises(ValueError, match="mixture-of-experts ViT cannot be exported"):
+        export_onnx(create_model("vit_nano_patch4_16", num_experts=2), tmp_path / "moe.onnx")
+    with pytest.raises(FileNotFoundError):
+        OnnxClassifier(tmp_path / "missing.onnx")
+
+
+def test_sincos_vit_and_cifar_resnet_export_with_a_dynamic_size(tmp_path):
+    for name, kwargs, sizes in [
+        ("vit_nano_patch4_16", {"posemb": "sincos2d"}, (16, 32)),
+        ("resnet20", {}, (32, 40)),
+    ]:
+        model = create_model(name, num_classes=5, **kwargs).eval()
+        onnx_model = OnnxClassifier(export_onnx(model, tmp_path / f"{name}.onnx"))
+        for batch, size in zip((1, 3), sizes, strict=True):
+            assert max_abs_diff(model, onnx_model, torch.randn(batch, 3, size, size)) < 1e-4, (name, size)
+
+
+def test_script_exports_a_timm_format_file_and_checks_two_sizes(tmp_path, capsys):
+    torch.save(create_model("vit_nano_patch4_16", num_classes=5).state_dict(), tmp_path / "w.pth")
+    out = tmp_path / "nano.onnx"
+    diffs = export_main([str(tmp_path / "w.pth"), "--model", "vit_nano_patch4_16", "--out", str(out)])
+    assert out.is_file() and list(diffs) == [16, 24] and max(diffs.values()) < 1e-4
+    printed = capsys.readouterr().out
+    assert "2x3x24x24: max |onnxruntime - torch| =" in printed and "OK: within 0.0001 at 16, 24 px" in printed
+    with pytest.raises(SystemExit, match="1"):
+        export_main([str(tmp_path / "w.pth"), "--model", "vit_nano_patch4_16", "--out", str(out), "--atol", "1e-12"])

@@ -1,0 +1,204 @@
+"""ONNX export of our image classifiers (ViTs, ResNets) with a dynamic batch and image size, and the
+check that onnxruntime's logits equal ours.
+
+`export_onnx` uses PyTorch's dynamo exporter (`torch.onnx.export(..., dynamo=True)`, which traces the
+model with `torch.export`). The batch, height and width are symbolic in the graph: height and width
+are any multiple of the patch size for a ViT, any size for a ResNet.
+
+A ViT with a learned position embedding (`posemb="learn"`) resamples it to the input's patch grid at
+run time, as `dynamic_img_size=True` does (bicubic, antialiased: timm's `resample_abs_pos_embed`),
+so the exported model gives the PyTorch model's logits at any size, as if that model had been built
+with `dynamic_img_size=True`; at the training size the resampling is an identity. In ONNX this is a
+`Resize` with `antialias=1`, which needs opset 18 or later. `posemb="sincos2d"` and `"rope"` are
+computed in closed form for every grid.
+
+`OnnxClassifier` runs an exported file with onnxruntime and refuses, with the reason, images that do
+not fit it; `max_abs_diff` compares it with the PyTorch model on a batch. `scripts/export.py` does
+both for any weights `vit.checkpoint.load_model` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torchvision
+from torch import nn
+
+from vit.resnet import CifarResNet
+from vit.vision_transformer import VisionTransformer
+
+log = logging.getLogger(__name__)
+
+OPSET = 18  # the first opset whose Resize has `antialias` (the ViT's position-embedding resampling)
+MAX_SIZE = 8192  # the largest height or width the exported graph is declared for
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSpec:
+    """What the exported graph accepts: channels, a size multiple, and the fixed size of a static export."""
+
+    in_chans: int
+    multiple: tuple[int, int]  # height and width must be multiples of these
+    img_size: tuple[int, int]  # the export size: the only one a static export takes
+    dynamic: bool
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "vit.in_chans": str(self.in_chans),
+            "vit.size_multiple": f"{self.multiple[0]},{self.multiple[1]}",
+            "vit.img_size": f"{self.img_size[0]},{self.img_size[1]}",
+            "vit.dynamic": str(int(self.dynamic)),
+        }
+
+    @classmethod
+    def from_metadata(cls, props: dict[str, str]) -> ImageSpec | None:
+        if "vit.in_chans" not in props:
+            return None
+        pair = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
+        return cls(
+            int(props["vit.in_chans"]), pair(props["vit.size_multiple"]), pair(props["vit.img_size"]),
+            props["vit.dynamic"] == "1",
+        )  # fmt: skip
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        """Raise ValueError, saying why, for an image batch shape the graph does not take."""
+        if len(shape) != 4:
+            raise ValueError(f"expected images of shape (batch, {self.in_chans}, height, width), got {shape}")
+        _, chans, height, width = shape
+        if chans != self.in_chans:
+            raise ValueError(f"expected {self.in_chans} channels (batch, {self.in_chans}, H, W), got shape {shape}")
+        if not self.dynamic and (height, width) != self.img_size:
+            raise ValueError(
+                f"this model was exported with a fixed image size {self.img_size[0]}x{self.img_size[1]}, got "
+                f"{height}x{width}; resize the images or export again with a dynamic size"
+            )
+        in_range = 0 < height <= MAX_SIZE and 0 < width <= MAX_SIZE
+        if height % self.multiple[0] or width % self.multiple[1] or not in_range:
+            raise ValueError(
+                f"image size {height}x{width} is not a positive multiple of the patch size "
+                f"{self.multiple[0]}x{self.multiple[1]} (up to {MAX_SIZE}); resize or crop the images"
+            )
+
+
+def image_spec(model: nn.Module, img_size: int | tuple[int, int] | None = None, dynamic: bool = True) -> ImageSpec:
+    """The inputs `model` takes; `img_size` defaults to the ViT's own, 32 for CIFAR ResNets, else 224."""
+    if isinstance(model, VisionTransformer):
+        multiple, in_chans, default = model.patch_embed.patch_size, model.config.in_chans, model.patch_embed.img_size
+    elif isinstance(model, (CifarResNet, torchvision.models.ResNet)):
+        multiple, in_chans = (1, 1), model.conv1.in_channels
+        default = (32, 32) if isinstance(model, CifarResNet) else (224, 224)
+    else:
+        raise TypeError(
+            f"export_onnx exports image classifiers (VisionTransformer, the ResNets of vit.resnet), not "
+            f"{type(model).__name__}"
+        )
+    size = default if img_size is None else (img_size, img_size) if isinstance(img_size, int) else img_size
+    spec = ImageSpec(in_chans, tuple(multiple), tuple(size), dynamic)
+    spec.check((1, in_chans, *size))
+    return spec
+
+
+def _dynamic_vit(model: VisionTransformer) -> VisionTransformer:
+    """A copy of the ViT that resamples its learned position embedding to any grid (same weights)."""
+    if model.config.posemb != "learn" or model.config.dynamic_img_size:
+        return model
+    log.info("export: the learned position embedding is resampled to the input's grid (dynamic_img_size=True)")
+    model = copy.copy(model)  # shares the modules and weights; only the config differs
+    model.config = dataclasses.replace(model.config, dynamic_img_size=True)
+    return model
+
+
+def export_onnx(
+    model: nn.Module,
+    path: str | os.PathLike,
+    img_size: int | tuple[int, int] | None = None,
+    dynamic: bool = True,
+    opset: int = OPSET,
+) -> Path:
+    """Write `model` (in eval mode, float32, on the CPU) as an ONNX file taking `images` (B, C, H, W)
+    and giving `logits` (B, classes).
+
+    `dynamic=True`: batch, height and width are free (height and width multiples of a ViT's patch
+    size). `dynamic=False`: the graph takes `img_size` (default: the model's) and any batch.
+    """
+    spec = image_spec(model, img_size, dynamic)
+    if isinstance(model, VisionTransformer) and model.config.num_experts > 1:
+        raise ValueError(
+            "a mixture-of-experts ViT cannot be exported: its routing loops over experts with data-dependent "
+            "token counts (vit.layers MoE.forward), which torch.export cannot trace"
+        )
+    model = copy.deepcopy(model).float().cpu().eval()
+    size = spec.img_size
+    if isinstance(model, VisionTransformer) and dynamic:
+        if model.config.posemb == "learn" and opset < OPSET:
+            raise ValueError(
+                f"opset {opset} has no antialiased Resize, which the ViT's position-embedding resampling needs; "
+                f"use opset >= {OPSET}, or dynamic=False"
+            )
+        model = _dynamic_vit(model)
+        # Trace on a grid other than img_size's: on that grid the model returns its stored position
+        # embedding without resampling, a Python branch the trace would bake in for every size.
+        size = (spec.img_size[0] + spec.multiple[0], spec.img_size[1] + spec.multiple[1])
+    images = torch.randn(2, spec.in_chans, *size)  # batch 2: a batch of 1 would be specialised to 1
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    shapes = {0: batch}
+    if dynamic:
+        shapes[2] = torch.export.Dim("height", min=1, max=MAX_SIZE // spec.multiple[0]) * spec.multiple[0]
+        shapes[3] = torch.export.Dim("width", min=1, max=MAX_SIZE // spec.multiple[1]) * spec.multiple[1]
+        if spec.multiple == (1, 1):  # Dim * 1 is not a derived dimension: use the plain ones
+            shapes[2], shapes[3] = (torch.export.Dim(n, min=1, max=MAX_SIZE) for n in ("height", "width"))
+    with warnings.catch_warnings():
+        for category in (UserWarning, DeprecationWarning, FutureWarning):  # the tracer's notes on torch internals
+            warnings.simplefilter("ignore", category)
+        try:
+            program = torch.onnx.export(
+                model, (images,), dynamo=True, dynamic_shapes=(shapes,), opset_version=opset,
+                input_names=["images"], output_names=["logits"], verbose=False,
+            )  # fmt: skip
+        except Exception as e:  # the exporter wraps torch.export's and the translator's errors
+            raise RuntimeError(f"ONNX export of {type(model).__name__} failed: {e}") from e
+    program.model.metadata_props.update(spec.metadata())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(path)  # weights inside the file, unless they exceed protobuf's 2 GB
+    return path
+
+
+class OnnxClassifier:
+    """An exported file run by onnxruntime on the CPU: images (B, C, H, W) -> logits, as numpy."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        import onnxruntime as ort
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"ONNX file {path} does not exist")
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.input_name = self.session.get_inputs()[0].name
+        self.spec = ImageSpec.from_metadata(self.session.get_modelmeta().custom_metadata_map)
+
+    def __call__(self, images: torch.Tensor | np.ndarray) -> np.ndarray:
+        images = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+        if self.spec is not None:
+            self.spec.check(tuple(images.shape))
+        if not np.issubdtype(images.dtype, np.floating):
+            raise ValueError(f"expected float images (normalised, float32), got dtype {images.dtype}")
+        return self.session.run(None, {self.input_name: images.astype(np.float32, copy=False)})[0]
+
+
+def max_abs_diff(model: nn.Module, onnx_model: OnnxClassifier, images: torch.Tensor) -> float:
+    """The largest |onnxruntime logit - PyTorch logit| over a batch; the PyTorch model runs as exported
+    (eval mode, float32, learned position embedding resampled to the images' grid)."""
+    model = copy.deepcopy(model).float().cpu().eval()
+    if isinstance(model, VisionTransformer):
+        model = _dynamic_vit(model)
+    with torch.no_grad():
+        expected = model(images.float()).numpy()
+    return float(np.abs(onnx_model(images) - expected).max())

@@ -40,7 +40,8 @@ class ImageDataModule(L.LightningDataModule):
     """Shared options of every image datamodule.
 
     Args:
-        img_size: side of the square images the model sees.
+        img_size: side of the square images the model sees. With `num_classes` (set by each subclass
+            when it is built), the CLI passes it on to the model (vit.cli.TrainCLI), so it is set once.
         batch_size: per process (the global batch is batch_size x devices x nodes).
         num_workers: loader processes; None picks one less than the CPUs available per GPU (max 8).
         pin_memory: None -> on when CUDA is available. persistent_workers: None -> on when num_workers > 0.

@@ -239,6 +239,37 @@ def test_image_folder_eval_keeps_the_whole_image_unless_training_used_random_res
         assert bool((top > 1.5).all()) == edge_kept, crop
 
 
+def test_image_folder_picks_its_crop_from_the_image_size_and_logs_both_pipelines(tmp_path, caplog):
+    """A folder of 32-px images is augmented as the CIFAR module does (resize, pad 4, random crop,
+    flip; whole-image eval), not with ImageNet's random resized crop, which could keep 8% of it; a
+    folder at 224 px gets the random resized crop and the 0.875 centre-crop eval. Both are logged."""
+    for split in ("train", "val"):
+        _write_image(tmp_path / split / "cls" / "0.png", size=(32, 32))
+
+    def ops(transform) -> list[str]:
+        return [type(op).__name__ for op in transform.transforms]
+
+    small = ImageFolderDataModule(root=str(tmp_path), img_size=32, num_workers=0)
+    cifar = CIFARDataModule(root=str(tmp_path / "no_cifar_here"), download=False)
+    assert ops(small.train_transform) == ops(cifar.train_transform)
+    pad_crop = ["Resize", "PadIfNeeded", "RandomCrop", "HorizontalFlip", "Normalize", "ToTensorV2"]
+    assert ops(small.train_transform) == pad_crop
+    assert (small.crop_padding, small.eval_crop_pct) == (cifar.crop_padding, cifar.eval_crop_pct) == (4, 1.0)
+
+    large = ImageFolderDataModule(root=str(tmp_path), img_size=224, num_workers=0)
+    assert ops(large.train_transform) == ["RandomResizedCrop", "HorizontalFlip", "Normalize", "ToTensorV2"]
+    assert (large.crop_scale, large.eval_crop_pct) == ((0.08, 1.0), 0.875)
+    assert ImageFolderDataModule(root=str(tmp_path), img_size=32, crop="rrc", num_workers=0).crop == "rrc"  # as given
+
+    with caplog.at_level("INFO", logger="vit"):
+        small.setup("fit")
+        large.setup("fit")
+    assert "train transform: resize 32x32, pad 4 + random crop 32, flip, normalise" in caplog.text
+    assert "eval transform: resize shorter side to 32, centre crop 32, normalise" in caplog.text
+    assert "train transform: random resized crop 224 (scale 0.08-1), flip, normalise" in caplog.text
+    assert "eval transform: resize shorter side to 256, centre crop 224, normalise" in caplog.text
+
+
 def test_16_bit_greyscale_is_scaled_to_8_bits_and_float_images_are_refused(tmp_path):
     levels = np.array([[0, 257 * 100, 65535]], dtype=np.uint16)  # 0, mid-grey, white in 16 bits
     Image.fromarray(levels).save(tmp_path / "deep.png")

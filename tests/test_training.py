@@ -61,6 +61,36 @@ def test_command_line_overrides_config_values(capsys):
     assert "lr: 0.0003" in printed and "max_epochs: 5" in printed
 
 
+def test_image_size_and_class_count_are_set_once_on_the_data_and_reach_the_model(tmp_path):
+    """`--data.img_size 24` and a folder of 3 classes build the model (vit_nano_patch4_16, 16 px and
+    10 classes by default) for 24 px and 3 classes; a model value that agrees is accepted, one that
+    disagrees stops the run with both values."""
+    for cls in ("ant", "bee", "cow"):
+        for split in ("train", "val"):
+            _write_image(tmp_path / "data" / split / cls / "0.png", size=(30, 30), value=50 * len(cls))
+
+    def run(name: str, *overrides: str):
+        return main([
+            "fit", "--model", "vit.lit.ImageClassifier", "--data", "vit.data.ImageFolderDataModule",
+            "--data.root", str(tmp_path / "data"), "--data.img_size", "24", "--data.batch_size", "3",
+            "--data.num_workers", "0", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path / name),
+            *QUIET, *overrides,
+        ])  # fmt: skip
+
+    cli = run("once")
+    model = cli.model.model
+    assert cli.model.model_kwargs == {"img_size": 24, "num_classes": 3}  # what the checkpoint rebuilds it from
+    assert model.pos_embed.shape[1] == 1 + (24 // 4) ** 2 and model.head.out_features == 3
+    assert cli.trainer.global_step == 1
+
+    agreeing = run("agreeing", "--model.num_classes", "3", "--model.model_kwargs", "{img_size: 24}")
+    assert agreeing.model.model_kwargs == {"img_size": 24, "num_classes": 3}
+    with pytest.raises(ValueError, match=r"model\.num_classes is 5 but data\.num_classes is 3"):
+        run("more_classes", "--model.num_classes", "5")
+    with pytest.raises(ValueError, match=r"model\.model_kwargs\.img_size is 32 but model\.img_size is 24"):
+        run("other_size", "--model.model_kwargs", "{img_size: 32}")
+
+
 def test_default_job_learns_and_leaves_checkpoints_that_rebuild_the_model(tmp_path):
     cli = fit("configs/default.yaml", tmp_path, "--trainer.max_epochs", "6", "--model.warmup_epochs", "1")
     ckpt = cli.trainer.checkpoint_callback

@@ -31,9 +31,22 @@ def _checkpoint_dirpath(default_root_dir: str | None) -> str:
     return str(checkpoint_dir(default_root_dir))  # a string, as the config file shows it
 
 
+# Set once, on the data; the model follows (TrainCLI).
+LINKED_FROM_DATA = ("img_size", "num_classes")
+
+
 class TrainCLI(LightningCLI):
     """`checkpoint:` configures the ModelCheckpoint every run has: the best (by `monitor`) and the
-    last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes."""
+    last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes.
+
+    The image side and the class count are set once, on the data: `data.img_size` and
+    `data.num_classes` (an image folder counts its class folders) become the model's `img_size` and
+    `num_classes` when the classes are instantiated (`link_arguments`, apply_on="instantiate"). A
+    value the user also gives the model (`--model.num_classes`, `model_kwargs.img_size`, or one read
+    back from a checkpoint) must agree: otherwise the run stops before training with both values.
+    Data without them (vit.data.TextDataModule) and models without them (LanguageModel) are left
+    alone; the language model takes its vocabulary from the data itself.
+    """
 
     argv: list[str] = sys.argv  # the command line, for the resume command printed when a run is stopped
 
@@ -49,12 +62,17 @@ class TrainCLI(LightningCLI):
             }
         )
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dirpath)
+        for name in LINKED_FROM_DATA:
+            parser.link_arguments(f"data.{name}", f"model.init_args.{name}", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
-        """A model class that names its own metric (class attributes `monitor` and `monitor_mode`,
-        e.g. LanguageModel's val/loss, lower is better) replaces the image default val/acc1, max,
-        unless the checkpoint's monitor was set to something else."""
+        """Note what the model was given for the linked values (the link overwrites them), and: a
+        model class that names its own metric (class attributes `monitor` and `monitor_mode`, e.g.
+        LanguageModel's val/loss, lower is better) replaces the image default val/acc1, max, unless
+        the checkpoint's monitor was set to something else."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        init_args = getattr(config.get("model"), "init_args", None) or {}
+        self._given_to_model = {name: init_args.get(name) for name in LINKED_FROM_DATA if name in init_args}
         class_path = getattr(config.get("model"), "class_path", None)
         if not class_path or config.get("checkpoint") is None or config.checkpoint.monitor != "val/acc1":
             return
@@ -63,6 +81,16 @@ class TrainCLI(LightningCLI):
         if hasattr(model_cls, "monitor"):
             config.checkpoint.monitor = model_cls.monitor
             config.checkpoint.mode = getattr(model_cls, "monitor_mode", "min")
+
+    def after_instantiate_classes(self) -> None:
+        super().after_instantiate_classes()
+        for name, given in getattr(self, "_given_to_model", {}).items():
+            data_value = getattr(self.datamodule, name, None)
+            if given is not None and data_value is not None and given != data_value:
+                raise ValueError(
+                    f"model.{name} is {given} but data.{name} is {data_value}; set it once, on the data "
+                    "(the model follows it)"
+                )
 
     def before_fit(self) -> None:
         """Resume from a complete checkpoint (`last`: the newest complete one). A fresh run must

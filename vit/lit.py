@@ -22,7 +22,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from vit.checkpoint import load_pretrained
 from vit.layers import MoE
 from vit.optim import MuonAdamW, split_muon_groups
-from vit.registry import create_model
+from vit.registry import create_model, model_config
 from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
 from vit.training import (
     HEAD_NAMES,
@@ -45,8 +45,13 @@ class ImageClassifier(TrainingTask):
 
     Args:
         model_name: registry name, e.g. "vit_small_patch16_224" or "resnet20".
-        model_kwargs: overrides of the model's config (img_size, drop_path_rate, global_pool, ...).
-        num_classes: None takes the datamodule's.
+        model_kwargs: overrides of the model's config (drop_path_rate, global_pool, ...).
+        num_classes / img_size: the head's class count and the input side. Under the CLI both come
+            from the data (`data.num_classes`, `data.img_size`: vit.cli.TrainCLI links them), so they
+            are set once, on the data; a different value given here or in model_kwargs is an error
+            naming both. Without the CLI, num_classes None takes the datamodule's when training
+            starts, and img_size None keeps the model's (model_kwargs, else the registry's). Models
+            without an img_size (the convolutional ResNets) take any size and ignore it.
         optimizer: "adamw", "sgd" (momentum, nesterov) or "muon" (Muon on the transformer blocks'
             weight matrices, AdamW on the rest, one lr: vit.optim.MuonAdamW).
         lr: peak learning rate; with lr_base_batch_size set it is scaled by global_batch / lr_base_batch_size.
@@ -79,6 +84,7 @@ class ImageClassifier(TrainingTask):
         model_name: str = "vit_nano_patch4_16",
         model_kwargs: dict[str, Any] | None = None,
         num_classes: int | None = None,
+        img_size: int | None = None,
         optimizer: str = "adamw",
         lr: float = 1e-3,
         lr_base_batch_size: int | None = None,
@@ -120,7 +126,7 @@ class ImageClassifier(TrainingTask):
             if datamodule is None or not hasattr(datamodule, "num_classes"):
                 raise ValueError("num_classes is not set and there is no datamodule with a num_classes to take it from")
             hp.num_classes = datamodule.num_classes
-        self.model_kwargs = {**(hp.model_kwargs or {}), "num_classes": hp.num_classes}
+        self.model_kwargs = self._resolved_model_kwargs()
         self.model = create_model(hp.model_name, **self.model_kwargs)
         if hp.channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -144,6 +150,22 @@ class ImageClassifier(TrainingTask):
         self.val_ema_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc5 = accuracy(hp.num_classes, top_k=5)
+
+    def _resolved_model_kwargs(self) -> dict[str, Any]:
+        """model_kwargs with num_classes and img_size filled in; each value must be given once, or agree."""
+        hp = self.hparams
+        kwargs = dict(hp.model_kwargs or {})
+        sized = hasattr(model_config(hp.model_name), "img_size")
+        for name, value in (("num_classes", hp.num_classes), ("img_size", hp.img_size if sized else None)):
+            if value is None:
+                continue
+            if kwargs.get(name, value) != value:
+                raise ValueError(
+                    f"model.model_kwargs.{name} is {kwargs[name]} but model.{name} is {value} (under the CLI, "
+                    f"data.{name}); set it once, on the data"
+                )
+            kwargs[name] = value
+        return kwargs
 
     def setup(self, stage: str) -> None:
         """A head for another number of classes than the data's fails late and cryptically ("Target

@@ -6,6 +6,7 @@ Mixup/CutMix; a subclass only says where its images and labels come from.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,11 @@ from vit.data.sampling import ResumableSampler, mix_seed, resumable_loader, run_
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
 from vit.schedule import training_progress
 
+log = logging.getLogger(__name__)
+
+# An image folder at this side or below is small (CIFAR, digits, Tiny-ImageNet-sized): see ImageFolderDataModule.
+SMALL_IMAGE = 64
+
 
 def default_num_workers() -> int:
     """Leave a core for the training process: 1 worker on a 2-core laptop, up to 8 per GPU process on a node."""
@@ -34,7 +40,8 @@ class ImageDataModule(L.LightningDataModule):
     """Shared options of every image datamodule.
 
     Args:
-        img_size: side of the square images the model sees.
+        img_size: side of the square images the model sees. With `num_classes` (set by each subclass
+            when it is built), the CLI passes it on to the model (vit.cli.TrainCLI), so it is set once.
         batch_size: per process (the global batch is batch_size x devices x nodes).
         num_workers: loader processes; None picks one less than the CPUs available per GPU (max 8).
         pin_memory: None -> on when CUDA is available. persistent_workers: None -> on when num_workers > 0.
@@ -103,7 +110,8 @@ class ImageDataModule(L.LightningDataModule):
         )
         self.val_holdout = val_holdout
         self.in_memory, self.cache_dir = in_memory, cache_dir
-        self.crop, self.crop_padding, self.hflip, self.cutout = crop, crop_padding, hflip, cutout
+        self.crop, self.crop_scale, self.crop_padding, self.hflip, self.cutout = crop, crop_scale, crop_padding, hflip, cutout
+        self.randaugment = (randaugment_ops, randaugment_magnitude)
         self.eval_crop_pct, self.mean, self.std = eval_crop_pct, mean, std
         self.train_sizes = sorted((float(p), int(size)) for p, size in train_sizes) if train_sizes else None
         if not in_memory and (cutout or train_sizes):
@@ -124,12 +132,41 @@ class ImageDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        if self.trainer is None or self.trainer.is_global_zero:
+            train_line, eval_line = self.describe_transforms()
+            log.info("train transform: %s", train_line)
+            log.info("eval transform: %s", eval_line)
         train, val = self.load_splits()
         test = val
         if self.val_holdout:
             train_idx, val_idx = holdout_indices(train.labels, self.val_holdout)
             train, val = train.subset(train_idx, self.train_transform), train.subset(val_idx, self.eval_transform)
         self.train_set, self.val_set, self.test_set = train, val, test
+
+    def describe_transforms(self) -> tuple[str, str]:
+        """One line each for what training and evaluation do to an image (logged at setup)."""
+        size, padding = self.img_size, self.crop_padding
+        if self.in_memory:  # decoded once at the eval geometry, then augmented in batches
+            train = [f"decode once at {size} (shorter side, centre crop)"]
+            train += [f"pad {padding} + random crop {size}"] if self.crop == "pad_crop" else []
+        elif self.crop == "rrc":
+            train = [f"random resized crop {size} (scale {self.crop_scale[0]:g}-{self.crop_scale[1]:g})"]
+        elif self.crop == "pad_crop":
+            train = [f"resize {size}x{size}, pad {padding} + random crop {size}"]
+        else:
+            train = [f"resize {size}x{size}"]
+        train += ["flip"] if self.hflip else []
+        ops, magnitude = self.randaugment
+        train += [f"RandAugment {ops} ops at magnitude {magnitude:g}"] if ops > 0 else []
+        train += [f"cutout {self.cutout}"] if self.cutout else []
+        train.append("normalise")
+        options = self.mixup_options
+        if self.mixup_enabled:
+            train.append(f"Mixup {options['mixup_alpha']:g} / CutMix {options['cutmix_alpha']:g} per batch")
+        if self.train_sizes:
+            train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.train_sizes))
+        evaluation = f"resize shorter side to {round(size / self.eval_crop_pct)}, centre crop {size}, normalise"
+        return ", ".join(train), evaluation
 
     def _in_memory(self, dataset: Dataset, train: bool) -> Dataset:
         """in_memory: the split decoded into a TensorImages, on first use (a tuning run never
@@ -309,6 +346,13 @@ class CIFARDataModule(ImageDataModule):
 class ImageFolderDataModule(ImageDataModule):
     """ImageNet-style trees: `root/<train_dir>/<class>/*` and `root/<val_dir>/<class>/*`.
 
+    The crop follows the image size unless it is given. Small images (img_size <= 64: CIFAR,
+    digits, Tiny-ImageNet-sized) get the CIFAR module's augmentation: resize, pad by img_size // 8
+    (`crop_padding`; 4 px at 32) and a random crop back, plus a flip. ImageNet's random resized crop
+    (scale 0.08-1) would keep as little as 8% of a 32-pixel image. Larger images get that random
+    resized crop (`crop_scale`) and a flip. `hflip: false` for images that are not mirror-symmetric
+    (digits, text). The pipelines are logged when the data is set up.
+
     `eval_crop_pct=None` follows the training crop: 0.875 after random-resized-crop training (the
     ImageNet convention, objects at the scale training saw them), 1.0 (the whole image) after
     pad+crop or resize training, as for CIFAR-sized images, where a zoomed eval would cost accuracy.
@@ -320,14 +364,20 @@ class ImageFolderDataModule(ImageDataModule):
         train_dir: str = "train",
         val_dir: str = "val",
         img_size: int = 224,
+        crop: str | None = None,
+        crop_padding: int | None = None,
         eval_crop_pct: float | None = None,
         **kwargs: Any,
     ) -> None:
+        if crop is None:
+            crop = "pad_crop" if img_size <= SMALL_IMAGE else "rrc"
+        if crop_padding is None:
+            crop_padding = max(1, img_size // 8)
         if eval_crop_pct is None:
-            eval_crop_pct = 0.875 if kwargs.get("crop", "rrc") == "rrc" else 1.0
-        super().__init__(img_size=img_size, eval_crop_pct=eval_crop_pct, **kwargs)
+            eval_crop_pct = 0.875 if crop == "rrc" else 1.0
+        super().__init__(img_size=img_size, crop=crop, crop_padding=crop_padding, eval_crop_pct=eval_crop_pct, **kwargs)
         self.root, self.train_dir, self.val_dir = Path(root), train_dir, val_dir
-        # Scan the class folders now: the model's num_classes is linked to this at instantiation.
+        # Scan the class folders now: the CLI links num_classes to the model's at instantiation (vit.cli).
         self.classes, self._train_samples = scan_image_folder(self.root / train_dir)
         self.num_classes = len(self.classes)
 

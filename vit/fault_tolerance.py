@@ -134,17 +134,22 @@ class RunCheckpoint(ModelCheckpoint):
       in the first epoch lost all of it. Here `last.ckpt` is written then.
     - Lightning (2.6) refreshes `last.ckpt` at a validation only when a top-k checkpoint was written
       at that step, so after an epoch that is not the best it kept an older state and a resume
-      repeated the epochs since. Here it is written after every validation.
+      repeated the epochs since. Here it is written at every epoch's (or validation's) save point.
     """
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if (
-            self.save_last
-            and not self._should_skip_saving_checkpoint(trainer)
-            and not self._should_save_on_train_epoch_end(trainer)
-            and self._last_global_step_saved != trainer.global_step
-        ):
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def _refresh_last(self, trainer: L.Trainer) -> None:
+        saved_now = self._last_global_step_saved == trainer.global_step
+        if self.save_last and not saved_now and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:

@@ -78,8 +78,8 @@ class PatchEmbed(nn.Module):
         self.img_size = _pair(img_size)
         self.patch_size = _pair(patch_size)
         self.dynamic_img_pad = dynamic_img_pad
-        if not dynamic_img_pad:
-            check_divisible(self.img_size, self.patch_size)
+        # An img_size that is not a multiple of the patch is taken as timm does (SigLIP at 384 with
+        # 14-pixel patches): the conv leaves out the last rows and columns. Other inputs must divide.
         self.grid_size = self.dynamic_feat_size(self.img_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.backbone = None
@@ -112,7 +112,8 @@ class PatchEmbed(nn.Module):
         if self.dynamic_img_pad:
             (ph, pw), (h, w) = self.patch_size, x.shape[-2:]
             x = F.pad(x, (0, (pw - w % pw) % pw, 0, (ph - h % ph) % ph))
-        check_divisible(tuple(x.shape[-2:]), self.patch_size)
+        if tuple(x.shape[-2:]) != self.img_size:
+            check_divisible(tuple(x.shape[-2:]), self.patch_size)
         if self.backbone is not None:
             x = self.backbone(x)
         return self.proj(x).flatten(2).transpose(1, 2)

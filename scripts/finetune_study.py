@@ -1,7 +1,8 @@
 """Does fine-tuning help? Two studies on real data, written to a markdown table.
 
     python scripts/finetune_study.py --vit-checkpoint runs/tiny_imagenet_vit/checkpoints/last.ckpt \
-        --cifar-root ../shared/data/cifar10 --out benchmarks/finetune.md
+        --cifar-root ../shared/data/cifar10 --resnet-checkpoint ../shared/weights/resnet56-4bfd9763.th \
+        --out benchmarks/finetune.md
 
 1. Transfer: the ViT pretrained on Tiny-ImageNet (64x64, 200 classes) fine-tuned on CIFAR-10 at
    32x32 (position grid resampled 8x8 -> 4x4, new 10-class head), next to the same model trained
@@ -63,8 +64,9 @@ def study(args: argparse.Namespace) -> list[Row]:
     work = Path(args.workdir)
     rows = []
 
-    def fit(study_name: str, setting: str, config: str, name: str, epochs: int, overrides: list[str]) -> None:
-        cli, minutes = _run("fit", config, work / name, [*data, "--trainer.max_epochs", str(epochs), *overrides])
+    def fit(study_name: str, setting: str, config: str, name: str, epochs: int, overrides: list[str],
+            inputs: list[str] = data) -> None:  # fmt: skip
+        cli, minutes = _run("fit", config, work / name, [*inputs, "--trainer.max_epochs", str(epochs), *overrides])
         meter = next(cb for cb in cli.trainer.callbacks if isinstance(cb, Throughput))
         top1 = 100 * float(cli.trainer.callback_metrics["val/acc1"])
         rows.append(Row(study_name, setting, " ".join(overrides), epochs, minutes, meter.images_per_second, top1))
@@ -81,10 +83,11 @@ def study(args: argparse.Namespace) -> list[Row]:
     fit(vit, "linear probe (frozen backbone)", VIT_CONFIG, "vit_probe", args.epochs, [*pretrained, *probe])
 
     jpeg = "ResNet-56 PNG checkpoint on JPEG CIFAR-10"
-    cli, minutes = _run("validate", RESNET_CONFIG, work / "resnet56_before", data)
+    resnet = [*data, "--model.init_from", args.resnet_checkpoint]  # the data and the weights, as inputs
+    cli, minutes = _run("validate", RESNET_CONFIG, work / "resnet56_before", resnet)
     before = 100 * float(cli.trainer.callback_metrics["val/acc1"])
     rows.append(Row(jpeg, "checkpoint as is (no training)", "validate", 0, minutes, 0.0, before))
-    fit(jpeg, "fine-tuned on the JPEG train split", RESNET_CONFIG, "resnet56_finetune", args.resnet_epochs, [])
+    fit(jpeg, "fine-tuned on the JPEG train split", RESNET_CONFIG, "resnet56_finetune", args.resnet_epochs, [], resnet)
     return rows
 
 
@@ -124,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vit-checkpoint", required=True, help="our Tiny-ImageNet ViT (.ckpt or .safetensors)")
     p.add_argument("--cifar-root", default="../shared/data/cifar10")
+    p.add_argument("--resnet-checkpoint", default="../shared/weights/resnet56-4bfd9763.th")
     p.add_argument("--epochs", type=int, default=2, help="ViT rows (all the same)")
     p.add_argument("--resnet-epochs", type=int, default=1)
     p.add_argument("--num-workers", type=int, default=None)

@@ -31,14 +31,14 @@ def test_vit_vs_resnet_comparison_writes_a_row_per_model(tmp_path):
 
 
 def test_finetune_study_runs_every_row_and_reports_the_jpeg_recovery(tmp_path):
-    root = shared_path("data/cifar10")
-    shared_path("weights/resnet56-4bfd9763.th")
+    root, resnet56 = shared_path("data/cifar10"), shared_path("weights/resnet56-4bfd9763.th")
     pretrained = create_model("vit_micro_patch8_64", num_classes=200)
     torch.save(pretrained.state_dict(), tmp_path / "tiny.pth")
     out = tmp_path / "finetune.md"
     rows = finetune_study.main([
-        "--vit-checkpoint", str(tmp_path / "tiny.pth"), "--cifar-root", str(root), "--epochs", "1",
-        "--limit-batches", "2", "--num-workers", "0", "--workdir", str(tmp_path / "runs"), "--out", str(out),
+        "--vit-checkpoint", str(tmp_path / "tiny.pth"), "--cifar-root", str(root), "--resnet-checkpoint", str(resnet56),
+        "--epochs", "1", "--limit-batches", "2", "--num-workers", "0", "--workdir", str(tmp_path / "runs"),
+        "--out", str(out),
     ])  # fmt: skip
     assert [r.setting for r in rows] == [
         "from scratch", "fine-tuned, layer decay 0.75", "fine-tuned, no layer decay",

@@ -42,7 +42,7 @@ def _run(config: str, root: Path, overrides: list[str]) -> tuple[object, Through
     """One `scripts/train.py fit` in this process; returns the CLI, its throughput meter, wall seconds."""
     args = ["fit", "--config", str(ROOT / config), "--trainer.default_root_dir", str(root)]
     args += ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-    args += ["--trainer.callbacks+=vit.lit.Throughput", *overrides]
+    args += ["--trainer.callbacks+=vit.training.Throughput", *overrides]
     start = time.perf_counter()
     cli = train(args)
     wall = time.perf_counter() - start

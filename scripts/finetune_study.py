@@ -48,7 +48,7 @@ def _run(subcommand: str, config: str, workdir: Path, overrides: list[str]):
     args = [subcommand, "--config", str(ROOT / config), "--trainer.default_root_dir", str(workdir)]
     args += ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
     if subcommand == "fit":
-        args += ["--trainer.callbacks+=vit.lit.Throughput"]
+        args += ["--trainer.callbacks+=vit.training.Throughput"]
     start = time.perf_counter()
     cli = train(args + overrides)
     return cli, (time.perf_counter() - start) / 60

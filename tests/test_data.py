@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -17,10 +18,11 @@ from vit.data import (
     TinyImageNetDataModule,
     read_rgb,
 )
-from vit.data.images import Sample, scan_image_folder
+from vit.data.images import MISSING, Sample, scan_image_folder
 from vit.data.mixup import MixupCutmix
 from vit.data.sampling import ResumableSampler, resumable_loader
 from vit.data.transforms import eval_transform, train_transform
+from vit.lit import ImageClassifier
 
 
 def _write_image(path, mode: str = "RGB", size=(20, 12), value=100) -> None:
@@ -58,6 +60,43 @@ def test_skip_corrupt_logs_counts_and_substitutes_the_next_image(tmp_path, caplo
         image, label = dataset[0]
     assert label == 1 and (image == 9).all()
     assert dataset.num_skipped == 1 and "bad.png" in caplog.text and "1 corrupt images skipped" in caplog.text
+
+
+class _CountScored(L.Callback):
+    """How many images the validation scored: the module's accuracy state after each batch."""
+
+    def __init__(self) -> None:
+        self.scored = 0
+
+    def on_validation_batch_end(self, trainer, pl_module, *args) -> None:
+        self.scored = int(pl_module.val_acc1.tp.sum() + pl_module.val_acc1.fn.sum())
+
+
+def test_evaluation_with_skip_corrupt_scores_every_readable_image_once(tmp_path, caplog):
+    """A corrupt file in validation used to be replaced by its neighbour, which was then scored
+    twice: it is left out now (a black stand-in labelled MISSING keeps the batch size, so DDP ranks
+    stay in step), logged and counted."""
+    for split, n in (("train", 4), ("val", 3)):
+        for cls in ("a", "b"):
+            for i in range(n):
+                _write_image(tmp_path / split / cls / f"{i}.png", value=40 * i)
+    (tmp_path / "val" / "b" / "1.png").write_bytes(b"garbage")
+    dm = ImageFolderDataModule(root=str(tmp_path), img_size=16, batch_size=4, num_workers=0, skip_corrupt=True)
+    dm.setup("fit")
+    with caplog.at_level("WARNING"):
+        batches = list(dm.val_dataloader())
+    assert [len(y) for _, y in batches] == [4, 2]
+    assert torch.cat([y for _, y in batches]).tolist() == [0, 0, 0, 1, MISSING, 1]
+    assert dm.val_set.num_skipped == 1 and "b/1.png" in caplog.text
+    module, counter = ImageClassifier("vit_nano_patch4_16", num_classes=2), _CountScored()
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[counter]
+    )
+    trainer.validate(module, dm.val_dataloader())
+    assert counter.scored == 5
+    dm.batch_size = 1  # a batch holding only the stand-in is skipped
+    trainer.validate(module, dm.val_dataloader())
+    assert counter.scored == 5
 
 
 def test_image_folder_layout_and_its_errors(tmp_path):

@@ -268,6 +268,20 @@ def test_budget_elapsed_time_survives_a_checkpoint():
     assert budget.state_dict()["elapsed"] > 42.0
 
 
+@pytest.mark.parametrize("bound", [{"max_epochs": 3}, {"max_steps": 200, "max_epochs": -1}])
+def test_warmup_epochs_count_the_loaders_batches_whether_the_run_is_bounded_by_epochs_or_steps(tmp_path, bound):
+    """One epoch of warmup is one epoch of batches either way (bounded by max_steps alone it used to
+    be the whole run, cut to half of it)."""
+    module = ImageClassifier(num_classes=10, lr=1e-3, warmup_epochs=1)
+    trainer = _trainer(tmp_path, limit_val_batches=0, **bound)
+    trainer.fit(module, DigitsDataModule(batch_size=50, num_workers=0))
+    per_epoch = trainer.num_training_batches
+    assert per_epoch == 28  # 1,437 training digits, the last partial batch dropped
+    schedule = trainer.lr_scheduler_configs[0].scheduler.lr_lambdas[0]
+    assert schedule(per_epoch - 2) < 1.0 and schedule(per_epoch - 1) == 1.0
+    assert schedule(13) == pytest.approx(14 / 28)
+
+
 def test_warmup_longer_than_half_the_run_is_cut_with_a_warning(tmp_path):
     module = ImageClassifier(num_classes=10, lr=1e-3, warmup_epochs=5)  # 5 epochs of warmup in a 1-epoch run
     trainer = _trainer(tmp_path, max_epochs=1, limit_val_batches=0)

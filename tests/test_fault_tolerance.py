@@ -189,6 +189,26 @@ def test_resume_from_last_skips_incomplete_files_and_a_truncated_path_is_named(t
     assert last_line.startswith(f"error: checkpoint {checkpoints / 'last-v1.ckpt'} is incomplete")
 
 
+def test_a_checkpoint_file_is_not_resumed_as_another_model_but_takes_a_new_lr(tmp_path, capsys, caplog):
+    """--ckpt_path FILE used to replace --model.* with the checkpoint's options silently (asked for
+    resnet20, trained the ViT again; a new lr was dropped): a differing option is refused with both
+    values, a new lr is used and said."""
+    args = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            *QUIET, *DIGITS, "--trainer.limit_train_batches", "3"]  # fmt: skip
+    main([*args, "--trainer.max_epochs", "1"])
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trainer.max_epochs", "2", "--ckpt_path", str(last), "--model.model_name", "resnet20"])
+    assert exit_info.value.code == 1
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith(f"error: --ckpt_path {last} resumes the run it was saved from, but ")
+    assert "model.model_name is 'resnet20' here but 'vit_nano_patch4_16' in the checkpoint" in message
+    with caplog.at_level("INFO", logger="vit"):
+        resumed = main([*args, "--trainer.max_epochs", "2", "--ckpt_path", str(last), "--model.lr", "1e-3"])
+    assert "resuming with lr 0.001 instead of the checkpoint's 0.002" in caplog.text
+    assert resumed.model.hparams.lr == 1e-3 and resumed.trainer.global_step == 6
+
+
 def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_works(tmp_path, capsys, caplog):
     """Weights turn NaN after step 5 of 8 (checkpoints every step): the step-5 save is refused,
     the run exits 1 naming last.ckpt (step 4, finite) as the one to resume from; resuming with
@@ -236,6 +256,24 @@ def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
     assert stopped.returncode != 0
     assert f"cannot decode image {corrupt}" in stopped.stderr
     assert not list((tmp_path / "run" / "checkpoints").glob("last-interrupted*.ckpt"))
+
+
+def test_skip_corrupt_under_ddp_keeps_the_ranks_in_step_to_the_end(tmp_path):
+    """The same with --data.skip_corrupt: a corrupt training image is replaced by the next one and a
+    corrupt validation image left out, every batch keeps its size, so both ranks finish together."""
+    data = write_image_folder(tmp_path / "data")
+    for path in (data / "train" / "class0" / "3.png", data / "val" / "class1" / "0.png"):
+        path.write_bytes(path.read_bytes()[:300])
+    done = run_script(
+        cifar_recipe(data, tmp_path / "run", "--data.in_memory", "false", "--trainer.accelerator", "cpu",
+                     "--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.batch_size", "4",
+                     "--data.skip_corrupt", "true", "--trainer.max_epochs", "2"),
+        env={"MASTER_PORT": str(_free_port())}, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "class0/3.png" in done.stderr and "class1/0.png" in done.stderr  # logged by name
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 8  # 32 images, 2 ranks x 4 a batch: 4 steps an epoch, 2 epochs
 
 
 def _free_port() -> int:

@@ -61,6 +61,36 @@ def test_command_line_overrides_config_values(capsys):
     assert "lr: 0.0003" in printed and "max_epochs: 5" in printed
 
 
+@pytest.mark.parametrize(
+    ("typo", "message"),
+    [
+        (["--model.lrr", "1e-3"], "--model.lrr is not an option of vit.lit.ImageClassifier; did you mean --model.lr?"),
+        (["--data.batchsize", "8"], "--data.batchsize is not an option of vit.data.DigitsDataModule; did you mean "
+                                    "--data.batch_size?"),
+        (["--trainer.max_epoch", "1"], "unknown option --trainer.max_epoch; did you mean --trainer.max_epochs?"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_option_is_one_line_with_the_closest_real_one(typo, message, capsys):
+    """Not a 65-line usage dump, and no prefix taken as an abbreviation (max_epoch used to run as max_epochs)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs/default.yaml"), *typo, "--print_config"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: {message}" or err[-1].startswith(f"error: {message} (run with --help")
+    assert len(err) <= 3
+
+
+def test_a_missing_data_root_is_the_last_line_the_user_sees(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs/cifar10_vit.yaml"), "--data", "vit.data.ImageFolderDataModule",
+              "--data.root", str(tmp_path / "nowhere"), "--data.val_dir", "test"])  # fmt: skip
+    assert exit_info.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"error: image folder {tmp_path / 'nowhere' / 'train'} does not exist; expected " + str(
+        tmp_path / "nowhere" / "train" / "<class name>" / "<image files>"
+    )
+
+
 def test_image_size_and_class_count_are_set_once_on_the_data_and_reach_the_model(tmp_path):
     """`--data.img_size 24` and a folder of 3 classes build the model (vit_nano_patch4_16, 16 px and
     10 classes by default) for 24 px and 3 classes; a model value that agrees is accepted, one that

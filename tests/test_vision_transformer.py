@@ -262,6 +262,43 @@ def test_forward_intermediates_equal_timms(options):
         assert got[0].shape == (2, 64, 4, 4)
 
 
+@pytest.mark.parametrize(("indices", "prune_norm"), [(2, False), ([0, 1], True)])
+def test_prune_intermediate_layers_keeps_what_timm_keeps_and_the_same_features(indices, prune_norm):
+    ours = create_model("vit_nano_patch4_16", **SMALL, reg_tokens=2).eval()
+    theirs = _timm_twin(ours)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = ours.forward_intermediates(x, indices=indices, intermediates_only=True)
+        assert ours.prune_intermediate_layers(indices, prune_norm) == theirs.prune_intermediate_layers(
+            indices, prune_norm
+        )
+        assert sorted(ours.state_dict()) == sorted(theirs.state_dict())  # the same parts kept
+        after = ours.forward_intermediates(x, indices=indices, intermediates_only=True)
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)  # pooled features, no head
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b)
+    assert ours(x).shape == (2, 3 + 16, 64)  # no pooling, no head: CLS, 2 registers and 16 patch tokens
+
+
+@pytest.mark.parametrize("global_pool", [None, "avg", ""])
+def test_reset_classifier_gives_a_new_head_and_pooling_as_timm(global_pool):
+    ours = create_model("vit_nano_patch4_16", **SMALL).eval()
+    theirs = _timm_twin(ours)
+    ours.reset_classifier(5, global_pool)
+    theirs.reset_classifier(5, global_pool)
+    ours.head.load_state_dict(theirs.head.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+    assert ours.get_classifier() is ours.head and ours.num_classes == ours.config.num_classes == 5
+    if global_pool is not None:
+        assert ours.config.global_pool == global_pool
+    ours.reset_classifier(0)
+    assert ours(x).shape == ((2, 64) if global_pool != "" else (2, 17, 64))
+    with pytest.raises(ValueError, match="cannot add an attention-pool head"):
+        ours.reset_classifier(5, "map")
+
+
 def test_a_checkpoint_with_registers_fits_a_model_with_another_grid_or_none():
     source = create_model("vit_nano_patch4_16", **SMALL, reg_tokens=4).eval()
     _timm_twin(source)  # random, distinct weights
@@ -282,14 +319,15 @@ def test_a_checkpoint_with_registers_fits_a_model_with_another_grid_or_none():
 
 # -- timm's model names ----------------------------------------------------------------------------
 
-TIMM_VIT_NAMES = timm.list_models("vit_*", module="vision_transformer")
+TIMM_VIT_NAMES = timm.list_models("vit_*", module="vision_transformer") + timm.list_models("deit*", module="deit")
 
 
 def test_every_timm_vision_transformer_name_is_built_or_refused_with_the_reason():
-    supported = set(vit.list_models("vit_*"))
+    supported = set(vit.list_models())
     unsupported = vit.registry.unsupported_models()
     assert all(name in supported or name in unsupported for name in TIMM_VIT_NAMES)
-    assert len([n for n in TIMM_VIT_NAMES if n in supported]) >= 125  # of 138 in timm 1.0.x
+    assert len([n for n in TIMM_VIT_NAMES if n in supported]) >= 140  # of 138 ViT and 24 DeiT names in timm 1.0.x
+    assert {"deit_tiny_distilled_patch16_224", "deit3_small_patch16_224"} <= supported
     assert all("ParallelScalingBlock" in r or "ParallelThingsBlock" in r or "diff" in r or "ResPostBlock" in r
                for n, r in unsupported.items() if n in TIMM_VIT_NAMES)  # fmt: skip
     parallel = next(n for n, r in unsupported.items() if "ParallelScalingBlock" in r)
@@ -321,6 +359,8 @@ def test_timm_names_have_timms_parameter_names_and_shapes():
         "vit_base_patch16_siglip_224",  # MAP head, tanh GELU, no CLS
         "vit_small_patch14_reg4_dinov2",  # registers, pos-embed without prefix, LayerScale
         "vit_medium_patch16_reg1_gap_256",  # avg pool, one register
+        "deit_small_distilled_patch16_224",  # distillation token and head (timm's VisionTransformerDistilled)
+        "deit3_small_patch16_224",  # LayerScale, pos-embed without the CLS token
     ],
 )
 def test_timm_named_models_give_timms_logits(name):

@@ -146,8 +146,9 @@ def load_model(
         except ValueError as e:
             raise ValueError(f"{e}. For a timm-format state dict, give the architecture (model_name)") from e
     state_dict = read_weights(path) if path.suffix != ".npz" else {}  # an .npz is read for a built model
-    if "head.weight" in state_dict:
-        model_kwargs.setdefault("num_classes", state_dict["head.weight"].shape[0])
+    head = next((f"{name}.weight" for name in HEAD_NAMES if f"{name}.weight" in state_dict), None)
+    if head is not None:  # the class count follows the file's classifier (head, fc or linear)
+        model_kwargs.setdefault("num_classes", state_dict[head].shape[0])
     model = create_model(model_name, **model_kwargs)
     load_pretrained(model, path, use_ema=use_ema)
     return model.eval()
@@ -241,7 +242,13 @@ class LoadReport:
                 log.info("%s: %s %s", source, kind, name)
 
 
-_HEAD_NAMES = ("head", "fc", "linear")
+# The classifier of our ViTs (and a distilled ViT's second head), torchvision ResNets, CIFAR ResNets.
+HEAD_NAMES = ("head", "head_dist", "fc", "linear")
+
+
+def is_head(name: str) -> bool:
+    """Whether parameter `name` belongs to a classifier head."""
+    return name.split(".")[0] in HEAD_NAMES
 
 
 def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict, LoadReport]:
@@ -256,7 +263,7 @@ def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> t
 
     # A classifier head of another size (new class count): keep the model's fresh initialisation.
     for name in list(sd):
-        head = name.split(".")[0] in _HEAD_NAMES
+        head = is_head(name)
         if head and name in target and sd[name].shape != target[name].shape:
             sd[name] = target[name]
             report.reinitialised.append(name)
@@ -264,7 +271,7 @@ def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> t
             del sd[name]
             report.dropped.append(name)
     for name in target:
-        if name.split(".")[0] in _HEAD_NAMES and name not in sd:
+        if is_head(name) and name not in sd:
             sd[name] = target[name]
             report.reinitialised.append(name)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,6 +36,71 @@ def _checkpoint_dirpath(default_root_dir: str | None) -> str:
 
 # Set once, on the data; the model follows (TrainCLI).
 LINKED_FROM_DATA = ("img_size", "num_classes")
+# Model options a run resumed from a checkpoint file may change (the optimizer state is rescaled to
+# the new lr: vit.training.rescale_lr); any other differing option is refused.
+RESUMABLE_MODEL_OPTIONS = ("lr",)
+
+
+class CheckpointConflictError(ValueError):
+    """`--ckpt_path FILE` with model options that differ from the ones the checkpoint was trained with."""
+
+
+def _plain(value: Any) -> Any:
+    """Config values as comparable plain data (tuples and lists alike, namespaces as dicts)."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+class TrainArgumentParser(LightningArgumentParser):
+    """jsonargparse's parser with short errors: a mistyped option is named with the closest real
+    one (not a 65-line usage dump), and option prefixes are not taken as abbreviations
+    (`--trainer.max_epoch` is an error, not max_epochs)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        short = _short_parse_error(message, self) if self.exit_on_error else None
+        if short is None:
+            return super().error(message, ex)
+        sys.stderr.write(f"error: {short}\n")
+        sys.exit(2)
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | None:
+    """One line for an unknown option (with a suggestion), or None to keep jsonargparse's message."""
+    unknown = re.search(r"Problem with given class_path '([\w.]+)':\s*(?:Option|Key) '([\w.]+)' is not", message)
+    group = re.search(r'Parser key "([\w.]+)"', message)
+    if unknown and group:
+        class_path, option = unknown.groups()
+        module, _, name = class_path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return None
+        # The class's and its bases' __init__ arguments: jsonargparse follows **kwargs up the bases.
+        params = [p for c in cls.__mro__ if "__init__" in vars(c) for p in inspect.signature(c.__init__).parameters]
+        choices = [f"--{group[1]}.{p}" for p in params if p not in ("self", "args", "kwargs")]
+        return f"--{group[1]}.{option} is not an option of {class_path}{_suggest(f'--{group[1]}.{option}', choices)}"
+    unrecognized = re.search(r"unrecognized arguments: (.*)", message, re.IGNORECASE)
+    if unrecognized:
+        options = [a for a in unrecognized[1].split() if a.startswith("--")]
+        if options:
+            choices = list(parser._option_string_actions)
+            option = options[0].split("=")[0]
+            return f"unknown option {option}{_suggest(option, choices)} (run with --help for the options)"
+    return None
 
 
 class TrainCLI(LightningCLI):
@@ -49,6 +117,10 @@ class TrainCLI(LightningCLI):
     """
 
     argv: list[str] = sys.argv  # the command line, for the resume command printed when a run is stopped
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", TrainArgumentParser)
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
@@ -112,15 +184,68 @@ class TrainCLI(LightningCLI):
             print(f"Moved {len(old)} checkpoint(s) of an earlier run to {archive} (resume it with --ckpt_path PATH)")
 
     def _parse_ckpt_path(self) -> None:
-        """Refuse an incomplete checkpoint file by name, before Lightning reads its hyperparameters."""
+        """Refuse an incomplete checkpoint file by name, before Lightning reads its hyperparameters.
+
+        Lightning then replaces the model options with the checkpoint's. Options the user set (in
+        the config or on the command line: values other than the model class's defaults) that
+        differ from the checkpoint's would be dropped silently: refuse them, naming both values,
+        except RESUMABLE_MODEL_OPTIONS, which keep the user's value."""
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path and Path(ckpt_path).is_file() and not checkpoint_complete(ckpt_path):
+        if not (ckpt_path and Path(ckpt_path).is_file()):
+            return super()._parse_ckpt_path()
+        if not checkpoint_complete(ckpt_path):
             raise IncompleteCheckpointError(
                 f"checkpoint {ckpt_path} is incomplete ({Path(ckpt_path).stat().st_size} bytes: empty or "
                 "truncated, e.g. by a full disk or a kill while it was written); resume from another one"
             )
+        given = self._model_options_given(subcommand)
+        saved = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        conflicts = [
+            f"model.{name} is {value!r} here but {_plain(saved[name])!r} in the checkpoint"
+            for name, value in given.items()
+            if name in saved and name not in RESUMABLE_MODEL_OPTIONS and value != _plain(saved[name])
+        ]
+        if conflicts:
+            raise CheckpointConflictError(
+                f"--ckpt_path {ckpt_path} resumes the run it was saved from, but " + "; ".join(conflicts)
+                + ". Drop these options to resume as it was, or start a new run from its weights with "
+                f"--model.init_from {ckpt_path}"
+            )  # fmt: skip
         super()._parse_ckpt_path()
+        init_args = self.config[subcommand].model.init_args
+        for name in RESUMABLE_MODEL_OPTIONS:
+            if name in given:
+                init_args[name] = given[name]
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self._cli_args = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else []
+        super().parse_arguments(parser, args)
+
+    def _model_options_given(self, subcommand: str) -> dict[str, Any]:
+        """The model's init_args the user set: named on the command line, or differing from the
+        class's defaults (in a config file)."""
+        model = self.config[subcommand].get("model")
+        class_path, init_args = getattr(model, "class_path", None), getattr(model, "init_args", None)
+        if not class_path or init_args is None:
+            return {}
+        module, _, name = class_path.rpartition(".")
+        defaults = {
+            k: _plain(p.default)
+            for k, p in inspect.signature(getattr(importlib.import_module(module), name)).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+        values = _plain(init_args)
+        named = {
+            arg.split("=")[0].removeprefix("--model.").removeprefix("init_args.").split(".")[0]
+            for arg in getattr(self, "_cli_args", [])
+            if isinstance(arg, str) and arg.startswith("--model.")
+        }
+        return {
+            k: v
+            for k, v in values.items()
+            if k in defaults and (v != defaults[k] or k in named) and k not in LINKED_FROM_DATA
+        }
 
     def _complete_checkpoint(self, ckpt_path: str) -> str:
         """`last` -> the newest complete `last*.ckpt`, skipping (with a warning) empty or truncated ones."""
@@ -176,9 +301,23 @@ def main(args: list[str] | None = None) -> Any:
             args=args,
             save_config_kwargs={"overwrite": True},
         )
-    except (NonFiniteLossError, CheckpointWriteError, IncompleteCheckpointError) as e:
+    except (NonFiniteLossError, CheckpointWriteError, IncompleteCheckpointError, CheckpointConflictError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         sys.exit(1)
+    except ValueError as e:
+        cause = _root_cause(e)
+        if cause is e or not isinstance(cause, (OSError, ValueError)):
+            raise
+        # A class that could not be built from the config (e.g. a data root that does not exist):
+        # jsonargparse wraps the reason in a dump of every subtype tried; say the reason alone.
+        print(f"\nerror: {cause}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
 
 
 def _show_our_logs() -> None:

@@ -19,19 +19,13 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
 
-from vit.checkpoint import load_pretrained
+from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
+from vit.data.images import MISSING
 from vit.layers import MoE
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model, model_config
 from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
-from vit.training import (
-    HEAD_NAMES,
-    TrainingTask,
-    adamw,
-    can_fuse,
-    is_head,
-    param_groups,
-)
+from vit.training import TrainingTask, adamw, can_fuse, param_groups
 
 
 def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:
@@ -77,6 +71,15 @@ class ImageClassifier(TrainingTask):
             position embeddings and the first K blocks. Frozen parts run in eval mode.
         aux_loss_weight: weight of a mixture-of-experts model's load-balancing loss
             (`model.aux_loss()`, logged as train/aux_loss) in the training loss; 0.01 as in Switch.
+        teacher: knowledge distillation (DeiT, Touvron et al. 2021) from this frozen model, any
+            `vit.checkpoint.load_model` source (our .ckpt, a state dict with `teacher_model` naming
+            its architecture, e.g. the CIFAR ResNet-56 .th files, or timm:<name>). It sees the same
+            augmented batch as the student. A ViT with `distilled: true` learns the teacher on its
+            distillation token's head and the labels on its class head (DeiT); any other model
+            learns both on its one output. It runs outside the checkpoint (not saved, not trained).
+        distillation: "hard" (cross-entropy to the teacher's top class, DeiT's best) or "soft"
+            (KL divergence to the teacher's softmax at temperature distillation_tau, Hinton et al.).
+        distillation_alpha: the teacher term's weight; the label term gets 1 - alpha (DeiT: 0.5).
     """
 
     def __init__(
@@ -107,10 +110,19 @@ class ImageClassifier(TrainingTask):
         freeze_backbone: bool = False,
         freeze_blocks: int = 0,
         aux_loss_weight: float = 0.01,
+        teacher: str | None = None,
+        teacher_model: str | None = None,
+        distillation: str = "hard",
+        distillation_alpha: float = 0.5,
+        distillation_tau: float = 1.0,
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "sgd", "muon"):
             raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'muon', got {optimizer!r}")
+        if distillation not in ("hard", "soft"):
+            raise ValueError(f"distillation must be 'hard' or 'soft', got {distillation!r}")
+        if (model_kwargs or {}).get("distilled") and teacher is None:
+            raise ValueError("model_kwargs.distilled trains a distillation head, which needs a teacher (model.teacher)")
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         if num_classes is not None:
@@ -131,6 +143,9 @@ class ImageClassifier(TrainingTask):
         if hp.channels_last:
             self.model.to(memory_format=torch.channels_last)
         self.has_aux_loss = any(isinstance(m, MoE) for m in self.model.modules())
+        self.__dict__["_teacher"] = self._load_teacher() if hp.teacher else None  # outside the module tree
+        if hp.teacher and getattr(self.model, "dist_token", None) is not None:
+            self.model.set_distilled_training(True)
         if hp.init_from:
             load_pretrained(self.model, hp.init_from)
         self._freeze()
@@ -150,6 +165,24 @@ class ImageClassifier(TrainingTask):
         self.val_ema_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc5 = accuracy(hp.num_classes, top_k=5)
+
+    def _load_teacher(self) -> nn.Module:
+        """The frozen teacher, in eval mode and NHWC order (faster convolutions), checked against
+        the student's class count."""
+        hp = self.hparams
+        teacher = load_model(hp.teacher, hp.teacher_model).requires_grad_(False).eval()
+        classes = getattr(teacher, "num_classes", None)
+        if classes is None:  # the CIFAR / torchvision ResNets: their classifier's width
+            head = next((m for name, m in teacher.named_children() if name in HEAD_NAMES), None)
+            classes = getattr(head, "out_features", None)
+        if classes != hp.num_classes:
+            raise ValueError(f"the teacher {hp.teacher} predicts {classes} classes but the model has {hp.num_classes}")
+        return teacher.to(memory_format=torch.channels_last)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self._teacher is not None:
+            self._teacher.to(self.device)
 
     def _resolved_model_kwargs(self) -> dict[str, Any]:
         """model_kwargs with num_classes and img_size filled in; each value must be given once, or agree."""
@@ -217,12 +250,34 @@ class ImageClassifier(TrainingTask):
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, target, label_smoothing=self.hparams.label_smoothing)
 
+    def distillation_loss(
+        self, x: torch.Tensor, outputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor
+    ) -> torch.Tensor:
+        """(1 - alpha) * label loss on the class logits + alpha * teacher loss on the distillation
+        logits (a distilled ViT's second head; otherwise the same logits)."""
+        hp = self.hparams
+        logits, dist = outputs if isinstance(outputs, tuple) else (outputs, outputs)
+        with torch.no_grad():
+            teacher = self._teacher(x.contiguous(memory_format=torch.channels_last)).float()
+        if hp.distillation == "hard":
+            teacher_loss = F.cross_entropy(dist, teacher.argmax(dim=-1))
+        else:
+            tau = hp.distillation_tau
+            student, soft = F.log_softmax(dist / tau, dim=-1), F.log_softmax(teacher / tau, dim=-1)
+            teacher_loss = F.kl_div(student, soft, reduction="batchmean", log_target=True) * tau * tau
+        self.log("train/teacher_loss", teacher_loss)
+        return (1 - hp.distillation_alpha) * self.loss(logits, target) + hp.distillation_alpha * teacher_loss
+
     # -- training -----------------------------------------------------------------------------
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, target = batch  # target: class ids (B,), or soft (B, classes) after Mixup/CutMix
         logits = self(x)
-        loss = self.loss(logits, target)
+        if self._teacher is not None:
+            loss = self.distillation_loss(x, logits, target)
+            logits = (logits[0] + logits[1]) / 2 if isinstance(logits, tuple) else logits
+        else:
+            loss = self.loss(logits, target)
         if self.has_aux_loss:  # mixture of experts: keep the routers balanced
             aux = self.model.aux_loss()
             self.log("train/aux_loss", aux)
@@ -271,11 +326,20 @@ class ImageClassifier(TrainingTask):
         if hp.warmup_fraction is not None:
             warmup = round(hp.warmup_fraction * total)
         elif warmup is None:
-            batches = self.trainer.num_training_batches  # known once estimated_stepping_batches ran
-            per_epoch = math.ceil(batches / self.trainer.accumulate_grad_batches) if batches != math.inf else total
-            warmup = round(hp.warmup_epochs * per_epoch)
+            warmup = round(hp.warmup_epochs * self._steps_per_epoch())
         warmup = self._cap_warmup(warmup, total)
         return lambda step: warmup_cosine_steps(step, warmup, total, min_ratio)
+
+    def _steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch. A run bounded by max_steps alone (max_epochs -1) has not
+        built its train loader yet (estimated_stepping_batches is max_steps): build it to count."""
+        trainer = self.trainer
+        if trainer.num_training_batches == math.inf:
+            trainer.fit_loop.setup_data()  # the loader's resume position is read when the epoch starts
+        batches = trainer.num_training_batches
+        if batches == math.inf:  # an iterable without a length: no epochs to count
+            raise ValueError("warmup_epochs needs a train loader with a length; give warmup_steps or warmup_fraction")
+        return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
 
     def _cap_warmup(self, warmup: float, total: float) -> float:
         """A warmup longer than half the run leaves no time to learn at the peak rate and decay: cut it."""
@@ -301,7 +365,9 @@ class ImageClassifier(TrainingTask):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        logits = self.eval_logits(x)
+        logits, y, x = self._scored(self.eval_logits(x), y, x)
+        if not len(y):
+            return
         self.log("val/loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
         self.val_acc1(logits, y)
         self.val_acc5(logits, y)
@@ -313,12 +379,25 @@ class ImageClassifier(TrainingTask):
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        logits = self.eval_logits(x)
+        logits, y, _ = self._scored(self.eval_logits(x), y, x)
+        if not len(y):
+            return
         self.log("test/loss", F.cross_entropy(logits, y), sync_dist=True)
         self.test_acc1(logits, y)
         self.test_acc5(logits, y)
         self.log("test/acc1", self.test_acc1)
         self.log("test/acc5", self.test_acc5)
+
+    @staticmethod
+    def _scored(
+        logits: torch.Tensor, y: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Leave out the stand-ins of corrupt files (label MISSING, data.skip_corrupt); the model
+        still ran on them, so every DDP rank ran the same forward passes."""
+        if y.ndim != 1 or bool((y != MISSING).all()):
+            return logits, y, x
+        keep = y != MISSING
+        return logits[keep], y[keep], x[keep]
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch

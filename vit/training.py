@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from torch import nn
 
+from vit.checkpoint import is_head
 from vit.data.sampling import mix_seed
 from vit.fault_tolerance import (
     NAN_ADVICE,
@@ -247,19 +248,11 @@ def param_groups(
 
 def _layer_id(name: str, depth: int) -> int:
     """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and the head."""
-    if name.startswith(("patch_embed", "cls_token", "pos_embed")):
+    if name.startswith(("patch_embed", "cls_token", "dist_token", "reg_token", "pos_embed")):
         return 0
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1
     return depth + 1
-
-
-HEAD_NAMES = ("head", "fc", "linear")  # the classifier of our ViTs, torchvision ResNets, CIFAR ResNets
-
-
-def is_head(name: str) -> bool:
-    """Whether parameter `name` belongs to the classifier head."""
-    return name.split(".")[0] in HEAD_NAMES
 
 
 def adamw(groups: list[dict], lr: float, betas: tuple[float, float], trainer: L.Trainer) -> torch.optim.AdamW:

@@ -55,6 +55,10 @@ class ViTConfig(BlockConfig):
     depth: int = 12
     class_token: bool = True
     reg_tokens: int = 0  # register tokens after the CLS token (Darcet et al. 2024; DINOv2-reg)
+    # DeiT's distillation token (after the CLS token) and its own head, trained on a teacher's
+    # predictions (vit.lit.ImageClassifier's `teacher`); inference averages the two heads (timm's
+    # VisionTransformerDistilled: its checkpoints load as they are).
+    distilled: bool = False
     # The position embedding covers the patches only; prefix tokens get none (DeiT III, big_vision).
     no_embed_class: bool = False
     pre_norm: bool = False  # a norm before the blocks, and no patch-embed bias (CLIP)
@@ -94,7 +98,7 @@ class VisionTransformer(nn.Module):
         self.num_classes = c.num_classes
         self.global_pool = c.global_pool
         self.embed_dim = self.num_features = c.embed_dim
-        self.num_prefix_tokens = int(c.class_token) + c.reg_tokens
+        self.num_prefix_tokens = int(c.class_token) + int(c.distilled) + c.reg_tokens
         self.num_reg_tokens = c.reg_tokens
         self.grad_checkpointing = False
 
@@ -102,7 +106,9 @@ class VisionTransformer(nn.Module):
             c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels, not c.pre_norm, c.dynamic_img_pad
         )  # fmt: skip
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, c.reg_tokens, c.embed_dim)) if c.reg_tokens else None
+        self.distilled_training = False  # training returns (class logits, distillation logits)
         # As in timm and the original ViT, the position embedding has entries for the prefix tokens
         # too, unless no_embed_class.
         self.num_pos_prefix = 0 if c.no_embed_class else self.num_prefix_tokens
@@ -130,13 +136,19 @@ class VisionTransformer(nn.Module):
             )  # fmt: skip
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
+        self.head_dist = None
+        if c.distilled:
+            self.head_dist = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes > 0 else nn.Identity()
         self.init_weights()
 
     def init_weights(self) -> None:
         """timm's default: trunc-normal(0.02) for pos-embed and Linear weights, zero biases,
-        CLS and register tokens normal(1e-6); conv and norms keep PyTorch's defaults."""
+        CLS and register tokens normal(1e-6), the distillation token trunc-normal(0.02) (DeiT); conv
+        and norms keep PyTorch's defaults."""
         if isinstance(self.pos_embed, nn.Parameter):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)
         for token in (self.cls_token, self.reg_token):
             if token is not None:
                 nn.init.normal_(token, std=1e-6)
@@ -148,7 +160,12 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names (besides norms and biases) that weight decay should skip."""
-        return {"pos_embed", "cls_token", "reg_token", "attn_pool.latent"}
+        return {"pos_embed", "cls_token", "dist_token", "reg_token", "attn_pool.latent"}
+
+    def set_distilled_training(self, enable: bool = True) -> None:
+        """While training, return both heads' logits (class, distillation) for a distillation loss
+        instead of their mean (timm's name)."""
+        self.distilled_training = enable
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward pass: less memory, ~30% more compute."""
@@ -179,7 +196,8 @@ class VisionTransformer(nn.Module):
         pos_embed = self._pos_embed(self._grid(images), x.device) if self.pos_embed is not None else None
         if pos_embed is not None and self.config.no_embed_class:
             x = x + pos_embed  # the patches only
-        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        tokens = (self.cls_token, self.dist_token, self.reg_token)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in tokens if t is not None]
         x = torch.cat([*prefix, x], dim=1) if prefix else x
         if pos_embed is not None and not self.config.no_embed_class:
             x = x + pos_embed  # prefix and patches
@@ -265,6 +283,48 @@ class VisionTransformer(nn.Module):
             out = list(zip(out, prefix, strict=True))
         return out if intermediates_only else (self.norm(tokens), out)
 
+    def prune_intermediate_layers(
+        self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """timm's feature-extractor trim: drop the blocks after the last one `indices` takes (as in
+        forward_intermediates), and the final norm and the head if asked; returns the kept indices."""
+        take = _take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max(take) + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.fc_norm = nn.Identity()
+            self.reset_classifier(0, "")
+        return take
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A new, freshly initialised head for `num_classes` (0: none, the model returns features),
+        and optionally another pooling; the attention-pool head can be removed, not added (timm)."""
+        if global_pool is not None:
+            if global_pool not in GLOBAL_POOLS:
+                raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {global_pool!r}")
+            if global_pool == "map" and self.attn_pool is None:
+                raise ValueError(
+                    "reset_classifier cannot add an attention-pool head; build the model with global_pool='map'"
+                )
+            if global_pool == "token" and self.cls_token is None:
+                raise ValueError("global_pool='token' needs a CLS token; this model has none")
+            if global_pool != "map":
+                self.attn_pool = None
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        self.config = replace(self.config, num_classes=num_classes, global_pool=self.global_pool)
+        device = self.patch_embed.proj.weight.device
+        for name in ["head", "head_dist"] if self.head_dist is not None else ["head"]:
+            head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
+            if num_classes > 0:
+                nn.init.trunc_normal_(head.weight, std=0.02)
+                nn.init.zeros_(head.bias)
+            setattr(self, name, head)
+
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (B, N, D) -> (B, D) by global_pool; all but "token" read the patch tokens only."""
         if not self.global_pool:
@@ -280,9 +340,22 @@ class VisionTransformer(nn.Module):
             return patches.amax(dim=1)
         return 0.5 * (patches.amax(dim=1) + patches.mean(dim=1))  # avgmax
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    def forward_head(
+        self, x: torch.Tensor, pre_logits: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Pooled tokens -> logits. A distilled model has a second head on its distillation token:
+        its logits are averaged with the class head's, or, while training with distilled_training,
+        returned beside them as (class logits, distillation logits)."""
+        dist = self.fc_norm(x[:, int(self.config.class_token)]) if self.dist_token is not None else None
         x = self.head_drop(self.fc_norm(self.pool(x)))
-        return x if pre_logits else self.head(x)
+        if dist is None:
+            return x if pre_logits else self.head(x)
+        if pre_logits:
+            return (x + dist) / 2
+        x, dist = self.head(x), self.head_dist(self.head_drop(dist))
+        if self.distilled_training and self.training:
+            return x, dist
+        return (x + dist) / 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits, equal to `forward_head(forward_features(x))`.
@@ -291,7 +364,7 @@ class VisionTransformer(nn.Module):
         and MLP for the CLS token only (its keys and values still come from every token): about 3/4 of
         that block's work, which timm spends on outputs it throws away, is skipped.
         """
-        last_num_queries = 1 if self.global_pool == "token" else None
+        last_num_queries = 1 + int(self.config.distilled) if self.global_pool == "token" else None
         return self.forward_head(self.norm(self._run_blocks(self._embed(x), self._rope(x), last_num_queries)[0]))
 
     def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -360,23 +433,28 @@ class _Recorded(Exception):
 
 def timm_model_args(name: str) -> dict:
     """The kwargs timm's `create_model(name)` builds its VisionTransformer with: those its model function
-    passes (read by calling it with the builder swapped for a recorder, so nothing is built) and the
-    defaults its builder takes from the name's pretrained config (image size, classes)."""
+    passes (read by calling it with the builders, of the ViT and of DeiT, swapped for a recorder, so
+    nothing is built) and the defaults its builder takes from the name's pretrained config (image
+    size, classes). A DeiT built as VisionTransformerDistilled records distilled=True."""
+    import timm.models.deit as timm_deit
     import timm.models.vision_transformer as timm_vit
 
     recorded: dict = {}
 
-    def record(variant: str, pretrained: bool = False, **kwargs: object) -> None:
-        recorded.update(kwargs)
+    def record(variant: str, pretrained: bool = False, distilled: bool = False, **kwargs: object) -> None:
+        recorded.update(kwargs, **({"distilled": True} if distilled else {}))
         raise _Recorded
 
-    with mock.patch.object(timm_vit, "_create_vision_transformer", record):
+    with (
+        mock.patch.object(timm_vit, "_create_vision_transformer", record),
+        mock.patch.object(timm_deit, "_create_deit", record),
+    ):
         try:
             timm.models.model_entrypoint(name)()
         except _Recorded:
             pass
         else:
-            raise ValueError(f"timm's {name} does not build a VisionTransformer through _create_vision_transformer")
+            raise ValueError(f"timm's {name} does not build a VisionTransformer through timm's ViT or DeiT builder")
     # What timm's builder adds from the name's default pretrained config (DINOv2: 518 px, no head).
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg is not None:
@@ -416,7 +494,8 @@ def from_timm_args(args: dict) -> dict:
 def _register_timm_models() -> None:
     """Register timm's VisionTransformer names that we build identically; the rest are listed with
     the reason (`vit.registry.unsupported_models()`)."""
-    for name in timm.list_models("vit_*", module="vision_transformer"):
+    names = timm.list_models("vit_*", module="vision_transformer") + timm.list_models("deit*", module="deit")
+    for name in names:
         if name in VIT_MODELS:
             continue
         try:

@@ -209,6 +209,8 @@ class ImageDataModule(L.LightningDataModule):
         if self.in_memory:
             sampler = BatchSampler(dataset, self.batch_size, shuffle=False)
             return DataLoader(dataset, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
+        if isinstance(dataset, ImageFiles):  # score each readable image once; corrupt ones are left out
+            dataset.substitute = False
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, **self._loader_options())
 
     def _loader_options(self) -> dict[str, Any]:

@@ -161,14 +161,27 @@ class _SeededTransform(Dataset):
         raise NotImplementedError
 
 
+MISSING = -1  # the label of a corrupt file's stand-in in evaluation (skip_corrupt): not scored
+
+
 class ImageFiles(_SeededTransform):
     """Images read from files. With `skip_corrupt`, an undecodable file is logged by name, counted,
-    and replaced by the next sample instead of stopping the run."""
+    and, instead of stopping the run, replaced by the next sample (`substitute`, for training) or by
+    a black image labelled MISSING (evaluation, where a substitute would be scored twice: the
+    evaluation steps leave MISSING out of the scores). Either way every batch keeps its size, so
+    DDP ranks stay in step."""
 
-    def __init__(self, samples: Sequence[Sample], transform: Transform | None = None, skip_corrupt: bool = False):
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        transform: Transform | None = None,
+        skip_corrupt: bool = False,
+        substitute: bool = True,
+    ) -> None:
         self.samples = list(samples)
         self.transform = transform
         self.skip_corrupt = skip_corrupt
+        self.substitute = substitute
         self.num_skipped = 0
 
     def __len__(self) -> int:
@@ -183,7 +196,7 @@ class ImageFiles(_SeededTransform):
         return ImageFiles([self.samples[i] for i in indices], transform, self.skip_corrupt)
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
-        for offset in range(len(self.samples)):
+        for offset in range(len(self.samples) if self.substitute else 1):
             sample = self.samples[(index + offset) % len(self.samples)]
             try:
                 return read_rgb(sample.path), sample.label
@@ -192,6 +205,8 @@ class ImageFiles(_SeededTransform):
                     raise
                 self.num_skipped += 1
                 log.warning("skipped %s (%d corrupt images skipped so far in this process)", e, self.num_skipped)
+        if not self.substitute:
+            return np.zeros((32, 32, 3), dtype=np.uint8), MISSING
         raise CorruptImageError(f"none of the {len(self.samples)} images could be decoded")
 
 
@@ -219,3 +234,4 @@ class ImageArrays(_SeededTransform):
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
         return self.images[index], int(self.labels[index])
+

@@ -83,15 +83,21 @@ class _RightHalfTeacher(nn.Module):
         return torch.stack([-m, m], dim=1) * 10
 
 
-def test_the_distillation_head_learns_the_teacher_and_the_class_head_the_labels(tmp_path):
-    """Labels follow the left half's brightness, the teacher the right half's (independent): each
-    head learns its own target, and inference averages them."""
-    L.seed_everything(0)
-    n = 768
-    left, right = torch.randint(0, 2, (n,)), torch.randint(0, 2, (n,))
-    x = torch.randn(n, 3, 16, 16) * 0.3
+def _halves(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Images whose left half is bright or dark (the label) and right half too (the teacher's rule)."""
+    left, right = torch.randint(0, 2, (n,), generator=generator), torch.randint(0, 2, (n,), generator=generator)
+    x = torch.randn(n, 3, 16, 16, generator=generator) * 0.3
     x[..., :8] += (left.float() * 2 - 1).view(-1, 1, 1, 1)
     x[..., 8:] += (right.float() * 2 - 1).view(-1, 1, 1, 1)
+    return x, left, right
+
+
+def test_the_distillation_head_learns_the_teacher_and_the_class_head_the_labels(tmp_path):
+    """Labels follow the left half's brightness, the teacher the right half's (independent): each
+    head learns its own target."""
+    generator = torch.Generator().manual_seed(0)
+    (x, left, _), (test, test_left, test_right) = _halves(768, generator), _halves(256, generator)
+    L.seed_everything(0)
     module = ImageClassifier(
         "vit_nano_patch4_16", {"distilled": True, "depth": 2}, num_classes=2, lr=3e-3, warmup_fraction=0.1,
         teacher=_resnet20_file(tmp_path, num_classes=2), teacher_model="resnet20",
@@ -102,15 +108,11 @@ def test_the_distillation_head_learns_the_teacher_and_the_class_head_the_labels(
         enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(module, DataLoader(TensorDataset(x, left), batch_size=32, shuffle=True))
-    test = torch.randn(256, 3, 16, 16) * 0.3
-    tl, tr = torch.randint(0, 2, (256,)), torch.randint(0, 2, (256,))
-    test[..., :8] += (tl.float() * 2 - 1).view(-1, 1, 1, 1)
-    test[..., 8:] += (tr.float() * 2 - 1).view(-1, 1, 1, 1)
     with torch.no_grad():
         cls, dist = module.model.train()(test)  # dropout-free model: train mode only splits the heads
-    assert (cls.argmax(1) == tl).float().mean() > 0.95
-    assert (dist.argmax(1) == tr).float().mean() > 0.95
-    assert 0.3 < (cls.argmax(1) == tr).float().mean() < 0.7  # the class head ignores the teacher's rule
+    assert (cls.argmax(1) == test_left).float().mean() > 0.95
+    assert (dist.argmax(1) == test_right).float().mean() > 0.95
+    assert 0.3 < (cls.argmax(1) == test_right).float().mean() < 0.7  # the class head ignores the teacher's rule
 
 
 def test_a_teacher_for_another_class_count_or_a_distilled_model_without_one_is_refused(tmp_path):

@@ -1,5 +1,6 @@
 """Attention rollout: hand-computed examples, per-image discard, fused == explicit, CLS and average
-pooling, timm ViTs loaded into ours, gradient rollout, the export script and the TensorBoard callback."""
+pooling, timm ViTs loaded into ours, gradient rollout, last-layer attention and GradCAM against their
+formulas, the export script and the TensorBoard callback."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from vit import create_model, set_fused_attn
 from vit.checkpoint import load_model, load_pretrained
 from vit.data.transforms import eval_transform
 from vit.rollout import (
+    METHODS,
     attention_rollout,
     box_scores,
     centre_gaussian,
     discard_lowest,
+    gradcam,
     gradient_rollout,
     gradient_rollout_joint,
     joint_to_map,
+    last_layer_attention,
     render_panel,
     rollout,
     rollout_maps,
@@ -168,7 +172,7 @@ def test_cls_and_average_pool_models_match_a_per_image_reference(pool, class_tok
     torch.testing.assert_close(logits, logits_ref)
 
 
-@pytest.mark.parametrize("method", ["attention", "gradient"])
+@pytest.mark.parametrize("method", METHODS)
 def test_fused_and_explicit_attention_give_the_same_map_and_flags_are_left_alone(method):
     model = _nano()
     x = torch.randn(2, 3, 16, 16)
@@ -178,7 +182,8 @@ def test_fused_and_explicit_attention_give_the_same_map_and_flags_are_left_alone
     set_fused_attn(model, False)
     explicit, _ = rollout_maps(model, x, method, head_fusion="max", discard_ratio=0.5)
     assert not any(b.attn.fused_attn for b in model.blocks)
-    torch.testing.assert_close(fused, explicit)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-4)  # gradcam: through the fused kernel or not
+    assert fused.shape == (2, 4, 4)  # every method on the patch grid
     # the maps are not trivially uniform
     assert fused.std(dim=(1, 2)).min() > 1e-4
 
@@ -234,6 +239,62 @@ def test_gradient_rollout_matches_the_formula_and_depends_on_the_class():
         torch.testing.assert_close(gradient_rollout(model, x.clone(), target=3)[0], maps)
 
 
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"global_pool": "avg", "class_token": False}, {"reg_tokens": 2}], ids=["cls", "avg", "cls+reg"]
+)
+def test_last_layer_attention_is_the_pooled_tokens_row_of_the_last_block(kwargs):
+    model = _nano(**kwargs)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        logits_ref, attns = model.forward_with_attn(x)
+    last, p = attns[-1].mean(dim=1), model.num_prefix_tokens  # heads averaged, (2, N, N)
+    # CLS: the CLS query's weights on the patches (registers dropped); no CLS: the mean over the patch queries
+    expected = last[:, 0, p:] if model.global_pool == "token" else last[:, p:, p:].mean(dim=1)
+    maps, logits = last_layer_attention(model, x)
+    torch.testing.assert_close(maps, expected.reshape(2, 4, 4))
+    torch.testing.assert_close(logits, logits_ref)
+    torch.testing.assert_close(rollout_maps(model, x, "last_attention")[0], maps)
+    fused = attns[-1].amax(dim=1)  # heads fused by max instead
+    expected = fused[:, 0, p:] if model.global_pool == "token" else fused[:, p:, p:].mean(dim=1)
+    torch.testing.assert_close(last_layer_attention(model, x, "max")[0], expected.reshape(2, 4, 4))
+
+
+def test_gradcam_is_the_gradcam_formula_on_the_tokens_entering_the_last_block():
+    model = _nano()
+    x = torch.randn(3, 3, 16, 16)
+    captured = []
+
+    def keep(module, inputs, out):  # returns None: the output is left as it is
+        out.retain_grad()
+        captured.append(out)
+
+    hook = model.blocks[-1].norm1.register_forward_hook(keep)
+    logits = model(x)
+    logits[:, 3].sum().backward()
+    hook.remove()
+    tokens = captured[0][:, 1:].detach()  # (3, 16 patches, D), the CLS token dropped
+    grads = captured[0].grad[:, 1:]
+    weights = grads.mean(dim=1)  # one per channel: the gradient's mean over the patches
+    cam = (tokens * weights[:, None]).sum(dim=-1).clamp(min=0)  # relu of the weighted sum of channels
+    cam = cam - cam.amin(dim=1, keepdim=True)
+    cam = cam / (cam.amax(dim=1, keepdim=True) + 1e-7)  # min-max, as the library scales it
+    model.zero_grad(set_to_none=True)
+
+    maps, out = gradcam(model, x, target=3)
+    assert maps.shape == (3, 4, 4)
+    torch.testing.assert_close(maps, cam.reshape(3, 4, 4), atol=1e-3, rtol=0)  # the library min-max scales in numpy
+    torch.testing.assert_close(out, logits.detach())
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())  # weights left as they were
+    assert not model.training  # the mode is kept (the library switches to eval)
+    predicted = gradcam(model, x)[0]
+    torch.testing.assert_close(predicted, gradcam(model, x, target=logits.argmax(-1))[0])
+    assert not torch.allclose(predicted, gradcam(model, x, target=(logits.argmax(-1) + 1) % 10)[0])
+    model.requires_grad_(False)  # frozen, and under inference_mode (Lightning's validation)
+    with torch.inference_mode():
+        torch.testing.assert_close(gradcam(model, x.clone(), target=3)[0], maps)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
 def test_a_non_vit_is_refused_by_name():
     with pytest.raises(TypeError, match=r"CifarResNet, not a vit\.VisionTransformer"):
         attention_rollout(create_model("resnet20", num_classes=10), torch.randn(1, 3, 32, 32))
@@ -243,6 +304,8 @@ def test_a_non_vit_is_refused_by_name():
         rollout(_two_layers(), discard_ratio=1.0)
     with pytest.raises(ValueError, match="start_layer"):
         rollout(_two_layers(), start_layer=2)
+    with pytest.raises(ValueError, match="method must be one of"):
+        rollout_maps(_nano(), torch.randn(1, 3, 16, 16), "chefer")
 
 
 # -- scores against object boxes ------------------------------------------------------------------

@@ -306,7 +306,7 @@ def main(args: list[str] | None = None) -> Any:
         sys.exit(1)
     except ValueError as e:
         cause = _root_cause(e)
-        if cause is e or not isinstance(cause, (OSError, ValueError)):
+        if cause is e or not isinstance(cause, OSError):
             raise
         # A class that could not be built from the config (e.g. a data root that does not exist):
         # jsonargparse wraps the reason in a dump of every subtype tried; say the reason alone.

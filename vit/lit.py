@@ -337,8 +337,8 @@ class ImageClassifier(TrainingTask):
         if trainer.num_training_batches == math.inf:
             trainer.fit_loop.setup_data()  # the loader's resume position is read when the epoch starts
         batches = trainer.num_training_batches
-        if batches == math.inf:  # an iterable without a length: no epochs to count
-            raise ValueError("warmup_epochs needs a train loader with a length; give warmup_steps or warmup_fraction")
+        if batches == math.inf:  # an iterable without a length: the whole run counts as one epoch
+            return int(trainer.estimated_stepping_batches)
         return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
 
     def _cap_warmup(self, warmup: float, total: float) -> float:

@@ -5,7 +5,20 @@ token through all layers: per layer, fuse the heads, optionally zero the weakest
 identity (the residual connection), renormalise every row, and multiply the layers together. The
 map is the row of the pooled token: the CLS row for `global_pool="token"`, the mean of the patch
 rows for average pooling. Gradient rollout (Chefer et al. 2021) weights each layer's attention by
-its gradient for one class, so the map is class-specific.
+its gradient for one class, so the map is class-specific: the rule of Chefer et al. ICCV 2021
+("Generic Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers",
+eqs. 5-6): R = I, then per layer R <- R + mean_heads((grad * attn)^+) @ R, gradients of the class
+logit. Their CVPR 2021 method ("Transformer Interpretability Beyond Attention Visualization"), LRP
+relevance propagated through every layer, is not implemented: it needs a hand-written relevance rule
+for every module on the path (linear, norm, activation, softmax, the two attention matmuls, each
+residual sum with its renormalisation), kept in step with every option our blocks take (rope,
+SwiGLU, RMSNorm, layer scale, experts, registers, MAP pooling), and the ICCV paper presents the
+gradient rule as the simpler replacement that needs none of that.
+
+Two more methods users compare against: the raw attention of the last block (the pooled token's
+row, heads averaged: `last_layer_attention`) and GradCAM (Selvaraju et al. 2017) on the patch tokens
+entering the last block, computed by the pytorch-grad-cam library (`gradcam`; `pip install
+'vit[explain]'`). `rollout_maps` runs any of `METHODS` by name; `vit.explain` scores the maps.
 
 Everything is batched and per image: each image gets its own discard threshold and its own row
 sums. The weights come from `VisionTransformer.forward_with_attn`, which takes the explicit
@@ -36,7 +49,7 @@ from vit.vision_transformer import VisionTransformer
 log = logging.getLogger(__name__)
 
 HEAD_FUSIONS = ("mean", "max", "min")
-METHODS = ("attention", "gradient")
+METHODS = ("attention", "gradient", "last_attention", "gradcam")  # rollout, gradient rollout, ...
 
 
 # -- the method -------------------------------------------------------------------------------
@@ -97,7 +110,8 @@ def rollout(
 
 
 def gradient_rollout_joint(attns: list[torch.Tensor], grads: list[torch.Tensor], start_layer: int = 0) -> torch.Tensor:
-    """Chefer et al. 2021: R = I; per layer R <- R + mean_heads((grad * attn)^+) @ R. Returns (B, N, N)."""
+    """Chefer et al. ICCV 2021's gradient x attention rule (not their CVPR 2021 LRP): R = I; per layer
+    R <- R + mean_heads((grad * attn)^+) @ R, no renormalisation. Returns (B, N, N)."""
     _check_layers(attns, start_layer)
     if len(grads) != len(attns):
         raise ValueError(f"{len(attns)} attention tensors but {len(grads)} gradients")
@@ -176,8 +190,9 @@ def gradient_rollout(
     target: int | torch.Tensor | None = None,
     start_layer: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Class-specific maps (B, grid_h, grid_w) and logits. `target`: a class id for every image,
-    one per image (B,), or None for each image's predicted class.
+    """Class-specific maps (B, grid_h, grid_w) and logits by Chefer et al. ICCV 2021's rule
+    (`gradient_rollout_joint`). `target`: a class id for every image, one per image (B,), or None for
+    each image's predicted class.
 
     Only the attention tensors get gradients (torch.autograd.grad): parameter `.grad`s are left
     alone, and frozen models work (the input is what requires grad).
@@ -213,6 +228,78 @@ def attention_gradients(
         return list(torch.autograd.grad(score, attns, retain_graph=retain_graph))
 
 
+def last_layer_attention(
+    model: nn.Module, images: torch.Tensor, head_fusion: str = "mean"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw attention of the last block over the patches, (B, grid_h, grid_w), and the logits.
+
+    The pooled token's row, heads fused (averaged by default): for CLS pooling the CLS token's
+    attention to each patch; for a model without a CLS token (average pooling) the mean over the
+    patch queries of their attention to each patch (as `joint_to_map` reads rollout). Prefix tokens
+    (CLS, registers) are never part of the map. No identity, no renormalisation, no other layer.
+    """
+    model = check_vit(model)
+    with torch.no_grad():
+        logits, attns = model.forward_with_attn(images)
+    last = fuse_heads(attns[-1].float(), head_fusion)
+    return joint_to_map(last, model.num_prefix_tokens, model.global_pool, _grid(model, images)), logits
+
+
+def gradcam(
+    model: nn.Module, images: torch.Tensor, target: int | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GradCAM maps (B, grid_h, grid_w) and logits, computed by pytorch-grad-cam's `GradCAM`.
+
+    The layer is the last block's `norm1`: the patch tokens entering the last block, as a
+    (D, grid_h, grid_w) feature map per image (prefix tokens dropped). Not the block's output: with
+    CLS pooling the head reads only the CLS token of the last block, so the gradient on that block's
+    output patches is zero; pytorch-grad-cam's ViT guide picks `blocks[-1].norm1` for this reason.
+    Per image: weights = the mean over the patches of d logit[target] / d tokens, map =
+    relu(sum over channels of weight x tokens), min-max scaled to [0, 1] by the library. The library
+    normally resizes the map to the image; here it is kept on the patch grid, like every other map.
+    `target`: one class id for all, (B,) ids, or None for the predicted class.
+
+    Needs `pip install 'vit[explain]'` (grad-cam). Parameter gradients, `requires_grad` flags and
+    the train/eval mode are left as they were; it works under no_grad and inference_mode.
+    """
+    try:
+        from pytorch_grad_cam import GradCAM
+        from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+    except ImportError as e:
+        raise ImportError("gradcam needs pytorch-grad-cam: pip install 'vit[explain]' (or 'grad-cam>=1.5')") from e
+    model = check_vit(model)
+    gh, gw = _grid(model, images)
+    prefix = model.num_prefix_tokens
+
+    class GridGradCAM(GradCAM):
+        def get_target_width_height(self, input_tensor: torch.Tensor) -> tuple[int, int]:
+            return gw, gh  # the size the library resizes its maps to: keep the patch grid
+
+    def to_feature_map(tokens: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, D, gh, gw)
+        return tokens[:, prefix:].reshape(tokens.shape[0], gh, gw, -1).permute(0, 3, 1, 2)
+
+    targets = None
+    if target is not None:
+        ids = torch.as_tensor(target).long().expand(images.shape[0]).tolist()
+        targets = [ClassifierOutputTarget(i) for i in ids]
+    params = list(model.parameters())
+    saved = [(p.requires_grad, p.grad) for p in params]
+    was_training = model.training
+    cam = GridGradCAM(model, [model.blocks[-1].norm1], reshape_transform=to_feature_map)  # sets eval mode
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            model.requires_grad_(False)  # gradients reach the tokens through the input, not the weights
+            maps = cam(images.clone().requires_grad_(True), targets)
+            logits = cam.outputs.detach()
+    finally:
+        cam.activations_and_grads.release()
+        for p, (requires_grad, grad) in zip(params, saved, strict=True):
+            p.requires_grad_(requires_grad)
+            p.grad = grad
+        model.train(was_training)
+    return torch.from_numpy(maps).to(images.device), logits
+
+
 def rollout_maps(
     model: nn.Module,
     images: torch.Tensor,
@@ -222,11 +309,18 @@ def rollout_maps(
     start_layer: int = 0,
     target: int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention_rollout` or `gradient_rollout` by name (for scripts and configs)."""
+    """Maps on the patch grid (B, grid_h, grid_w) and logits by any of `METHODS`, by name (for
+    scripts and configs): "attention" (`attention_rollout`: head_fusion, discard_ratio, start_layer),
+    "gradient" (`gradient_rollout`: target, start_layer), "last_attention" (`last_layer_attention`:
+    head_fusion) and "gradcam" (`gradcam`: target). Other arguments are ignored by a method."""
     if method == "attention":
         return attention_rollout(model, images, head_fusion, discard_ratio, start_layer)
     if method == "gradient":
         return gradient_rollout(model, images, target, start_layer)
+    if method == "last_attention":
+        return last_layer_attention(model, images, head_fusion)
+    if method == "gradcam":
+        return gradcam(model, images, target)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
@@ -259,13 +353,15 @@ def box_scores(maps: torch.Tensor, boxes: torch.Tensor, size: int) -> tuple[torc
     return hits, energy
 
 
-def centre_gaussian(batch: int, size: int, sigma_frac: float = 0.25) -> torch.Tensor:
+def centre_gaussian(batch: int, size: int | tuple[int, int], sigma_frac: float = 0.25) -> torch.Tensor:
     """(batch, size, size) Gaussians centred on the image (sigma = sigma_frac x size): the baseline
-    that looks at no image, the prior that objects sit in the middle."""
-    c = (size - 1) / 2
-    r = torch.arange(size, dtype=torch.float32) - c
-    g = torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * (sigma_frac * size) ** 2))
-    return g.expand(batch, size, size)
+    that looks at no image, the prior that objects sit in the middle. `size` (h, w) gives (batch, h, w)
+    with sigma_frac x h and sigma_frac x w along the two axes (e.g. on a patch grid)."""
+    h, w = (size, size) if isinstance(size, int) else size
+    ry = (torch.arange(h, dtype=torch.float32) - (h - 1) / 2) / (sigma_frac * h)
+    rx = (torch.arange(w, dtype=torch.float32) - (w - 1) / 2) / (sigma_frac * w)
+    g = torch.exp(-(ry[:, None] ** 2 + rx[None, :] ** 2) / 2)
+    return g.expand(batch, h, w)
 
 
 # -- rendering --------------------------------------------------------------------------------
@@ -321,7 +417,7 @@ def render_panel(
 
 class RolloutLogger(Callback):
     """Logs rollout overlays of a fixed set of validation images to TensorBoard every N epochs
-    (`method`: "attention" or "gradient" for the predicted class).
+    (`method`: any of `METHODS`; the class-specific ones explain the predicted class).
 
     The images are `num_images` evenly spaced over the val set (the same ones every time, so the
     maps can be compared across epochs). In a config:

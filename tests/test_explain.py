@@ -1,0 +1,199 @@
+"""Faithfulness metrics on cases with known answers: a model that looks at one patch only, maps that
+rank that patch first or last, closed-form areas, hand-made tokens and boxes; then batching on a ViT."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.test_rollout import _nano
+from vit.explain import (
+    FRACTIONS,
+    auc,
+    baseline_maps,
+    cell_masks,
+    deletion_insertion_curves,
+    fill_cells,
+    off_centre,
+    outlier_norm_fraction,
+    outlier_norm_mask,
+    perturbation_curve,
+    random_maps,
+    relevance_order,
+    remove_patches,
+)
+from vit.rollout import attention_rollout, box_scores, centre_gaussian
+
+KEY = (1, 2)  # the one patch (row, column) of a 4x4 grid of 4x4-pixel patches the model looks at
+
+
+class OnePatchModel(nn.Module):
+    """Two classes decided by the mean m of one patch: logits (-m, m). A removed patch (all 0) gives
+    the tie (0, 0), which argmax resolves to class 0: accuracy falls to chance, 0.5 on a balanced batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, c = KEY
+        m = x[:, :, 4 * r : 4 * r + 4, 4 * c : 4 * c + 4].mean(dim=(1, 2, 3))
+        return torch.stack([-m, m], dim=1)
+
+
+def _one_patch_case(n: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Balanced labels; the key patch is +1 (class 1) or -1 (class 0), the rest noise the model ignores.
+    Returns images (n, 3, 16, 16), labels, and maps that rank the key patch first."""
+    labels = torch.arange(n) % 2
+    images = torch.randn(n, 3, 16, 16)
+    r, c = KEY
+    images[:, :, 4 * r : 4 * r + 4, 4 * c : 4 * c + 4] = (2.0 * labels - 1.0)[:, None, None, None]
+    maps = torch.rand(n, 4, 4) * 0.5
+    maps[:, r, c] = 1.0
+    return images, labels, maps
+
+
+def test_relevance_order_is_most_relevant_first_with_ties_in_row_major_order():
+    maps = torch.tensor([[[1.0, 3.0], [3.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]], [[0.0, 1.0], [2.0, 3.0]]])
+    assert relevance_order(maps).tolist() == [[1, 2, 0, 3], [0, 1, 2, 3], [3, 2, 1, 0]]
+
+
+def test_removing_patches_is_exact_on_the_grid():
+    images = torch.randn(2, 3, 8, 12)  # a 2x3 grid of 4x4 patches
+    maps = torch.tensor([[[0.0, 5.0, 1.0], [4.0, 2.0, 3.0]], [[6.0, 5.0, 4.0], [3.0, 2.0, 1.0]]])
+    out = remove_patches(images, maps, 2)
+    # image 0 loses cells 1 (5.0) and 3 (4.0): rows 0-3 x columns 4-7 and rows 4-7 x columns 0-3
+    removed = torch.zeros(2, 1, 8, 12, dtype=torch.bool)
+    removed[0, :, 0:4, 4:8] = removed[0, :, 4:8, 0:4] = True
+    removed[1, :, 0:4, 0:8] = True  # image 1: cells 0 and 1
+    assert torch.equal(out, torch.where(removed, 0.0, images))  # the rest untouched, bit for bit
+    assert ((out == 0).sum(dim=(1, 2, 3)) == 2 * 3 * 16).all()
+    # one count per image, and a fill per channel
+    masks = cell_masks(relevance_order(maps), torch.tensor([0, 6]), (2, 3))
+    assert masks.sum(dim=(1, 2)).tolist() == [0, 6]
+    filled = fill_cells(images, masks, torch.tensor([1.0, 2.0, 3.0])[:, None, None])
+    assert torch.equal(filled[0], images[0]) and filled[1, :, 5, 7].tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="does not divide 8x12"):
+        remove_patches(images, torch.zeros(2, 3, 5), 1)
+
+
+def test_perturbation_by_a_map_on_the_deciding_patch_drops_to_chance_at_once():
+    model = OnePatchModel()
+    images, labels, maps = _one_patch_case()
+    # 16 patches; fractions 0, .1, ..., .9 remove 0, 1, 3, 4, 6, 8, 9, 11, 12 and 14 patches.
+    positive = perturbation_curve(model, images, labels, maps)
+    assert positive.tolist() == [1.0] + [0.5] * 9  # the key patch goes first: chance from 10% on
+    negative = perturbation_curve(model, images, labels, maps, most_relevant_first=False)
+    assert negative.tolist() == [1.0] * 10  # the key patch would be the 16th: never removed
+    reversed_maps = -maps  # the key patch last
+    assert perturbation_curve(model, images, labels, reversed_maps).tolist() == [1.0] * 10
+    assert torch.equal(perturbation_curve(model, images, labels, reversed_maps, most_relevant_first=False), positive)
+    # AUC over 0..0.9, normalised by the range: (0.1 x (1 + .5) / 2 + 0.8 x .5) / 0.9
+    assert auc(FRACTIONS, positive) == pytest.approx(0.475 / 0.9)
+    assert auc(FRACTIONS, negative) == pytest.approx(1.0)
+    # targets None: the unperturbed prediction, which is right here, so the same curve
+    assert torch.equal(perturbation_curve(model, images, None, maps), positive)
+    hits = perturbation_curve(model, images, labels, maps, fractions=(0.0, 0.5), per_image=True)
+    assert hits.tolist() == [[1.0] * 8, [1.0, 0.0] * 4]  # class 1 images are lost, class 0 ones kept by the tie
+
+
+def test_deletion_and_insertion_on_the_deciding_patch():
+    model = OnePatchModel()
+    images, _, maps = _one_patch_case()
+    p = 1 / (1 + math.exp(-2))  # softmax of (-1, 1) at the predicted class; 0.5 once the patch is gone
+    curves = deletion_insertion_curves(model, images, None, maps)  # one patch per step: 17 points
+    torch.testing.assert_close(curves.fractions, torch.arange(17) / 16)
+    torch.testing.assert_close(curves.deletion, torch.tensor([p] + [0.5] * 16))
+    torch.testing.assert_close(curves.insertion, torch.tensor([0.5] + [p] * 16))
+    # closed forms of the trapezoid over 0..1 in steps of 1/16
+    assert auc(curves.fractions, curves.deletion) == pytest.approx(((p + 0.5) / 2 + 15 * 0.5) / 16, rel=1e-6)
+    assert auc(curves.fractions, curves.insertion) == pytest.approx(((p + 0.5) / 2 + 15 * p) / 16, rel=1e-6)
+    late = deletion_insertion_curves(model, images, None, -maps, steps=4)  # key patch last; counts 0,4,...,16
+    torch.testing.assert_close(late.fractions, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]))
+    torch.testing.assert_close(late.deletion, torch.tensor([p] * 4 + [0.5]))
+    torch.testing.assert_close(late.insertion, torch.tensor([0.5] * 4 + [p]))
+    # a canvas other than the fill: the negated image says the other class until the patch is inserted
+    flipped = deletion_insertion_curves(model, images, None, maps, steps=2, canvas=-images, per_image=True)
+    torch.testing.assert_close(flipped.insertion, torch.tensor([[1 - p] * 8, [p] * 8, [p] * 8]))
+    with pytest.raises(ValueError, match="steps"):
+        deletion_insertion_curves(model, images, None, maps, steps=17)
+
+
+def test_auc_closed_forms():
+    xs = torch.linspace(0, 0.9, 10)
+    assert auc(xs, 1 - xs) == pytest.approx(0.55)  # a line: its mean height, exact for the trapezoid rule
+    assert auc([0.0, 1.0], [0.25, 0.25]) == pytest.approx(0.25)
+    fine = torch.linspace(0, 1, 1001)
+    assert auc(fine, fine**2) == pytest.approx(1 / 3, abs=1e-6)  # trapezoid error (1/6) / 1000^2
+    per_image = auc([0.0, 0.5, 1.0], torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]))
+    torch.testing.assert_close(per_image, torch.tensor([0.75, 0.25], dtype=torch.float64))
+    with pytest.raises(ValueError, match="two points"):
+        auc([0.0], [1.0])
+
+
+def test_baseline_maps():
+    a = random_maps(3, (4, 4), torch.Generator().manual_seed(1))
+    assert torch.equal(a, random_maps(3, (4, 4), torch.Generator().manual_seed(1)))  # seeded: repeatable
+    assert a.shape == (3, 4, 4) and not torch.equal(a[0], a[1])  # a different order per image
+    assert torch.equal(relevance_order(a).sort(dim=1).values, torch.arange(16).expand(3, 16))
+    centre = baseline_maps("centre", 2, (4, 4))
+    assert torch.equal(centre, centre_gaussian(2, 4))
+    assert sorted(relevance_order(centre)[0, :4].tolist()) == [5, 6, 9, 10]  # the four middle cells first
+    wide = baseline_maps("centre", 1, (3, 5))
+    assert wide.shape == (1, 3, 5) and wide[0].argmax().item() == 1 * 5 + 2
+    with pytest.raises(ValueError, match="baseline must be one of"):
+        baseline_maps("uniform", 1, (2, 2))
+
+
+def test_outlier_norm_fraction_on_constructed_tokens():
+    tokens = torch.zeros(2, 1 + 100, 8)
+    tokens[:, 0, 0] = 1000.0  # a CLS token with a huge norm: not a patch, never counted
+    tokens[:, 1:, 0] = 1.0  # patch tokens of norm 1
+    tokens[0, [5, 17, 60], 3] = 10.0  # image 0: three of norm ~10
+    tokens[1, 1:6, 0] = 1.9  # image 1: five of norm 1.9, under twice the median
+    mask = outlier_norm_mask(tokens, num_prefix_tokens=1)
+    assert mask.shape == (2, 100) and mask[0].nonzero()[:, 0].tolist() == [4, 16, 59] and not mask[1].any()
+    assert outlier_norm_fraction(tokens, num_prefix_tokens=1) == pytest.approx(3 / 200)
+    assert outlier_norm_fraction(tokens, factor=1.5, num_prefix_tokens=1) == pytest.approx(8 / 200)
+    assert outlier_norm_fraction(tokens) == pytest.approx(5 / 202)  # the CLS tokens counted as patches
+    model = _nano()  # the documented way to get a ViT's patch tokens before the final norm
+    x = torch.randn(2, 3, 16, 16)
+    patches = model.forward_intermediates(x, indices=1, output_fmt="NLC", intermediates_only=True)[0]
+    assert patches.shape == (2, 16, model.embed_dim) and 0.0 <= outlier_norm_fraction(patches) <= 1.0
+
+
+def test_off_centre_boxes_and_the_centre_prior_on_them():
+    boxes = torch.tensor(
+        [
+            [16, 16, 47, 47],  # centred: distance 0
+            [0, 0, 15, 15],  # corner: centre (7.5, 7.5), distance 24 sqrt(2) = 33.9
+            [20, 0, 43, 30],  # top: centre (31.5, 15), distance 16.5, clear of the middle pixels 31-32
+            [28, 0, 35, 40],  # centre (31.5, 20), distance 11.5
+            [0, 0, 40, 40],  # centre (20, 20), distance 16.3, but it covers the middle
+        ]
+    )  # fmt: skip
+    assert off_centre(boxes, 64, min_dist=16).tolist() == [False, True, True, False, True]
+    kept = off_centre(boxes, 64, min_dist=16, exclude_centre=True)
+    assert kept.tolist() == [False, True, True, False, False]
+    hits, _ = box_scores(centre_gaussian(int(kept.sum()), 64), boxes[kept], size=64)
+    assert hits.tolist() == [0.0, 0.0]  # where the centre prior cannot win
+    all_hits, _ = box_scores(centre_gaussian(5, 64), boxes, size=64)
+    assert all_hits.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_curves_on_a_vit_batch_equal_the_per_image_curves():
+    model = _nano()
+    x = torch.randn(4, 3, 16, 16)
+    maps, logits = attention_rollout(model, x)
+    labels = torch.tensor([0, 1, 2, 3])
+    batch = perturbation_curve(model, x, labels, maps, per_image=True)
+    curves = deletion_insertion_curves(model, x, None, maps, steps=4, per_image=True)
+    for i in range(4):
+        alone = perturbation_curve(model, x[i : i + 1], labels[i : i + 1], maps[i : i + 1], per_image=True)
+        torch.testing.assert_close(batch[:, i : i + 1], alone)
+        one = deletion_insertion_curves(model, x[i : i + 1], None, maps[i : i + 1], steps=4, per_image=True)
+        torch.testing.assert_close(curves.deletion[:, i : i + 1], one.deletion, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(curves.insertion[:, i : i + 1], one.insertion, atol=1e-6, rtol=1e-5)
+    assert perturbation_curve(model, x, None, maps)[0].item() == 1.0  # predicted class: all right unperturbed
+    probs = logits.softmax(-1).max(-1).values
+    torch.testing.assert_close(curves.deletion[0], probs, atol=1e-6, rtol=1e-5)  # nothing deleted yet
+    torch.testing.assert_close(curves.insertion[-1], probs, atol=1e-6, rtol=1e-5)  # everything inserted

@@ -189,7 +189,8 @@ def _read(item: Item) -> np.ndarray:
 
 def write_gallery(out: Path, entries: list[tuple[str, str, list[str]]], args: argparse.Namespace) -> None:
     """index.html: every image's panel with its name, predictions and a link to the raw map."""
-    what = f"{args.method} rollout" + (
+    names = {"attention": "attention rollout", "gradient": "gradient rollout", "last_attention": "last-block attention"}
+    what = names.get(args.method, args.method) + (
         f", {args.head_fusion} fusion, discard {args.discard_ratio}" if args.method == "attention" else ""
     )
     figures = "\n".join(

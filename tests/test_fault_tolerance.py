@@ -276,31 +276,6 @@ def test_skip_corrupt_under_ddp_keeps_the_ranks_in_step_to_the_end(tmp_path):
     assert last["global_step"] == 8  # 32 images, 2 ranks x 4 a batch: 4 steps an epoch, 2 epochs
 
 
-def test_sigterm_to_a_ddp_run_stops_every_rank_saves_once_and_exits_143(tmp_path):
-    """SIGTERM to the main process of a 2-process run (what `kill PID` or a scheduler does): Lightning
-    passes it to the other rank, both stop at the same step, one interrupt checkpoint is written,
-    the run says how to resume and exits 143; resuming finishes the run."""
-    data = write_image_folder(tmp_path / "data")
-    ddp = ["--data.in_memory", "false", "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
-           "--trainer.devices", "2", "--data.batch_size", "4"]  # fmt: skip
-    stopped = run_script(
-        cifar_recipe(data, tmp_path / "run", *ddp, *signal_at(5, "SIGTERM")),
-        env={"MASTER_PORT": str(_free_port())}, timeout=180,
-    )  # fmt: skip
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert stopped.stderr.count("Stopped by SIGTERM") == 1
-    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("last-interrupted*.ckpt"))
-    assert saved == ["last-interrupted.ckpt"]
-    step = torch.load(tmp_path / "run" / "checkpoints" / "last-interrupted.ckpt", weights_only=True)["global_step"]
-    assert step in (5, 6)  # the step the ranks agreed to stop after
-    resumed = run_script(
-        cifar_recipe(data, tmp_path / "run", *ddp, "--ckpt_path", "last"), env={"MASTER_PORT": str(_free_port())},
-        timeout=180,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12
-
-
 def _free_port() -> int:
     import socket
 

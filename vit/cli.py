@@ -73,6 +73,12 @@ class TrainArgumentParser(LightningArgumentParser):
         sys.exit(2)
 
 
+def _class(class_path: str) -> type:
+    """The class a config's class_path names."""
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 def _suggest(name: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
@@ -84,9 +90,8 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
     group = re.search(r'Parser key "([\w.]+)"', message)
     if unknown and group:
         class_path, option = unknown.groups()
-        module, _, name = class_path.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(module), name)
+            cls = _class(class_path)
         except (ImportError, AttributeError):
             return None
         # The class's and its bases' __init__ arguments: jsonargparse follows **kwargs up the bases.
@@ -148,8 +153,7 @@ class TrainCLI(LightningCLI):
         class_path = getattr(config.get("model"), "class_path", None)
         if not class_path or config.get("checkpoint") is None or config.checkpoint.monitor != "val/acc1":
             return
-        module, _, name = class_path.rpartition(".")
-        model_cls = getattr(importlib.import_module(module), name)
+        model_cls = _class(class_path)
         if hasattr(model_cls, "monitor"):
             config.checkpoint.monitor = model_cls.monitor
             config.checkpoint.mode = getattr(model_cls, "monitor_mode", "min")
@@ -229,10 +233,9 @@ class TrainCLI(LightningCLI):
         class_path, init_args = getattr(model, "class_path", None), getattr(model, "init_args", None)
         if not class_path or init_args is None:
             return {}
-        module, _, name = class_path.rpartition(".")
         defaults = {
             k: _plain(p.default)
-            for k, p in inspect.signature(getattr(importlib.import_module(module), name)).parameters.items()
+            for k, p in inspect.signature(_class(class_path)).parameters.items()
             if p.default is not inspect.Parameter.empty
         }
         values = _plain(init_args)

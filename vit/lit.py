@@ -394,9 +394,9 @@ class ImageClassifier(TrainingTask):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Leave out the stand-ins of corrupt files (label MISSING, data.skip_corrupt); the model
         still ran on them, so every DDP rank ran the same forward passes."""
-        if y.ndim != 1 or bool((y != MISSING).all()):
-            return logits, y, x
         keep = y != MISSING
+        if y.ndim != 1 or bool(keep.all()):
+            return logits, y, x
         return logits[keep], y[keep], x[keep]
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

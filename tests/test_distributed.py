@@ -17,6 +17,8 @@ from tests.conftest import ROOT
 from vit import create_model
 from vit.data import DigitsDataModule
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 300
 
 

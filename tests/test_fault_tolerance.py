@@ -10,29 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_image_folder
 from vit.cli import main
 
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 TIMEOUT = 240
-
-
-def write_image_folder(root: Path, classes: int = 4, train: int = 8, val: int = 2, size: int = 32) -> Path:
-    """`root/{train,val}/<class>/*.png`: random pixels around a per-class colour."""
-    rng = np.random.default_rng(0)
-    for split, n in (("train", train), ("val", val)):
-        for c in range(classes):
-            for i in range(n):
-                pixels = rng.normal(60 * c, 40, (size, size, 3)).clip(0, 255).astype(np.uint8)
-                path = root / split / f"class{c}" / f"{i}.png"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                Image.fromarray(pixels).save(path)
-    return root
 
 
 def cifar_recipe(data: Path, run: Path, *overrides: str) -> list[str]:
@@ -58,10 +43,18 @@ def run_script(args: list[str], env: dict | None = None, timeout: float = TIMEOU
     """scripts/train.py in a fresh process, one thread (as the in-process runs here use)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("LOCAL_RANK", None)  # DDP: Lightning starts the other rank itself
-    return subprocess.run(
+    # In a session of its own, so that a run past its time is killed with every rank it started.
+    process = subprocess.Popen(
         [sys.executable, str(ROOT / "scripts/train.py"), *args],
-        env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
     )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"the run did not end in {timeout} s; its output:\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.fixture
@@ -92,6 +85,7 @@ def assert_stop_line(stopped: subprocess.CompletedProcess, signal_name: str, ste
     assert line.endswith("--ckpt_path last") and line.count("--ckpt_path") == 1, line
 
 
+@pytest.mark.slow
 def test_sigterm_sigint_and_kill_9_mid_epoch_resume_to_the_same_weights(tmp_path, one_thread):
     """The shipped CIFAR-10 ViT recipe, stopped three times in the middle of an epoch and resumed
     each time with --ckpt_path last, ends bit-identical to a run that was never stopped."""
@@ -121,6 +115,51 @@ def test_sigterm_sigint_and_kill_9_mid_epoch_resume_to_the_same_weights(tmp_path
     straight = main(cifar_recipe(data, tmp_path / "straight"))
     assert straight.trainer.global_step == 12
     assert_bit_identical(weights(resumed), weights(straight))
+
+
+# Every other shipped from-scratch image recipe (its optimizer, schedule, augmentation, EMA, mixup,
+# drop path), trained on a small image folder at 32 px on the CPU; where the config's model is too
+# big to train here in seconds, a small one of the same family stands in.
+RECIPES = {
+    "default.yaml": ["--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "1"],  # digits
+    "cifar10_resnet.yaml": [],
+    "cifar100_vit.yaml": [],
+    "tiny_imagenet_vit.yaml": ["--model.model_kwargs", "{drop_path_rate: 0.1, img_size: 32}"],
+    "imagenet_vit_b16.yaml": ["--model.model_name", "vit_tiny_patch4_32"],
+    "imagenet_resnet50.yaml": ["--model.model_name", "resnet18"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", RECIPES)
+def test_every_shipped_recipe_resumes_mid_epoch_to_the_same_weights(tmp_path, one_thread, config):
+    """SIGTERM after step 6 (epoch 1 of 3, batch 2 of 4), resumed with --ckpt_path last: the final
+    model, EMA and optimizer state equal those of a run that was never stopped."""
+    data = [] if config == "default.yaml" else [
+        "--data", "vit.data.ImageFolderDataModule", "--data.root", str(write_image_folder(tmp_path / "data")),
+        "--data.val_dir", "val", "--data.img_size", "32",
+    ]  # fmt: skip
+
+    def recipe(run: str, *extra: str) -> list[str]:
+        return [
+            "fit", "--config", str(ROOT / "configs" / config), *QUIET,
+            "--trainer.default_root_dir", str(tmp_path / run), "--trainer.accelerator", "cpu",
+            "--trainer.devices", "1", "--trainer.strategy", "auto",
+            "--trainer.precision", "32-true", "--trainer.max_epochs", "3", "--trainer.logger", "false",
+            *data, "--data.batch_size", "8", "--data.num_workers", "0", *RECIPES[config], *extra,
+        ]  # fmt: skip
+
+    with pytest.raises(SystemExit) as stopped:
+        main(recipe("run", *signal_at(6, "SIGTERM")))
+    assert stopped.value.code == 143
+    assert torch.load(tmp_path / "run/checkpoints/last-interrupted.ckpt", weights_only=True)["global_step"] == 6
+    resumed = main(recipe("run", "--ckpt_path", "last"))
+    straight = main(recipe("straight"))
+    assert resumed.trainer.global_step == straight.trainer.global_step == 12
+    assert_bit_identical(weights(resumed), weights(straight))  # the model and its EMA, if any
+    a, b = (cli.trainer.optimizers[0].state_dict()["state"] for cli in (resumed, straight))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i] if torch.is_tensor(a[i][k]))
 
 
 DIGITS = ["--trainer.logger", "false", "--trainer.limit_val_batches", "1"]
@@ -242,6 +281,7 @@ def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_wo
     assert lrs == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
     """2 processes (gloo), per-sample loading, one truncated image: the rank that reads it fails
     with the file's name, the other follows (its collective finds the peer gone): no hang, no save."""
@@ -258,6 +298,7 @@ def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
     assert not list((tmp_path / "run" / "checkpoints").glob("last-interrupted*.ckpt"))
 
 
+@pytest.mark.slow
 def test_skip_corrupt_under_ddp_keeps_the_ranks_in_step_to_the_end(tmp_path):
     """The same with --data.skip_corrupt: a corrupt training image is replaced by the next one and a
     corrupt validation image left out, every batch keeps its size, so both ranks finish together."""
@@ -274,6 +315,38 @@ def test_skip_corrupt_under_ddp_keeps_the_ranks_in_step_to_the_end(tmp_path):
     assert "class0/3.png" in done.stderr and "class1/0.png" in done.stderr  # logged by name
     last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 8  # 32 images, 2 ranks x 4 a batch: 4 steps an epoch, 2 epochs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signal_name", "rank", "exit_code"), [("SIGTERM", 0, 143), ("SIGTERM", 1, 143), ("SIGINT", 1, 130)]
+)
+def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step_and_saves_once(
+    tmp_path, signal_name, rank, exit_code
+):
+    """A signal to one process of a 2-process run (`kill PID` reaches rank 0 only, a scheduler or
+    Ctrl-C each rank at its own moment): the ranks agree to stop after the step it arrived in, save
+    one interrupt checkpoint together, the run says how to resume and exits 128 + the signal;
+    resuming finishes the run."""
+    data = write_image_folder(tmp_path / "data")
+    ddp = ["--data.in_memory", "false", "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
+           "--trainer.devices", "2", "--data.batch_size", "4"]  # fmt: skip
+    stopped = run_script(
+        cifar_recipe(data, tmp_path / "run", *ddp, *signal_at(5, signal_name, rank=rank)),
+        env={"MASTER_PORT": str(_free_port())}, timeout=180,
+    )  # fmt: skip
+    assert stopped.returncode == exit_code, stopped.stderr[-3000:]
+    assert stopped.stderr.count(f"Stopped by {signal_name} at step 5; saved") == 1, stopped.stderr[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("last-interrupted*.ckpt")) == ["last-interrupted.ckpt"]
+    assert torch.load(checkpoints / "last-interrupted.ckpt", weights_only=True)["global_step"] == 5
+    if rank == 0:  # resuming is the same for every row; run it once
+        resumed = run_script(
+            cifar_recipe(data, tmp_path / "run", *ddp, "--ckpt_path", "last"), env={"MASTER_PORT": str(_free_port())},
+            timeout=180,
+        )  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 12
 
 
 def _free_port() -> int:

@@ -6,18 +6,10 @@ import pytest
 import torch
 
 from vit import GPT, create_model, set_fused_attn
-from vit.layers import Block
-from vit.vision_transformer import VisionTransformer
 
 
 def _gpt(**kwargs) -> GPT:
     return create_model("gpt_char_cpu", vocab_size=20, block_size=16, **kwargs).eval()
-
-
-def test_gpt_and_vit_use_the_same_block_class():
-    gpt, vit_model = _gpt(), create_model("vit_nano_patch4_16")
-    assert isinstance(vit_model, VisionTransformer)
-    assert {type(b) for b in gpt.blocks} == {type(b) for b in vit_model.blocks} == {Block}
 
 
 def test_changing_a_future_token_never_changes_earlier_logits():

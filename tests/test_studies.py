@@ -7,13 +7,14 @@ import json
 import math
 import re
 
-import numpy as np
 import pytest
 import torch
 
 from scripts import ablate, budget, compare, finetune_study
-from tests.conftest import shared_path
+from tests.conftest import shared_path, write_image_folder
 from vit import create_model
+
+pytestmark = pytest.mark.slow
 
 
 def test_vit_vs_resnet_comparison_writes_a_row_per_model(tmp_path):
@@ -48,20 +49,8 @@ def test_finetune_study_runs_every_row_and_reports_the_jpeg_recovery(tmp_path):
     assert "of the loss." in out.read_text()
 
 
-def _tiny_cifar_folder(root, per_class: int) -> None:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split, n in (("train", per_class), ("test", per_class // 2)):
-        for c in range(3):
-            (root / split / f"class{c}").mkdir(parents=True)
-            for i in range(n):
-                image = np.clip(rng.normal(60 + 60 * c, 30, (32, 32, 3)), 0, 255).astype(np.uint8)
-                Image.fromarray(image).save(root / split / f"class{c}" / f"{i}.jpg")
-
-
 def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
-    _tiny_cifar_folder(tmp_path / "data", per_class=40)
+    write_image_folder(tmp_path / "data", classes=3, train=40, val=20, val_dir="test", ext="jpg")
     results = tmp_path / "budget.jsonl"
     common = ["--config", "configs/cifar10_resnet.yaml", "--minutes", "0.1", "--data-root", str(tmp_path / "data"),
               "--workdir", str(tmp_path / "runs"), "--results", str(results)]  # fmt: skip
@@ -92,7 +81,7 @@ def keep_threads():
 
 def test_ablation_runs_train_on_the_clock_and_report_a_row_each(tmp_path, keep_threads):
     data = tmp_path / "data"
-    _tiny_cifar_folder(data / "cifar10", per_class=40)
+    write_image_folder(data / "cifar10", classes=3, train=40, val=20, val_dir="test", ext="jpg")
     verse = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
     (data / "tinyshakespeare.txt").write_text(verse * 50)
     out, md = tmp_path / "out", tmp_path / "ablations.md"

@@ -187,6 +187,54 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
         self.saved = Path(self.ckpt_path)
 
 
+class SynchronizedStop(Callback):
+    """Under DDP every rank stops after the same optimizer step when a signal arrives, so the ranks
+    save the interrupt checkpoint together instead of one waiting forever in a collective.
+
+    A signal reaches the ranks at different moments (a scheduler signals each process, Ctrl-C the
+    process group) or only rank 0 (`kill PID`). Lightning's own handler broadcasts from inside the
+    signal handler, which can pair with another collective and hang both ranks. Here SIGTERM or a
+    first Ctrl-C only marks the stop; after each training batch the ranks take the max of their
+    marks (one scalar all-reduce) and, if any rank was signalled, all stop there: SIGTERM as
+    Lightning stops (SIGTERMException at the end of the step), Ctrl-C as a KeyboardInterrupt. A
+    second Ctrl-C interrupts at once. A signal during validation takes effect at the next training
+    batch. Single-process runs keep Lightning's own handling."""
+
+    def __init__(self) -> None:
+        self._marked = 0  # the signal number to stop for, 0 for none
+        self._previous: dict[int, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.world_size < 2:
+            return
+        self._marked = 0
+        # Installed after Lightning's handlers (registered before the fit loop starts), replacing them.
+        self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for signum in self._previous:
+            signal.signal(signum, self._mark)
+
+    def _mark(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self._marked == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: stop now, in step or not
+        self._marked = max(self._marked, signum)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not self._previous:
+            return
+        agreed = torch.tensor([self._marked], device=pl_module.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        signum = int(agreed.item())
+        if signum == signal.SIGTERM:
+            trainer._signal_connector.received_sigterm = True  # Lightning raises at the end of this step
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+
 def stop_signal(exception: BaseException) -> str | None:
     """The signal that stopped a `trainer.fit`, from what it raised: Lightning turns SIGTERM into
     SIGTERMException and Ctrl-C's KeyboardInterrupt into `sys.exit(1)`."""

@@ -28,6 +28,7 @@ from vit.fault_tolerance import (
     InterruptCheckpoint,
     NonFiniteLossError,
     SafeCheckpoints,
+    SynchronizedStop,
     last_good,
     non_finite,
     trainer_checkpoint_dir,
@@ -140,9 +141,13 @@ class TrainingTask(L.LightningModule):
 
 
 def default_callbacks(trainer: L.Trainer) -> list[Callback]:
-    """The safety net every task carries: atomic checkpoint writes, a checkpoint on interruption,
-    and the lr in the logs."""
-    callbacks: list[Callback] = [SafeCheckpoints(), InterruptCheckpoint(trainer_checkpoint_dir(trainer))]
+    """The safety net every task carries: atomic checkpoint writes, a checkpoint on interruption
+    (taken by every DDP rank after the same step), and the lr in the logs."""
+    callbacks: list[Callback] = [
+        SafeCheckpoints(),
+        SynchronizedStop(),
+        InterruptCheckpoint(trainer_checkpoint_dir(trainer)),
+    ]
     if trainer.loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     return callbacks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import pytest
 import timm
@@ -10,6 +11,7 @@ import torch
 
 import vit
 from vit import create_model
+from vit.checkpoint import export_safetensors, load_model, load_pretrained
 
 
 def _perturbed_timm(name: str, **kwargs) -> torch.nn.Module:
@@ -372,3 +374,99 @@ def test_timm_named_models_give_timms_logits(name):
     x = torch.randn(1, 3, size, size)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), atol=1e-4, rtol=1e-4)
+
+
+# -- hybrids: one of timm's CNNs as patch embedding ------------------------------------------------
+
+TIMM_HYBRID_NAMES = timm.list_models("vit_*", module="vision_transformer_hybrid")
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def test_every_timm_hybrid_is_built_with_timms_layout_or_refused_with_the_reason():
+    supported, unsupported = set(vit.list_models()), vit.registry.unsupported_models()
+    assert all(name in supported or unsupported.get(name) for name in TIMM_HYBRID_NAMES)
+    built = [name for name in TIMM_HYBRID_NAMES if name in supported]
+    expected = {"vit_tiny_r_s16_p8_224", "vit_small_r26_s32_224", "vit_base_r50_s16_384", "vit_large_r50_s32_224"}
+    assert expected | {"vit_base_resnet50d_224", "vit_base_mci_224"} <= set(built)
+    assert vit.model_config("vit_base_r50_s16_384").backbone == {"name": "resnetv2", "layers": (3, 4, 9)}
+    assert vit.model_config("vit_base_r50_s16_384").patch_size == 1  # timm's: a 1x1 projection of the features
+    for name in built:  # on the meta device: no memory, no arithmetic
+        with torch.device("meta"):
+            ours, theirs = create_model(name, num_classes=7), timm.create_model(name, num_classes=7)
+        assert isinstance(ours.patch_embed, vit.layers.HybridEmbed), name
+        assert _shapes(ours) == _shapes(theirs), name
+        assert ours.patch_embed.grid_size == theirs.patch_embed.grid_size, name
+    # A backbone built by a constructor we do not rebuild is refused, naming the ones we do.
+    embed = partial(timm.layers.HybridEmbed, backbone=torch.nn.Identity())
+    with pytest.raises(ValueError, match=r"backbone Identity is built by none of timm's constructors.*_resnetv2"):
+        vit.vision_transformer.from_timm_args({"embed_layer": embed})
+
+
+def _perturb_buffers(model: torch.nn.Module) -> None:
+    """BatchNorm's running statistics away from 0 and 1, so they are compared too."""
+    with torch.no_grad():
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.add_(torch.rand_like(buffer) * 0.1)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vit_tiny_r_s16_p8_224",  # ResNetV2 stem only, 8x8 projection
+        "vit_small_r26_s32_224",  # ResNetV2 2-2-2-2, stride 32
+        "vit_base_r50_s16_224",  # the ViT paper's R50+ViT-B/16
+        "vit_small_resnet26d_224",  # timm's ResNet-26D (BatchNorm), features_only
+        "vit_base_mci_224",  # MobileCLIP's conv stem, no projection, pos-embed without the CLS token
+    ],
+)
+def test_timm_hybrids_load_strictly_and_give_timms_logits(name):
+    small = dict(img_size=64, depth=2, num_classes=4)
+    theirs = _perturbed_timm(name, **small)
+    _perturb_buffers(theirs)
+    ours = create_model(name, **small).eval()
+    assert _shapes(ours) == _shapes(theirs)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = theirs(x)
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.forward_features(x), theirs.forward_features(x), atol=1e-5, rtol=1e-5)
+    assert expected.abs().max() > 0.1
+
+
+def test_a_hybrid_checkpoint_fits_another_image_size_as_timm_resamples_it(tmp_path):
+    small = dict(depth=2, num_classes=4)
+    theirs = _perturbed_timm("vit_small_r26_s32_224", img_size=64, **small)  # a 2x2 grid
+    torch.save(theirs.state_dict(), tmp_path / "r26.pth")
+    ours = load_model(tmp_path / "r26.pth", "vit_small_r26_s32_224", img_size=96, depth=2)
+    assert ours.patch_embed.grid_size == (3, 3) and ours.patch_embed.patch_size == (32, 32)
+    report = load_pretrained(ours, tmp_path / "r26.pth")
+    assert report.resampled == ["pos_embed (grid 2x2 -> 3x3)"] and report.reinitialised == []
+    theirs.set_input_size(img_size=96)  # timm resamples its own position embedding
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.pos_embed, theirs.pos_embed)
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_hybrid_config_builds_timms_model_and_survives_our_checkpoints(tmp_path):
+    """Any ViT takes a backbone; its config is plain data, so timm_kwargs, .ckpt and .safetensors rebuild it."""
+    kwargs = dict(SMALL, patch_size=1, backbone={"name": "resnetv2", "layers": [1, 1]})  # stride 8
+    ours = create_model("vit_nano_patch4_16", **kwargs).eval()
+    theirs = _timm_twin(ours)
+    assert ours.patch_embed.grid_size == theirs.patch_embed.grid_size == (4, 4)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = ours(x)
+        torch.testing.assert_close(expected, theirs(x), atol=1e-5, rtol=1e-5)
+    weights = {f"model.{k}": v for k, v in ours.state_dict().items()}
+    meta = {"model_name": "vit_nano_patch4_16", "model_kwargs": kwargs}
+    torch.save({"vit": meta, "state_dict": weights}, tmp_path / "hybrid.ckpt")
+    exported = export_safetensors(tmp_path / "hybrid.ckpt", tmp_path / "hybrid.safetensors")
+    for source in (tmp_path / "hybrid.ckpt", exported):  # kwargs through torch's safe unpickler, and JSON
+        with torch.no_grad():
+            torch.testing.assert_close(load_model(source)(x), expected)

@@ -119,6 +119,93 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
+class HybridEmbed(nn.Module):
+    """A CNN's feature map as patch tokens: the ViT paper's hybrid (R50+ViT-B/16), as timm's
+    HybridEmbed, with its parameter names (`backbone.*`, `proj.*`).
+
+    `backbone` takes the images and returns a (B, C, h, w) feature map (or a list of them: the last
+    is used); `proj` is a conv with kernel and stride `proj_size` over that map to the width (1x1 in
+    most of timm's hybrids), or, with `proj=False`, nothing (the map's channels are the width).
+    The token grid is the backbone's output size at `img_size` divided by `proj_size`, found as timm
+    does, by running the backbone once (here on the meta device: shapes only, no arithmetic).
+    `patch_size` is, as in PatchEmbed, the side in pixels of the image patch one token stands for
+    (the backbone's reduction times `proj_size`): the multiple other input sizes must be of.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        img_size: int | tuple[int, int] = 224,
+        proj_size: int | tuple[int, int] = 1,
+        in_chans: int = 3,
+        embed_dim: int = 768,
+        proj: bool = True,
+        bias: bool = True,
+        dynamic_img_pad: bool = False,
+    ) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.img_size, self.proj_size = _pair(img_size), _pair(proj_size)
+        self.dynamic_img_pad = dynamic_img_pad
+        feature_dim, *self.feature_size = _feature_map_shape(backbone, in_chans, self.img_size)
+        # timm's definition: image size // feature size, so other sizes get timm's grid.
+        self.feature_ratio = (self.img_size[0] // self.feature_size[0], self.img_size[1] // self.feature_size[1])
+        self.patch_size = (self.feature_ratio[0] * self.proj_size[0], self.feature_ratio[1] * self.proj_size[1])
+        (h, w), (ph, pw) = self.feature_size, self.proj_size
+        if not dynamic_img_pad and (h % ph or w % pw):
+            raise ValueError(
+                f"the backbone's {h}x{w} feature map (at img_size {self.img_size}) is not divisible by the "
+                f"projection's {ph}x{pw} kernel (patch_size); change img_size or set dynamic_img_pad"
+            )
+        self.grid_size = (h // ph, w // pw)  # timm's, also with dynamic_img_pad
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        if proj:
+            self.proj = nn.Conv2d(feature_dim, embed_dim, self.proj_size, stride=self.proj_size, bias=bias)
+        elif feature_dim != embed_dim:
+            raise ValueError(
+                f"without a projection the backbone's {feature_dim} channels must equal embed_dim {embed_dim}"
+            )
+        else:
+            self.proj = nn.Identity()
+
+    def dynamic_feat_size(self, img_size: tuple[int, int]) -> tuple[int, int]:
+        """The token grid of an image size (timm's formula; rounded up with `dynamic_img_pad`)."""
+        h, w = img_size[0] // self.feature_ratio[0], img_size[1] // self.feature_ratio[1]
+        (ph, pw) = self.proj_size
+        return (-(-h // ph), -(-w // pw)) if self.dynamic_img_pad else (h // ph, w // pw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, grid_h * grid_w, D), row-major over the grid. With `dynamic_img_pad` the
+        feature map is zero-padded on the bottom and right to a multiple of `proj_size` (timm's)."""
+        if x.ndim != 4:
+            raise ValueError(f"HybridEmbed expects images of shape (B, C, H, W), got {tuple(x.shape)}")
+        if tuple(x.shape[-2:]) != self.img_size:
+            check_divisible(tuple(x.shape[-2:]), self.feature_ratio if self.dynamic_img_pad else self.patch_size)
+        x = self.backbone(x)
+        if isinstance(x, (list, tuple)):
+            x = x[-1]
+        if self.dynamic_img_pad:
+            (ph, pw), (h, w) = self.proj_size, x.shape[-2:]
+            x = F.pad(x, (0, (pw - w % pw) % pw, 0, (ph - h % ph) % ph))
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def _feature_map_shape(backbone: nn.Module, in_chans: int, img_size: tuple[int, int]) -> tuple[int, int, int]:
+    """(C, h, w) of the backbone's (last) feature map for an image of `img_size`, from a run in eval
+    mode on the meta device: every tensor is a shape without data, so nothing is computed."""
+    tensors = {name: t.to("meta") for name, t in [*backbone.named_parameters(), *backbone.named_buffers()]}
+    modes = [(m, m.training) for m in backbone.modules()]
+    backbone.eval()
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(backbone, tensors, torch.zeros(1, in_chans, *img_size, device="meta"))
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    out = out[-1] if isinstance(out, (list, tuple)) else out
+    return tuple(out.shape[1:])
+
+
 class PatchDropout(nn.Module):
     """While training, keep a random `1 - prob` of each image's patch tokens (prefix tokens always
     stay), so every block runs on fewer tokens: a cheaper step that also regularises (timm's

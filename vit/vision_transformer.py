@@ -7,12 +7,15 @@ the same logits; the tests hold us to that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import timm
@@ -27,6 +30,7 @@ from vit.layers import (
     AttentionPoolLatent,
     Block,
     BlockConfig,
+    HybridEmbed,
     PatchDropout,
     PatchEmbed,
     make_norm,
@@ -78,6 +82,12 @@ class ViTConfig(BlockConfig):
     patch_drop_rate: float = 0.0
     # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
     stem_channels: tuple[int, ...] | None = None
+    # A hybrid with one of timm's CNNs as patch embedding (vit.layers.HybridEmbed; the ViT paper's
+    # R50+ViT-B/16): {"name": a key of HYBRID_BACKBONES, **that constructor's arguments}, e.g.
+    # {"name": "resnetv2", "layers": [3, 4, 9]}. patch_size is then the kernel of the projection over
+    # the backbone's feature map (1 for most of timm's hybrids), as in timm.
+    backbone: dict[str, Any] | None = None
+    backbone_proj: bool = True  # False: no projection, the feature map's channels are the width
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,6 +99,14 @@ class ViTConfig(BlockConfig):
             raise ValueError("global_pool='token' needs class_token=True (use global_pool='avg' without it)")
         if self.patch_drop_rate and self.posemb == "rope":
             raise ValueError("patch_drop_rate needs additive position embeddings (posemb 'learn' or 'sincos2d')")
+        if self.backbone is not None:
+            if self.stem_channels:
+                raise ValueError("give a hybrid's backbone or stem_channels, not both")
+            if self.backbone.get("name") not in HYBRID_BACKBONES:
+                raise ValueError(
+                    f"backbone must be a dict with 'name' one of {sorted(HYBRID_BACKBONES)} and that constructor's "
+                    f"arguments, got {self.backbone!r}"
+                )
 
 
 class VisionTransformer(nn.Module):
@@ -102,9 +120,15 @@ class VisionTransformer(nn.Module):
         self.num_reg_tokens = c.reg_tokens
         self.grad_checkpointing = False
 
-        self.patch_embed = PatchEmbed(
-            c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels, not c.pre_norm, c.dynamic_img_pad
-        )  # fmt: skip
+        if c.backbone is not None:
+            self.patch_embed = HybridEmbed(
+                build_backbone(c.backbone, c.in_chans), c.img_size, c.patch_size, c.in_chans, c.embed_dim,
+                c.backbone_proj, not c.pre_norm, c.dynamic_img_pad,
+            )  # fmt: skip
+        else:
+            self.patch_embed = PatchEmbed(
+                c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels, not c.pre_norm, c.dynamic_img_pad
+            )  # fmt: skip
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, c.reg_tokens, c.embed_dim)) if c.reg_tokens else None
@@ -317,7 +341,7 @@ class VisionTransformer(nn.Module):
             self.global_pool = global_pool
         self.num_classes = num_classes
         self.config = replace(self.config, num_classes=num_classes, global_pool=self.global_pool)
-        device = self.patch_embed.proj.weight.device
+        device = next(self.parameters()).device
         for name in ["head", "head_dist"] if self.head_dist is not None else ["head"]:
             head = nn.Linear(self.embed_dim, num_classes, device=device) if num_classes > 0 else nn.Identity()
             if num_classes > 0:
@@ -427,17 +451,64 @@ for _name, (_size, _patch, _img) in VIT_MODELS.items():
 # -- every timm VisionTransformer by name, read from timm's own model functions ---------------------
 
 
+# The CNNs that timm's hybrid model functions (timm.models.vision_transformer_hybrid) build as patch
+# embedding: our name (ViTConfig.backbone["name"]) -> the function or class of that module building it.
+HYBRID_BACKBONES = {"resnetv2": "_resnetv2", "resnet26d": "resnet26d", "resnet50d": "resnet50d", "convstem": "ConvStem"}
+# Activation classes in timm's backbone arguments, by the name timm's constructors also take.
+_ACT_NAMES = {nn.GELU: "gelu", nn.ReLU: "relu", nn.SiLU: "silu"}
+
+
+def build_backbone(spec: dict[str, Any], in_chans: int = 3) -> nn.Module:
+    """A hybrid's CNN (ViTConfig.backbone), built by timm's own constructor as timm's hybrid models build
+    it. "resnetv2": ResNetV2 without pre-activation, weight-standardised convs with 'same' padding, the
+    stages of `layers` (none: the stem only); the R50 of R50+ViT-B/16 is layers [3, 4, 9].
+    "resnet26d" / "resnet50d": timm's ResNet-D with features_only; "convstem": MobileCLIP's stem."""
+    import timm.models.vision_transformer_hybrid as timm_hybrid
+
+    kwargs = dict(spec)
+    return getattr(timm_hybrid, HYBRID_BACKBONES[kwargs.pop("name")])(**kwargs, in_chans=in_chans)
+
+
 class _Recorded(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _RecordedBackbone:
+    """What a hybrid model function asked a backbone constructor for, in place of the backbone."""
+
+    spec: dict[str, Any]
+
+
+def _backbone_recorder(name: str, build: Callable) -> Callable[..., _RecordedBackbone]:
+    signature = inspect.signature(build)
+
+    def record(*args: object, **kwargs: object) -> _RecordedBackbone:
+        spec: dict[str, Any] = {"name": name}
+        for key, value in signature.bind(*args, **kwargs).arguments.items():
+            spec.update(value if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD else {key: value})
+        for key in ("pretrained", "in_chans", "device", "dtype"):  # no weights; in_chans is the config's
+            spec.pop(key, None)
+        for key, value in spec.items():
+            if isinstance(value, type):
+                if value not in _ACT_NAMES:
+                    raise ValueError(f"timm's {name} backbone takes {key}={value.__name__}, which has no name here")
+                spec[key] = _ACT_NAMES[value]
+        return _RecordedBackbone(spec)
+
+    return record
+
+
 def timm_model_args(name: str) -> dict:
     """The kwargs timm's `create_model(name)` builds its VisionTransformer with: those its model function
-    passes (read by calling it with the builders, of the ViT and of DeiT, swapped for a recorder, so
-    nothing is built) and the defaults its builder takes from the name's pretrained config (image
-    size, classes). A DeiT built as VisionTransformerDistilled records distilled=True."""
+    passes (read by calling it with the builders, of the ViT, of DeiT and of the hybrids, and the
+    hybrids' backbone constructors swapped for recorders, so nothing is built) and the defaults its
+    builder takes from the name's pretrained config (image size, classes). A DeiT built as
+    VisionTransformerDistilled records distilled=True; a hybrid records timm's `embed_layer`, a
+    HybridEmbed of a recorded backbone."""
     import timm.models.deit as timm_deit
     import timm.models.vision_transformer as timm_vit
+    import timm.models.vision_transformer_hybrid as timm_hybrid
 
     recorded: dict = {}
 
@@ -445,16 +516,27 @@ def timm_model_args(name: str) -> dict:
         recorded.update(kwargs, **({"distilled": True} if distilled else {}))
         raise _Recorded
 
-    with (
-        mock.patch.object(timm_vit, "_create_vision_transformer", record),
-        mock.patch.object(timm_deit, "_create_deit", record),
-    ):
+    def record_hybrid(cls: type, variant: str, pretrained: bool, pretrained_filter_fn=None, feature_cfg=None, **kwargs):
+        if cls is not timm_vit.VisionTransformer:
+            raise ValueError(f"timm's {name} is a {cls.__name__}, not timm's VisionTransformer")
+        recorded.update(kwargs)  # with timm's hybrid defaults: patch_size 1, embed_layer HybridEmbed
+        raise _Recorded
+
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(timm_vit, "_create_vision_transformer", record))
+        patches.enter_context(mock.patch.object(timm_deit, "_create_deit", record))
+        patches.enter_context(mock.patch.object(timm_hybrid, "build_model_with_cfg", record_hybrid))
+        for ours, attr in HYBRID_BACKBONES.items():
+            recorder = _backbone_recorder(ours, getattr(timm_hybrid, attr))
+            patches.enter_context(mock.patch.object(timm_hybrid, attr, recorder))
         try:
             timm.models.model_entrypoint(name)()
         except _Recorded:
             pass
         else:
-            raise ValueError(f"timm's {name} does not build a VisionTransformer through timm's ViT or DeiT builder")
+            raise ValueError(
+                f"timm's {name} does not build a VisionTransformer through timm's ViT, DeiT or hybrid builder"
+            )
     # What timm's builder adds from the name's default pretrained config (DINOv2: 518 px, no head).
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg is not None:
@@ -470,11 +552,15 @@ def timm_model_args(name: str) -> dict:
 def from_timm_args(args: dict) -> dict:
     """timm's VisionTransformer kwargs as ViTConfig fields; anything without an equal is a ValueError."""
     from timm.layers import GluMlp, LayerNorm, RmsNorm
+    from timm.layers import HybridEmbed as TimmHybridEmbed
 
     fields = {f.name for f in dataclasses.fields(ViTConfig)}
     out = {}
     for key, value in args.items():
         func, keywords = getattr(value, "func", value), getattr(value, "keywords", {})
+        if key == "embed_layer" and func is TimmHybridEmbed:
+            out.update(_from_timm_hybrid_embed(keywords))
+            continue
         if key == "norm_layer" and func in (LayerNorm, RmsNorm, nn.LayerNorm, nn.RMSNorm):
             out["norm"] = "layernorm" if func in (LayerNorm, nn.LayerNorm) else "rmsnorm"
             out["norm_eps"] = keywords.get("eps", 1e-5 if func is nn.LayerNorm else 1e-6)
@@ -491,10 +577,28 @@ def from_timm_args(args: dict) -> dict:
     return out
 
 
+def _from_timm_hybrid_embed(keywords: dict[str, Any]) -> dict[str, Any]:
+    """timm's HybridEmbed arguments (a recorded backbone, `proj`) as ViTConfig fields."""
+    backbone = keywords.get("backbone")
+    if not isinstance(backbone, _RecordedBackbone):
+        raise ValueError(
+            f"timm's HybridEmbed backbone {type(backbone).__name__} is built by none of timm's constructors "
+            f"rebuilt here ({', '.join(HYBRID_BACKBONES.values())} of timm.models.vision_transformer_hybrid)"
+        )
+    unknown = sorted(set(keywords) - {"backbone", "proj"})
+    if unknown:
+        raise ValueError(f"timm's HybridEmbed arguments {unknown} have no equivalent here")
+    return {"backbone": backbone.spec, **({"backbone_proj": False} if keywords.get("proj") is False else {})}
+
+
 def _register_timm_models() -> None:
     """Register timm's VisionTransformer names that we build identically; the rest are listed with
     the reason (`vit.registry.unsupported_models()`)."""
-    names = timm.list_models("vit_*", module="vision_transformer") + timm.list_models("deit*", module="deit")
+    names = [
+        *timm.list_models("vit_*", module="vision_transformer"),
+        *timm.list_models("deit*", module="deit"),
+        *timm.list_models("vit_*", module="vision_transformer_hybrid"),  # CNN backbone as patch embedding
+    ]
     for name in names:
         if name in VIT_MODELS:
             continue
@@ -502,9 +606,6 @@ def _register_timm_models() -> None:
             register_model(name, VisionTransformer, ViTConfig, **from_timm_args(timm_model_args(name)))
         except ValueError as e:
             register_unsupported(name, str(e))
-    for name in timm.list_models("vit_*", module="vision_transformer_hybrid"):
-        register_unsupported(name, "a hybrid with timm's ResNet backbone as patch embedding (HybridEmbed) is "
-                             "not built here; our conv-stem hybrid is ViTConfig.stem_channels")  # fmt: skip
 
 
 _register_timm_models()
@@ -546,6 +647,11 @@ def timm_kwargs(config: ViTConfig) -> dict:
     )
     if config.mlp == "glu":
         kwargs["mlp_layer"] = partial(GluMlp, gate_last=False)
+    if config.backbone is not None:  # a fresh backbone: timm's model gets its own modules
+        from timm.layers import HybridEmbed as TimmHybridEmbed
+
+        backbone = build_backbone(config.backbone, config.in_chans)
+        kwargs["embed_layer"] = partial(TimmHybridEmbed, backbone=backbone, proj=config.backbone_proj)
     return kwargs
 
 
@@ -636,8 +742,10 @@ def load_npz(path: str | Path, model: VisionTransformer) -> dict[str, torch.Tens
         patch = w[f"{prefix}embedding/kernel"].shape[0]
         pool = "map" if f"{prefix}MAPHead_0/probe" in keys else "token" if f"{prefix}cls" in keys else "avg"
     has_cls = f"{prefix}cls" in keys
+    # A hybrid's embedding kernel spans feature-map cells, each `feature_ratio` pixels wide.
+    patch_px = patch * getattr(model.patch_embed, "feature_ratio", (1, 1))[0]
     config = replace(
-        model.config, img_size=math.isqrt(num_pos - has_cls) * patch, patch_size=patch, num_classes=num_classes,
+        model.config, img_size=math.isqrt(num_pos - has_cls) * patch_px, patch_size=patch, num_classes=num_classes,
         global_pool=pool, class_token=has_cls, fc_norm=False,
     )  # fmt: skip
     source = timm.models.vision_transformer.VisionTransformer(**timm_kwargs(config))

@@ -1,0 +1,65 @@
+"""Gradient accumulation (`trainer.accumulate_grad_batches`): k micro-batches of b images are one
+optimizer step of k*b images, in the update, in the learning-rate scaling and in the schedule."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from vit.data import DigitsDataModule
+from vit.lit import ImageClassifier
+
+
+class FirstStep(L.Callback):
+    """Records the weights after the first optimizer step, the peak lr, the schedule's length and
+    its multiplier at every step, then stops the run."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_step != 1:
+            return
+        self.weights = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+        self.peak_lr = pl_module.peak_lr()
+        self.total = int(trainer.estimated_stepping_batches)
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        self.multipliers = [scheduler.lr_lambdas[0](step) for step in range(self.total)]
+        trainer.should_stop = True
+
+
+def tiny_vit(**recipe) -> ImageClassifier:
+    """vit_nano_patch4_16 without dropout or drop-path, seeded: both runs start from the same weights."""
+    L.seed_everything(0)
+    return ImageClassifier("vit_nano_patch4_16", {"drop_path_rate": 0.0, "drop_rate": 0.0}, 10, 16, **recipe)
+
+
+def first_step(batch_size: int, accumulate: int, optimizer: str) -> FirstStep:
+    # no Mixup, no random crop or flip: the two runs see the same images in the same order
+    model = tiny_vit(optimizer=optimizer, lr=1e-2, lr_base_batch_size=16, warmup_epochs=1, min_lr=1e-4)
+    data = DigitsDataModule(batch_size=batch_size, num_workers=0, crop="resize")
+    record = FirstStep()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, precision="32-true", max_epochs=3, limit_train_batches=4 * accumulate,
+        accumulate_grad_batches=accumulate, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+    )  # fmt: skip
+    trainer.fit(model, data)
+    return record
+
+
+@pytest.mark.parametrize(("optimizer", "atol"), [("sgd", 1e-7), ("adamw", 2e-4)])
+def test_accumulating_k_batches_of_b_is_one_batch_of_k_times_b(optimizer, atol):
+    accumulated, whole = first_step(8, 4, optimizer), first_step(32, 1, optimizer)
+    # the same global batch (8 x 4 = 32 images) for linear lr scaling: lr x 32 / 16
+    assert accumulated.peak_lr == whole.peak_lr == pytest.approx(2e-2)
+    # the same schedule: 4 optimizer steps per epoch (16 micro-batches / 4), 12 in the run, warmup 4
+    assert accumulated.total == whole.total == 12
+    assert accumulated.multipliers == whole.multipliers
+    assert accumulated.multipliers[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    # the same first update, to float tolerance: the gradient is summed in another order. SGD's update
+    # is linear in it (1e-7); AdamW's first is lr g / (|g| + eps), which turns rounding noise into up to
+    # lr where the gradient is zero in exact arithmetic (the key bias of attention): 2e-4 of a 5e-3 step
+    for name, value in whole.weights.items():
+        torch.testing.assert_close(accumulated.weights[name], value, atol=atol, rtol=0, msg=name)
+    init = tiny_vit().model.state_dict()
+    moved = max((whole.weights[k] - init[k]).abs().max().item() for k in init)
+    assert moved > 10 * atol  # the step did move the weights

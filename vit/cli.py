@@ -24,10 +24,10 @@ from vit.fault_tolerance import (
     checkpoint_complete,
     checkpoint_dir,
     interruptible,
-    newest_complete,
     stop_message,
     stop_signal,
 )
+from vit.sharding import newest_resumable
 
 
 def _checkpoint_dirpath(default_root_dir: str | None) -> str:
@@ -251,11 +251,12 @@ class TrainCLI(LightningCLI):
         }
 
     def _complete_checkpoint(self, ckpt_path: str) -> str:
-        """`last` -> the newest complete `last*.ckpt`, skipping (with a warning) empty or truncated ones."""
+        """`last` -> the newest complete `last*.ckpt` (a file, or a directory of vit.sharding.ShardedStrategy),
+        skipping (with a warning) empty or truncated ones."""
         candidates = list(Path(self.trainer.checkpoint_callback.dirpath).glob("last*.ckpt"))
         if ckpt_path != "last" or not candidates:
             return ckpt_path  # no checkpoint yet: Lightning warns and starts from scratch
-        newest = newest_complete(candidates)
+        newest = newest_resumable(candidates)
         if newest is None:
             raise IncompleteCheckpointError(
                 f"--ckpt_path last: none of {', '.join(map(str, candidates))} is a complete checkpoint"

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/default.yaml
 
-.PHONY: train test lint format clean-venv
+.PHONY: train test lint format clean-venv gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# The GPU paths (bf16 fits, compile, flash attention, sharded and NCCL DDP): a table; without a GPU it says so.
+gpu-check: $(VENV)/.installed
+	$(PY) scripts/gpu_check.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,100 @@
+"""scripts/gpu_check.py without a GPU: it says so and exits 0; its checks, table, FLOP count and MFU
+arithmetic on the CPU debug path (float32, a tiny ViT)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from vit.registry import create_model
+from vit.tools.gpu_check import Row, format_table, forward_flops, main, mfu, peak_tflops
+
+CPU_DEBUG = ["--device", "cpu", "--steps", "3", "--batch", "4", "--model", "vit_nano_patch4_16",
+             "--resnet", "resnet18", "--resnet-img-size", "32"]  # fmt: skip
+
+
+def vit_forward_flops(tokens: int, dim: int, depth: int, mlp: int, patch_in: int, patches: int, classes: int,
+                      last_queries: int | None) -> int:  # fmt: skip
+    """A ViT's forward FLOPs by hand (2 per multiply-add): patch projection, per block qkv, q k^T,
+    weights x v, proj, fc1, fc2; the last block for `last_queries` tokens (keys and values for all);
+    the head on one token (CLS) or the pooled tokens."""
+
+    def block(queries: int) -> int:
+        qkv = 2 * tokens * dim * 3 * dim
+        attention = 2 * (2 * queries * tokens * dim)
+        return qkv + attention + 2 * queries * dim * dim + 2 * (2 * queries * dim * mlp)
+
+    last = last_queries or tokens
+    return 2 * patches * patch_in * dim + (depth - 1) * block(tokens) + block(last) + 2 * dim * classes
+
+
+@pytest.mark.parametrize(("pool", "last_queries"), [("token", 1), ("avg", None)])
+def test_forward_flops_is_the_hand_count(pool, last_queries):
+    # vit_nano_patch4_16: 16 px, patch 4 -> 16 patches (+ CLS = 17 tokens) of 3 x 4 x 4 = 48 values,
+    # width 128, depth 4, MLP 512, 10 classes. With CLS pooling the last block computes the CLS row only.
+    model = create_model("vit_nano_patch4_16", num_classes=10, global_pool=pool)
+    expected = vit_forward_flops(17, 128, 4, 512, 48, 16, 10, last_queries)
+    assert forward_flops(model, 16) == expected
+    assert expected == {"token": 22_671_872, "avg": 27_529_728}[pool]
+    assert all(m.fused_attn for m in model.modules() if hasattr(m, "fused_attn"))  # switched back on
+
+
+def test_mfu_and_the_peak_table():
+    # 1000 img/s x 3 x 22.67 MFLOP (forward + backward) on a 1 TFLOP/s device: 6.8%; over two devices half
+    assert mfu(1000, 3 * 22_671_872, 1.0) == pytest.approx(0.068015616)
+    assert mfu(1000, 3 * 22_671_872, 1.0, devices=2) == pytest.approx(0.034007808)
+    assert mfu(1000, 1e6, None) is None
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4 and peak_tflops("NVIDIA H200") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0 and peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA L4") == 121.0 and peak_tflops("NVIDIA L40S") == 362.0
+    assert peak_tflops("NVIDIA GeForce RTX 3090") == 71.0 and peak_tflops("NVIDIA GeForce RTX 4090") == 165.2
+    assert peak_tflops("NVIDIA GeForce RTX 3090 Ti") is None and peak_tflops("Tesla V100-SXM2-16GB") is None
+    table = format_table([Row("a", True, 1234.5, 3 * 2**30, None, "x"), Row("b", False, note="boom")])
+    assert "| a | ok | 1,234 | 3.00 GiB | unknown | x |" in table and "| b | FAILED | - | - | - | boom |" in table
+
+
+def test_without_a_gpu_it_says_so_and_exits_0():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], env=env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "No CUDA GPU found" in result.stdout
+
+
+def test_cpu_debug_run_measures_every_single_device_check(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main([*CPU_DEBUG, "--peak-tflops", "0.01", "--json", str(out)]) == 0
+    rows = {r["check"]: r for r in json.loads(out.read_text())}
+    fit, resnet = rows["nano_patch4_16 fit, eager"], rows["resnet18 channels-last fit"]
+    flash = next(r for name, r in rows.items() if name.startswith("flash SDPA"))
+    assert all(r["ok"] for r in rows.values()) and len(rows) == 3  # no compile, no processes on the CPU
+    assert "flash_attention" in flash["note"]  # the flash kernel (the CPU's) ran our attention
+    assert fit["img_per_s"] > 0 and resnet["img_per_s"] > 0
+    flops = vit_forward_flops(17, 128, 4, 512, 48, 16, 1000, 1)  # the check's model has 1000 classes
+    assert fit["mfu"] == pytest.approx(fit["img_per_s"] * 3 * flops / 0.01e12)
+    assert "| nano_patch4_16 fit, eager | ok |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cpu_debug_run_of_the_sharded_and_ddp_fits(tmp_path):
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "gpu_check.py"),
+        *CPU_DEBUG,
+        "--processes",
+        "2",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = {r["check"]: r for r in json.loads(out.read_text())}
+    for name in ("nano_patch4_16 ShardedStrategy (FSDP2) x 2", "nano_patch4_16 DDP x 2"):
+        assert rows[name]["ok"] and rows[name]["img_per_s"] > 0 and "2 processes, gloo" in rows[name]["note"]

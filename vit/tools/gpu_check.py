@@ -1,0 +1,374 @@
+"""One command that runs every GPU path of the pipeline and says whether it works and how fast:
+`scripts/gpu_check.py` (`make gpu-check`).
+
+On a machine with CUDA GPUs, in a few minutes: a bf16-mixed fit of ViT-S/16 on synthetic data,
+eager and under torch.compile; our attention under `sdpa_kernel([SDPBackend.FLASH_ATTENTION])`
+(forward and backward; the flash kernel must be the one that ran); a channels-last ResNet-50
+bf16-mixed fit; vit.sharding.ShardedStrategy (FSDP2) over every visible GPU; NCCL DDP when there
+are two or more. It prints a table (what ran, img/s, peak memory, model FLOPs utilisation against
+the GPU's dense bf16 peak) and exits 1 if anything failed. Without a CUDA GPU it says so and exits 0.
+
+`--device cpu` runs the same code on the CPU in float32 (a debug path: `--steps 3 --model
+vit_nano_patch4_16`); the tests use it, so the table, the FLOP count and the MFU arithmetic are
+checked without a GPU.
+
+MFU = (training FLOPs per image x images per second) / (peak FLOP/s x GPUs), with training FLOPs
+= 3 x the forward's (the backward is twice the forward; recomputation by activation checkpointing is
+not counted, the usual convention), the forward's counted by torch's FlopCounterMode over matmuls,
+convolutions and attention (2 FLOPs per multiply-add).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense (no sparsity) bfloat16 tensor-core peaks with float32 accumulation, TFLOP/s, from NVIDIA's
+# data sheets; matched against torch.cuda.get_device_name(), first match wins.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    (r"H100.*PCIe", 756.0),
+    (r"H100 NVL", 835.0),
+    (r"H100|H200|GH200", 989.4),
+    (r"A100", 312.0),
+    (r"L40S", 362.0),
+    (r"\bL4\b", 121.0),
+    (r"RTX 4090", 165.2),
+    (r"RTX 3090(?! Ti)", 71.0),
+)
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The GPU's dense bf16 peak from PEAK_BF16_TFLOPS, or None for a GPU (or CPU) not in it."""
+    for pattern, tflops in PEAK_BF16_TFLOPS:
+        if re.search(pattern, device_name):
+            return tflops
+    return None
+
+
+def forward_flops(model: nn.Module, img_size: int, device: torch.device | str = "cpu") -> int:
+    """FLOPs of the model's forward pass on one image (matmuls, convolutions, attention; 2 per
+    multiply-add). Attention is counted on the explicit path (q k^T and the weights times v, the
+    FLOPs the fused kernels do too), because torch counts no CPU attention kernel."""
+    fused = {m: m.fused_attn for m in model.modules() if hasattr(m, "fused_attn")}
+    training = model.training
+    try:
+        for m in fused:
+            m.fused_attn = False
+        model.eval()
+        x = torch.zeros(1, 3, img_size, img_size, device=device)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x)
+        return counter.get_total_flops()
+    finally:
+        model.train(training)
+        for m, value in fused.items():
+            m.fused_attn = value
+
+
+def mfu(img_per_s: float, train_flops_per_img: float, peak: float | None, devices: int = 1) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over `devices` x `peak` TFLOP/s."""
+    if peak is None:
+        return None
+    return img_per_s * train_flops_per_img / (peak * 1e12 * devices)
+
+
+@dataclass
+class Row:
+    check: str
+    ok: bool
+    img_per_s: float | None = None
+    peak_memory: int | None = None  # bytes, the largest over the run's processes' reports (rank 0)
+    mfu: float | None = None
+    note: str = ""
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = ["| check | result | img/s | peak memory | MFU | note |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        speed = f"{r.img_per_s:,.0f}" if r.img_per_s is not None else "-"
+        memory = f"{r.peak_memory / 2**30:.2f} GiB" if r.peak_memory is not None else "-"
+        util = f"{100 * r.mfu:.1f}%" if r.mfu is not None else ("unknown" if r.img_per_s is not None else "-")
+        lines.append(f"| {r.check} | {'ok' if r.ok else 'FAILED'} | {speed} | {memory} | {util} | {r.note} |")
+    return "\n".join(lines)
+
+
+# -- one fit on synthetic data ------------------------------------------------------------------
+
+
+class SyntheticBatches(Dataset):
+    """`steps` batches of random images and labels, each the same tensors, moved once to the process's
+    GPU on first use (no data loading or host-to-device copy in the measurement)."""
+
+    def __init__(self, steps: int, batch: int, img_size: int, num_classes: int, cuda: bool) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(batch, 3, img_size, img_size, generator=generator)
+        self.y = torch.randint(0, num_classes, (batch,), generator=generator)
+        self.steps, self.cuda = steps, cuda
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cuda and not self.x.is_cuda:  # Lightning has set this rank's device by now
+            self.x, self.y = self.x.cuda(), self.y.cuda()
+        return self.x, self.y
+
+
+def _side(img_size: int | tuple[int, int]) -> int:
+    return img_size[0] if isinstance(img_size, (tuple, list)) else img_size
+
+
+def _timer_callback(warmup: int, cuda: bool) -> Any:
+    import lightning as L
+
+    class StepTimer(L.Callback):
+        """Wall time of the optimizer steps after the first `warmup` (compilation, cudnn autotuning)."""
+
+        def __init__(self) -> None:
+            self.images, self.start, self.seconds, self.backend = 0, None, 0.0, None
+
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if torch.distributed.is_initialized():
+                self.backend = torch.distributed.get_backend()
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, i) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            if trainer.global_step == warmup:
+                self.start = time.perf_counter()
+            elif trainer.global_step > warmup:
+                self.seconds = time.perf_counter() - self.start
+                self.images += len(batch[0]) * trainer.world_size
+
+    return StepTimer()
+
+
+@dataclass
+class FitCase:
+    check: str
+    model: str
+    steps: int
+    batch: int
+    device: str  # "cuda" or "cpu"
+    compile: bool = False
+    channels_last: bool = False
+    img_size: int | None = None
+    strategy: str = "auto"  # "auto" (one device), "ddp" or "sharded"
+    devices: int = 1
+    peak: float | None = None
+
+
+def run_fit(case: FitCase) -> tuple[Row, str | None]:
+    """Train `case.model` for `case.steps` steps (bf16-mixed on CUDA, float32 on CPU) and measure it;
+    also the process group's backend (None on one device)."""
+    import lightning as L
+
+    from vit.lit import ImageClassifier
+    from vit.registry import model_config
+
+    cuda = case.device == "cuda"
+    img_size = _side(case.img_size or getattr(model_config(case.model), "img_size", 224))
+    sized = hasattr(model_config(case.model), "img_size")
+    task = ImageClassifier(
+        case.model, num_classes=1000, img_size=img_size if sized else None, compile=case.compile,
+        channels_last=case.channels_last, lr=1e-4, warmup_steps=0,
+    )  # fmt: skip
+    flops = 3 * forward_flops(task.model, img_size)
+    strategy: Any = case.strategy
+    if case.strategy == "sharded":
+        from vit.sharding import ShardedStrategy
+
+        strategy = ShardedStrategy()
+    warmup = min(10, max(1, case.steps // 3))
+    timer = _timer_callback(warmup, cuda)
+    data = DataLoader(SyntheticBatches(case.steps, case.batch, img_size, 1000, cuda), batch_size=None)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            accelerator="gpu" if cuda else "cpu", devices=case.devices, strategy=strategy,
+            precision="bf16-mixed" if cuda else "32-true", max_steps=case.steps, limit_val_batches=0,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root, callbacks=[timer], use_distributed_sampler=False,
+        )  # fmt: skip
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer.fit(task, train_dataloaders=data)
+    if trainer.global_step != case.steps:
+        raise RuntimeError(f"ran {trainer.global_step} of {case.steps} steps")
+    speed = timer.images / timer.seconds if timer.seconds else None
+    note = f"batch {case.batch}/device, {case.steps} steps, {'bf16-mixed' if cuda else 'fp32'}"
+    if timer.backend is not None:
+        note += f", {case.devices} processes, {timer.backend}"
+    memory = torch.cuda.max_memory_allocated() if cuda else None
+    util = mfu(speed, flops, case.peak, case.devices) if speed else None
+    return Row(case.check, True, speed, memory, util, note), timer.backend
+
+
+# -- the flash attention check ------------------------------------------------------------------
+
+
+def check_flash(model_name: str, device: str, batch: int = 8) -> Row:
+    """Forward and backward of `model_name` with SDPA restricted to the flash kernel (an error if
+    our attention cannot use it), and the profiler's proof that a flash kernel ran."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from vit.registry import create_model, model_config
+
+    img_size = _side(model_config(model_name).img_size)
+    model = create_model(model_name).to(device).train()
+    x = torch.randn(batch, 3, img_size, img_size, device=device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+    with (
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION]),
+        autocast,
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
+        model(x).float().sum().backward()
+    ops = {e.key for e in prof.key_averages()}
+    flash = sorted(op for op in ops if "flash_attention" in op)
+    if not any("backward" not in op for op in flash):
+        attention = sorted(op for op in ops if "attention" in op)
+        raise AssertionError(f"no flash attention kernel ran; attention ops: {attention}")
+    return Row(f"flash SDPA ({model_name}, fwd+bwd)", True, note=", ".join(flash))
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callable[[], Row]]]:
+    """(name, check) in the order they run; the distributed ones in subprocesses (Lightning starts
+    one process per device by running the command again)."""
+    device, steps, batch = args.device, args.steps, args.batch
+    short = re.sub(r"^vit_|_224$", "", args.model)
+
+    def fit(check: str, **kw: Any) -> Callable[[], Row]:
+        return lambda: run_fit(FitCase(check, steps=steps, batch=batch, device=device, peak=peak, **kw))[0]
+
+    checks = [(f"{short} fit", fit(f"{short} fit, eager", model=args.model))]
+    if device == "cuda" or args.compile_on_cpu:
+        checks.append((f"{short} compile", fit(f"{short} fit, torch.compile", model=args.model, compile=True)))
+    checks.append(("flash", lambda: check_flash(args.model, device)))
+    resnet = fit(
+        f"{args.resnet} channels-last fit", model=args.resnet, channels_last=True, img_size=args.resnet_img_size
+    )
+    checks.append((args.resnet, resnet))
+    if args.processes >= 1:
+        checks.append(("sharded", lambda: run_worker(args, "sharded", peak)))
+    if args.processes >= 2:
+        checks.append(("ddp", lambda: run_worker(args, "ddp", peak)))
+    return checks
+
+
+def run_worker(args: argparse.Namespace, strategy: str, peak: float | None) -> Row:
+    """A distributed fit in its own process group: `python -m vit.tools.gpu_check --worker ...`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        command = [
+            sys.executable, "-m", "vit.tools.gpu_check", "--worker", strategy, "--json", str(out),
+            "--device", args.device, "--processes", str(args.processes), "--model", args.model,
+            "--steps", str(args.steps), "--batch", str(args.batch), "--peak-tflops", str(peak or 0),
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
+        if result.returncode != 0 or not out.is_file():
+            tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"worker exited {result.returncode}: {tail[0]}")
+        return Row(**json.loads(out.read_text()))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One distributed fit; rank 0 writes its row to --json."""
+    short = re.sub(r"^vit_|_224$", "", args.model)
+    name = "ShardedStrategy (FSDP2)" if args.worker == "sharded" else "DDP"
+    case = FitCase(
+        f"{short} {name} x {args.processes}", args.model, args.steps, args.batch, args.device,
+        strategy=args.worker, devices=args.processes, peak=args.peak_tflops or None,
+    )  # fmt: skip
+    row, backend = run_fit(case)
+    if args.device == "cuda" and backend != "nccl":
+        raise RuntimeError(f"{name} on GPUs ran on {backend}, not nccl")
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
+        Path(args.json).write_text(json.dumps(asdict(row)))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="cpu: the float32 debug path")
+    p.add_argument("--model", default="vit_small_patch16_224")
+    p.add_argument("--resnet", default="resnet50")
+    p.add_argument("--resnet-img-size", type=int, default=224)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per fit (timed after the first 10)")
+    p.add_argument("--batch", type=int, default=128, help="images per device and step")
+    p.add_argument("--processes", type=int, default=None, help="for the sharded and DDP fits (default: every GPU)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per device (default: the GPU table)")
+    p.add_argument("--compile-on-cpu", action="store_true", help="also run the torch.compile fit with --device cpu")
+    p.add_argument("--timeout", type=int, default=900, help="seconds for each distributed fit")
+    p.add_argument("--json", help="write the rows here (a worker: its row)")
+    p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "none"
+    if args.device in ("cuda", "none") and not torch.cuda.is_available():
+        print(
+            "No CUDA GPU found: nothing to check (the GPU paths were not run). "
+            "`--device cpu` runs the checks' code on the CPU."
+        )
+        return 0
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.processes is None:
+        args.processes = gpus
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    peak = args.peak_tflops if args.peak_tflops is not None else peak_tflops(name)
+    print(f"{name} x {gpus or 1}; bf16 peak {f'{peak:g} TFLOP/s' if peak else 'unknown'}; torch {torch.__version__}"
+          + (f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""), flush=True)  # fmt: skip
+    rows = []
+    for label, check in plan(args, peak):
+        print(f"[gpu-check] {label} ...", flush=True)
+        try:
+            row = check()
+        except Exception as e:  # every failure is a row; the run goes on to the next check
+            traceback.print_exc()
+            row = Row(label, False, note=f"{type(e).__name__}: {e}".replace("\n", " ")[:300])
+        finally:
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+    print()
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    failed = [r.check for r in rows if not r.ok]
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,15 +1,28 @@
-"""Score attention-rollout maps against Tiny-ImageNet's object boxes; write a markdown table.
+"""Score explanation maps on any of our ViT checkpoints; write a markdown table and a JSON of every number.
 
-    flock /tmp/vit-bench.lock python scripts/rollout_eval.py \
-        --checkpoint runs/tiny_pretrain/checkpoints/last.ckpt --data-root ../shared/data/tiny-imagenet-200 \
-        --out benchmarks/rollout.md
+    flock /tmp/vit-bench.lock python scripts/rollout_eval.py --dataset cifar10 --limit 1000 \
+        --checkpoint runs/budget/vit-10min-val-s0-124456/checkpoints/last.ckpt \
+        --out benchmarks/rollout_cifar10.md --json benchmarks/results/rollout_cifar10_reg0.json
+    flock /tmp/vit-bench.lock python scripts/rollout_eval.py --checkpoint runs/tiny/checkpoints/last.ckpt \
+        --dataset tiny-imagenet --limit 2000 --methods attention gradient
 
-Two scores per map, on the val images (one box each, from val/val_annotations.txt):
-  - pointing game: the map's peak (after bilinear upsampling to the image) lies inside the box;
-  - energy in box: the share of the map's mass inside the box, after min-max scaling the upsampled
-    map to [0, 1] (so a constant offset, which rollout's identity term adds, does not count).
-Every method is measured the same way, next to two baselines that look at no image: a centred
-Gaussian (sigma = image side / 4) and a uniform-random map on the patch grid.
+Every method of `vit.rollout.METHODS` (or those named by --methods) and two baselines that look at
+no image (a seeded uniform-random map and a centred Gaussian) are scored on the same images, the
+first --limit of the split in a seeded order that mixes the classes (`class_interleaved_order`):
+
+  - positive / negative perturbation AUC (Chefer et al. 2021): accuracy against the labels as
+    0%, 10%, ..., 90% of the patches are removed (set to the mean colour), most / least relevant first;
+  - deletion / insertion AUC (Petsiuk et al. 2018): the probability of the class predicted on the
+    clean image as the most relevant patches are deleted, or inserted into a mean-colour canvas;
+  - on Tiny-ImageNet, also the pointing game and energy in box (`vit.rollout.box_scores`), over all
+    images and over the off-centre subset, whose boxes hold none of the image's central pixels (where
+    the centred Gaussian scores 0 pointing); the Gaussian is scored there at pixel resolution;
+  - the time per image to compute each method's maps (around the map computation only).
+
+Also the model's clean top-1 on those images and the fraction of patch tokens with outlier norms in
+the last block's output (`vit.explain.outlier_norm_fraction`, prefix tokens excluded). Class-specific
+maps (gradient rollout, GradCAM) explain the predicted class. --with-results adds earlier JSONs of
+this script (other models) to the same report, each as its own section with its own command.
 """
 
 from __future__ import annotations
@@ -19,36 +32,48 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from vit.checkpoint import load_model
-from vit.data.images import Sample, read_rgb, scan_tiny_imagenet
-from vit.data.transforms import eval_transform
-from vit.report import machine, markdown_table, write_report
-from vit.rollout import (
-    attention_gradients,
-    box_scores,
-    centre_gaussian,
-    check_vit,
-    forward_with_attn_graph,
-    gradient_rollout_joint,
-    joint_to_map,
-    rollout,
+from vit.data.images import Sample, read_rgb, scan_image_folder, scan_tiny_imagenet
+from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
+from vit.explain import (
+    BASELINES,
+    BETTER,
+    FRACTIONS,
+    baseline_maps,
+    class_interleaved_order,
+    mean_and_se,
+    off_centre,
+    outlier_norm_mask,
+    perturbation_scores,
 )
+from vit.report import machine, markdown_table, write_report
+from vit.rollout import METHODS, box_scores, centre_gaussian, check_vit, rollout_maps
+
+DATASETS = {"tiny-imagenet": "../shared/data/tiny-imagenet-200", "cifar10": "../shared/data/cifar10"}
+NAMES = {
+    "attention": "attention rollout (mean fusion)",
+    "gradient": "gradient rollout (Chefer ICCV 2021)",
+    "last_attention": "last-block attention",
+    "gradcam": "GradCAM (pytorch-grad-cam)",
+    "random": "baseline: uniform random",
+    "centre": "baseline: centred Gaussian",
+}
+ARROW = {"lower": "↓", "higher": "↑"}
 
 
-class BoxedImages(Dataset):
-    """Val images with their boxes; the model sees the whole image, so box and map share pixels."""
+class EvalImages(Dataset):
+    """(normalised image, label, box) per sample; the box is NaNs where the dataset has none."""
 
-    def __init__(self, samples: list[Sample], img_size: int) -> None:
-        self.samples, self.img_size = samples, img_size
-        self.transform = eval_transform(img_size)
+    def __init__(self, samples: list[Sample], img_size: int, mean, std, boxes: bool) -> None:
+        self.samples, self.img_size, self.boxes = samples, img_size, boxes
+        self.transform = eval_transform(img_size, 1.0, mean, std)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -56,156 +81,214 @@ class BoxedImages(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int, torch.Tensor]:
         sample = self.samples[i]
         image = read_rgb(sample.path)
-        if image.shape[:2] != (self.img_size, self.img_size):
+        if self.boxes and image.shape[:2] != (self.img_size, self.img_size):
             raise ValueError(
                 f"{sample.path} is {image.shape[1]}x{image.shape[0]}, not {self.img_size}x{self.img_size}: "
-                "its box would not line up with the map (Tiny-ImageNet images are all 64x64)"
+                "its box would not line up with the map"
             )
-        return self.transform(image=image)["image"], sample.label, torch.tensor(sample.box)
+        box = torch.tensor(sample.box if self.boxes else (float("nan"),) * 4, dtype=torch.float32)
+        return self.transform(image=image)["image"], sample.label, box
 
 
-@dataclass
-class Scores:
-    hits: list[float]
-    energy: list[float]
-    correct: list[bool]
-
-    def row(self) -> dict[str, float]:
-        hits, energy, correct = np.array(self.hits), np.array(self.energy), np.array(self.correct, dtype=bool)
-        n = len(hits)
-        return {
-            "pointing": float(hits.mean()),
-            "pointing_se": float(hits.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0,
-            "energy": float(energy.mean()),
-            "energy_se": float(energy.std(ddof=1) / np.sqrt(n)) if n > 1 else 0.0,
-            "pointing_correct": float(hits[correct].mean()) if correct.any() else float("nan"),
-        }
+def dataset_samples(args: argparse.Namespace) -> tuple[list[str], list[Sample]]:
+    root = Path(args.data_root or DATASETS[args.dataset])
+    if args.dataset == "tiny-imagenet":
+        return scan_tiny_imagenet(root, "val")
+    return scan_image_folder(root / args.split)
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    model = check_vit(load_model(args.checkpoint), str(args.checkpoint)).to(args.device)
-    if model.global_pool != "token":
-        print(f"note: {args.checkpoint} uses global_pool={model.global_pool!r}: maps are the mean of the patch rows")
+def evaluate(args: argparse.Namespace, checkpoint: str) -> dict:
+    model = check_vit(load_model(checkpoint), checkpoint).to(args.device).eval()
     img_size = model.patch_embed.img_size[0]
-    classes, samples = scan_tiny_imagenet(args.data_root, "val")
+    classes, samples = dataset_samples(args)
     if model.num_classes != len(classes):
-        raise ValueError(f"{args.checkpoint} has {model.num_classes} classes, Tiny-ImageNet {len(classes)}")
-    samples = samples[: args.limit] if args.limit else samples
-    loader = DataLoader(BoxedImages(samples, img_size), batch_size=args.batch_size, num_workers=args.num_workers)
-    depth = len(model.blocks)
-    methods = {  # name -> (head fusion, discard ratio, start layer) for the attention rollouts
-        "rollout, mean fusion": ("mean", 0.0, 0),
-        "rollout, max fusion": ("max", 0.0, 0),
-        "rollout, min fusion": ("min", 0.0, 0),
-        "rollout, mean fusion, discard 0.9": ("mean", 0.9, 0),
-        "rollout, max fusion, discard 0.9": ("max", 0.9, 0),
-        f"last layer only (mean fusion, start_layer={depth - 1})": ("mean", 0.0, depth - 1),
-    }
-    names = [*methods, "gradient rollout, predicted class", "gradient rollout, true class"]
-    names += ["baseline: centred Gaussian", "baseline: uniform random"]
-    scores = {name: Scores([], [], []) for name in names}
-    generator = torch.Generator().manual_seed(args.seed)
-    top1 = top5 = 0
+        raise ValueError(f"{checkpoint} has {model.num_classes} classes, the {args.dataset} split {len(classes)}")
+    order = class_interleaved_order([s.label for s in samples], args.seed)
+    samples = [samples[i] for i in order[: args.limit or None]]
+    has_boxes = args.dataset == "tiny-imagenet"
+    data = EvalImages(samples, img_size, args.mean, args.std, has_boxes)
+    loader = DataLoader(data, batch_size=args.batch_size, num_workers=args.num_workers)
+    names = [*args.methods, *BASELINES]
+    scores = {name: defaultdict(list) for name in names}
+    seconds = dict.fromkeys(names, 0.0)
+    generator = torch.Generator().manual_seed(args.seed)  # the random baseline's maps, batch after batch
+    correct, outliers, tokens, keep = 0, 0, 0, []
     start = time.perf_counter()
     for x, y, boxes in tqdm(loader, desc="rollout eval", unit="batch", disable=not sys.stderr.isatty()):
-        x = x.to(args.device)
-        # One forward for every method: the attention rollouts use its weights, the gradient
-        # rollouts its graph (for two targets).
-        logits, attns = forward_with_attn_graph(model, x)
-        grads_predicted = attention_gradients(logits, attns, None, retain_graph=True)
-        grads_true = attention_gradients(logits, attns, y.to(args.device))
-        attns, logits, p = [a.detach() for a in attns], logits.detach().cpu(), model.num_prefix_tokens
-        correct = (logits.argmax(-1) == y).tolist()
-        top1 += sum(correct)
-        top5 += (logits.topk(5, dim=-1).indices == y[:, None]).any(-1).sum().item()
-        grid = model.patch_embed.grid_size
-        maps = {}
-        for name, (fusion, discard, start_layer) in methods.items():
-            joint = rollout(attns, fusion, discard, start_layer, p)
-            maps[name] = joint_to_map(joint, p, model.global_pool, grid).cpu()
-        for name, grads in (("predicted", grads_predicted), ("true", grads_true)):
-            joint = gradient_rollout_joint(attns, grads)
-            maps[f"gradient rollout, {name} class"] = joint_to_map(joint, p, model.global_pool, grid).cpu()
-        maps["baseline: centred Gaussian"] = centre_gaussian(len(x), img_size)
-        maps["baseline: uniform random"] = torch.rand(len(x), *grid, generator=generator)
-        for name, m in maps.items():
-            hits, energy = box_scores(m, boxes, img_size)
-            scores[name].hits += hits.tolist()
-            scores[name].energy += energy.tolist()
-            scores[name].correct += correct
+        x, y = x.to(args.device), y.to(args.device)
+        with torch.no_grad():
+            correct += int((model(x).argmax(dim=-1) == y).sum())
+            last = model.forward_intermediates(x, indices=1, output_fmt="NLC", intermediates_only=True)[0]
+        mask = outlier_norm_mask(last, args.outlier_factor)  # patch tokens only: no prefix to drop
+        outliers, tokens = outliers + int(mask.sum()), tokens + mask.numel()
+        if has_boxes:
+            keep.append(off_centre(boxes, img_size, args.off_centre_dist, exclude_centre=True))
+        for name in names:
+            t0 = time.perf_counter()
+            if name in BASELINES:
+                maps = baseline_maps(name, len(x), model.patch_embed.grid_size, generator)
+            else:
+                maps = rollout_maps(model, x, name)[0]
+            seconds[name] += time.perf_counter() - t0
+            for key, value in perturbation_scores(model, x, y, maps, steps=args.steps).items():
+                scores[name][key].append(value.cpu())
+            if has_boxes:
+                pixel_maps = centre_gaussian(len(x), img_size) if name == "centre" else maps.cpu()
+                hits, energy = box_scores(pixel_maps, boxes, img_size)
+                scores[name]["pointing"].append(hits)
+                scores[name]["energy"].append(energy)
     n = len(samples)
-    box_area = np.mean([(s.box[2] - s.box[0] + 1) * (s.box[3] - s.box[1] + 1) / img_size**2 for s in samples])
+    off = torch.cat(keep) if has_boxes else None
+    rows = {}
+    for name in names:
+        s = {key: torch.cat(values, dim=-1) for key, values in scores[name].items()}
+        row = {"ms_per_image": 1000 * seconds[name] / n}
+        for key in ("positive", "negative", "deletion", "insertion"):
+            row[key], row[f"{key}_se"] = mean_and_se(s[key])
+            row[f"{key}_curve"] = s[f"{key}_curve"].mean(dim=1).tolist()
+        if has_boxes:
+            for key in ("pointing", "energy"):
+                row[key], row[f"{key}_se"] = mean_and_se(s[key])
+                row[f"{key}_off_centre"], row[f"{key}_off_centre_se"] = mean_and_se(s[key][off])
+        rows[name] = row
+    per_class = torch.bincount(torch.tensor([s.label for s in samples]), minlength=len(classes))
     return {
-        "checkpoint": str(args.checkpoint),
+        "checkpoint": checkpoint,
         "model": type(model).__name__,
+        "reg_tokens": getattr(model, "num_reg_tokens", None),
+        "global_pool": model.global_pool,
+        "dataset": args.dataset,
+        "split": "val" if has_boxes else args.split,
         "num_images": n,
-        "val_top1": top1 / n,
-        "val_top5": top5 / n,
-        "mean_box_area": float(box_area),
+        "images_per_class": [int(per_class.min()), int(per_class.max())],
+        "seed": args.seed,
+        "clean_top1": correct / n,
+        "outlier_norm_fraction": outliers / tokens,
+        "outlier_factor": args.outlier_factor,
+        "patch_tokens": tokens,
+        "off_centre_images": int(off.sum()) if has_boxes else None,
+        "off_centre_min_dist": args.off_centre_dist if has_boxes else None,
+        "fractions": list(FRACTIONS),
+        "deletion_steps": args.steps,
+        "batch_size": args.batch_size,
         "seconds": time.perf_counter() - start,
-        "rows": {name: s.row() for name, s in scores.items()},
+        "machine": machine(),
+        "rows": rows,
     }
 
 
-def markdown(result: dict, command: str) -> str:
-    rows = result["rows"]
-    centre = rows["baseline: centred Gaussian"]
-    subset = "the full val set" if result["num_images"] == 10000 else f"the first {result['num_images']} val images"
+def _score(row: dict, key: str, percent: bool = False) -> str:
+    if percent:
+        return f"{100 * row[key]:.1f} ± {100 * row[key + '_se']:.1f}%"
+    return f"{row[key]:.3f} ± {row[key + '_se']:.3f}"
+
+
+def section(result: dict) -> list[str]:
+    """One model's part of the report: what was measured, how, and the table."""
+    boxes = result["off_centre_images"] is not None
+    lo, hi = result["images_per_class"]
+    per_class = f"{lo}" if lo == hi else f"{lo}-{hi}"
     lines = [
-        "# Attention rollout on Tiny-ImageNet: does the map point at the object?",
+        f"## `{result['checkpoint']}`",
         "",
-        f"Model: `{result['checkpoint']}`, val top-1 **{100 * result['val_top1']:.2f}%** "
-        f"(top-5 {100 * result['val_top5']:.2f}%) on {subset} ({result['num_images']:,} images, one box each).",
-        f"Mean box area: {100 * result['mean_box_area']:.1f}% of the image (what a uniform map scores in both "
-        "columns, in expectation).",
+        f"{result['model']}, {result['reg_tokens']} register tokens, {result['global_pool']} pooling. "
+        f"{result['num_images']:,} {result['dataset']} {result['split']} images ({per_class} per class, "
+        f"seed {result['seed']}): clean top-1 **{100 * result['clean_top1']:.2f}%**. "
+        f"Patch tokens with outlier norms (last block's output, > {result['outlier_factor']:g}x the image's "
+        f"median): **{100 * result['outlier_norm_fraction']:.2f}%** of {result['patch_tokens']:,}.",
+    ]
+    if boxes:
+        lines.append(
+            f"Off-centre subset (box holds none of the image's central pixels, box centre "
+            f">= {result['off_centre_min_dist']:g} px from the image centre): "
+            f"**{result['off_centre_images']:,}** of {result['num_images']:,} images."
+        )
+    lines += [
         "",
         "```bash",
-        command,
+        result["command"],
         "```",
         "",
-        f"{result['seconds'] / 60:.1f} min on {machine()}.",
-        "",
-        "Pointing: the peak of the map (upsampled bilinearly from the 8x8 patch grid to 64x64) is inside the box. "
-        "Energy: the share of the min-max scaled, upsampled map inside the box. ± is one standard error. "
-        '"pointing, correct" counts only the images the model classifies correctly. '
-        "Δ is the difference to the centred Gaussian.",
+        f"{result['seconds'] / 60:.1f} min on {result['machine']}.",
         "",
     ]
+    header = ["method", "positive AUC ↓", "negative AUC ↑", "deletion AUC ↓", "insertion AUC ↑"]
+    if boxes:
+        header += ["pointing ↑", "pointing, off-centre ↑", "energy ↑", "energy, off-centre ↑"]
+    header.append("ms / image ↓")
     table = []
-    for name, r in rows.items():
-        dp, de = r["pointing"] - centre["pointing"], r["energy"] - centre["energy"]
-        baseline = name.startswith("baseline: centred")
-        table.append((
-            name, f"{100 * r['pointing']:.1f} ± {100 * r['pointing_se']:.1f}%", "" if baseline else f"{100 * dp:+.1f}",
-            f"{100 * r['energy']:.1f} ± {100 * r['energy_se']:.1f}%", "" if baseline else f"{100 * de:+.1f}",
-            f"{100 * r['pointing_correct']:.1f}%",
-        ))  # fmt: skip
-    header = ("method", "pointing", "Δ pointing", "energy in box", "Δ energy", "pointing, correct")
-    return "\n".join(lines + markdown_table(header, table)) + "\n"
+    for name, row in result["rows"].items():
+        cells = [NAMES.get(name, name), *(_score(row, k) for k in ("positive", "negative", "deletion", "insertion"))]
+        if boxes:
+            cells += [_score(row, k, True) for k in ("pointing", "pointing_off_centre", "energy", "energy_off_centre")]
+        cells.append(f"{row['ms_per_image']:.2f}")
+        table.append(cells)
+    return lines + markdown_table(header, table, "l" + "r" * (len(header) - 1)) + [""]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def markdown(results: list[dict]) -> str:
+    datasets = sorted({r["dataset"] for r in results})
+    better = ", ".join(f"{key} {ARROW[way]}" for key, way in BETTER.items())
+    lines = [
+        f"# Which explanation map is faithful? {', '.join(datasets)}",
+        "",
+        "Written by `scripts/rollout_eval.py`; every number is also in the JSON next to the command.",
+        "",
+        f"Direction of better (↓ lower, ↑ higher): {better}. ± is one standard error over the images.",
+        "",
+        "- **positive / negative AUC** (Chefer et al. 2021): top-1 against the labels as 0%, 10%, ..., 90% "
+        "of the patches are set to the mean colour, most relevant first (positive: a faithful map makes "
+        "accuracy fall fast) or least relevant first (negative: accuracy should hold); the area under "
+        "that curve divided by 0.9, so a flat curve scores its height and the curve starts at the clean top-1.",
+        "- **deletion / insertion AUC** (Petsiuk et al. 2018): the softmax probability of the class predicted "
+        "on the clean image as the most relevant patches are deleted (set to the mean colour) or inserted "
+        "into a mean-colour canvas, from none to all patches (one patch per step unless the JSON's "
+        "`deletion_steps` says otherwise); area over 0..1.",
+        "- **pointing / energy** (Tiny-ImageNet boxes): the peak of the map, upsampled bilinearly to the "
+        "image, lies in the box; the share of the min-max scaled map's mass inside the box.",
+        "- **ms / image**: the time to compute the maps (batch of the JSON's `batch_size`), nothing else. "
+        "Class-specific maps (gradient rollout, GradCAM) explain the predicted class.",
+        "",
+    ]
+    for result in results:
+        lines += section(result)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="our .ckpt / .safetensors of a Tiny-ImageNet ViT")
-    parser.add_argument("--data-root", default="../shared/data/tiny-imagenet-200")
-    parser.add_argument("--limit", type=int, default=None, help="the first N val images (default: all 10,000)")
-    parser.add_argument("--batch-size", type=int, default=200)
+    parser.add_argument("--checkpoint", required=True, help="our .ckpt / .safetensors of a ViT (any load_model source)")
+    parser.add_argument("--dataset", default="tiny-imagenet", choices=list(DATASETS))
+    parser.add_argument("--data-root", help="default: " + ", ".join(f"{k}: {v}" for k, v in DATASETS.items()))
+    parser.add_argument("--split", default="test", help="the image-folder split for cifar10 (Tiny-ImageNet: val)")
+    parser.add_argument("--limit", type=int, default=None, help="the first N images of the mixed order (default: all)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=None, help="deletion/insertion steps (default: one per patch)")
+    parser.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN, help="the model's normalisation")
+    parser.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD)
+    parser.add_argument("--outlier-factor", type=float, default=2.0, help="outlier norm: > factor x the median")
+    parser.add_argument("--off-centre-dist", type=float, default=0.0, help="and box centre this far from the middle")
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0, help="for the uniform-random baseline")
-    parser.add_argument("--out", default="benchmarks/rollout.md", help="the markdown table")
-    parser.add_argument("--json", default="runs/rollout/eval.json", help="all numbers, machine-readable")
+    parser.add_argument("--seed", type=int, default=0, help="the image order and the random baseline")
+    parser.add_argument("--out", default="benchmarks/rollout.md", help="the markdown report")
+    parser.add_argument("--json", default="runs/rollout/eval.json", help="all numbers of this run")
+    parser.add_argument("--with-results", nargs="*", default=[], help="earlier JSONs of this script to report too")
     args = parser.parse_args(argv)
     if not Path(args.checkpoint).is_file():
         parser.error(f"checkpoint {args.checkpoint} does not exist")
-    result = evaluate(args)
-    command = "flock /tmp/vit-bench.lock python scripts/rollout_eval.py " + shlex.join(argv or sys.argv[1:])
-    text = markdown(result, command)
+    earlier = [json.loads(Path(path).read_text()) for path in args.with_results]
+    result = evaluate(args, args.checkpoint)
+    result["command"] = "flock /tmp/vit-bench.lock python scripts/rollout_eval.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
+    text = markdown([*earlier, result])
     write_report(args.out, text)
     write_report(args.json, json.dumps(result, indent=2))
     print(text)
     print(f"wrote {args.out} and {args.json}")
-    return result
+    return [*earlier, result]
 
 
 if __name__ == "__main__":

@@ -1,31 +1,45 @@
 """Faithfulness metrics on cases with known answers: a model that looks at one patch only, maps that
-rank that patch first or last, closed-form areas, hand-made tokens and boxes; then batching on a ViT."""
+rank that patch first or last, closed-form areas, hand-made tokens and boxes; then batching on a ViT,
+and scripts/rollout_eval.py on tiny image folders against the same scores computed directly."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
+from scripts.rollout_eval import main as rollout_eval
+from tests.conftest import write_image_folder
 from tests.test_rollout import _nano
+from vit import create_model
+from vit.checkpoint import load_model
+from vit.data.images import read_rgb, scan_image_folder
+from vit.data.transforms import eval_transform
 from vit.explain import (
     FRACTIONS,
     auc,
     baseline_maps,
     cell_masks,
+    class_interleaved_order,
     deletion_insertion_curves,
     fill_cells,
+    mean_and_se,
     off_centre,
     outlier_norm_fraction,
     outlier_norm_mask,
     perturbation_curve,
+    perturbation_scores,
     random_maps,
     relevance_order,
     remove_patches,
 )
-from vit.rollout import attention_rollout, box_scores, centre_gaussian
+from vit.rollout import METHODS, attention_rollout, box_scores, centre_gaussian
 
 KEY = (1, 2)  # the one patch (row, column) of a 4x4 grid of 4x4-pixel patches the model looks at
 
@@ -197,3 +211,139 @@ def test_curves_on_a_vit_batch_equal_the_per_image_curves():
     probs = logits.softmax(-1).max(-1).values
     torch.testing.assert_close(curves.deletion[0], probs, atol=1e-6, rtol=1e-5)  # nothing deleted yet
     torch.testing.assert_close(curves.insertion[-1], probs, atol=1e-6, rtol=1e-5)  # everything inserted
+
+
+def test_perturbation_scores_are_per_image_aucs_of_the_curves():
+    model = OnePatchModel()
+    images, labels, maps = _one_patch_case()
+    scores = perturbation_scores(model, images, labels, maps, steps=4)
+    # per image: the key patch goes first, so class 1 images drop to 0 from 10% on, class 0 ones
+    # keep the tie; the batch mean is the AUC of the accuracy curve, 0.475 / 0.9 as above
+    lost = (0.1 * 0.5) / 0.9
+    torch.testing.assert_close(scores["positive"], torch.tensor([1.0, lost] * 4))
+    assert scores["positive"].mean().item() == pytest.approx(0.475 / 0.9)
+    torch.testing.assert_close(scores["negative"], torch.ones(8))
+    p = 1 / (1 + math.exp(-2))
+    assert scores["deletion"].mean().item() == pytest.approx((p + 0.5) / 2 / 4 + 3 * 0.5 / 4, rel=1e-6)
+    assert scores["insertion_curve"].shape == (5, 8) and scores["positive_curve"].shape == (10, 8)
+    assert mean_and_se([0.0, 1.0, 1.0, 0.0]) == pytest.approx((0.5, math.sqrt(1 / 3) / 2))
+    assert mean_and_se([0.25]) == (0.25, 0.0)
+
+
+def test_class_interleaved_order_takes_one_image_per_class_in_turn():
+    labels = [0] * 5 + [1] * 3 + [2] * 4
+    order = class_interleaved_order(labels, seed=3)
+    assert sorted(order) == list(range(12))
+    assert [labels[i] for i in order] == [0, 1, 2] * 3 + [0, 2, 0]  # class 1 runs out after 3 rounds
+    assert order == class_interleaved_order(labels, seed=3)
+    assert order != class_interleaved_order(labels, seed=4)  # the images within a class are shuffled
+    # the listing order of the files does not matter, only the labels and the seed
+    assert class_interleaved_order(torch.tensor(labels), seed=3) == order
+
+
+def _checkpoint(path: Path, num_classes: int) -> Path:
+    """vit_nano_patch4_16 (16 px, 4x4 grid, CLS pooling) moved away from its init, in our .ckpt format."""
+    model = create_model("vit_nano_patch4_16", num_classes=num_classes)
+    with torch.no_grad():  # away from the init, so attention is not uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    state_dict = {f"model.{k}": v for k, v in model.state_dict().items()}
+    meta = {"model_name": "vit_nano_patch4_16", "model_kwargs": {"num_classes": num_classes}}
+    torch.save({"vit": meta, "state_dict": state_dict}, path)
+    return path
+
+
+def test_rollout_eval_on_an_image_folder_equals_the_scores_computed_directly(tmp_path):
+    root = write_image_folder(tmp_path / "cifar", classes=4, train=1, val=4, size=16, val_dir="test")
+    ckpt = _checkpoint(tmp_path / "vit.ckpt", num_classes=4)
+    out, js = tmp_path / "eval.md", tmp_path / "eval.json"
+    argv = ["--checkpoint", str(ckpt), "--dataset", "cifar10", "--data-root", str(root), "--limit", "12"]
+    argv += ["--batch-size", "5", "--steps", "4", "--out", str(out), "--json", str(js)]
+    rollout_eval(argv)
+    result = json.loads(js.read_text())
+    assert list(result["rows"]) == [*METHODS, "random", "centre"]
+    assert result["num_images"] == 12 and result["images_per_class"] == [3, 3]
+
+    # the same 12 images, by hand: the seeded class-interleaved order of the test split
+    _, samples = scan_image_folder(root / "test")
+    chosen = [samples[i] for i in class_interleaved_order([s.label for s in samples], seed=0)[:12]]
+    transform = eval_transform(16)
+    x = torch.stack([transform(image=read_rgb(s.path))["image"] for s in chosen])
+    y = torch.tensor([s.label for s in chosen])
+    model = load_model(ckpt)
+    with torch.no_grad():
+        accuracy = (model(x).argmax(-1) == y).float().mean().item()
+        patches = model.forward_intermediates(x, indices=1, output_fmt="NLC", intermediates_only=True)[0]
+    assert result["clean_top1"] == pytest.approx(accuracy)
+    assert result["outlier_norm_fraction"] == pytest.approx(outlier_norm_fraction(patches))
+    assert result["patch_tokens"] == 12 * 16
+
+    # the random baseline: one seeded generator, drawn batch after batch (5, 5, 2 images)
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.cat([random_maps(b, (4, 4), generator) for b in (5, 5, 2)])
+    random_row = result["rows"]["random"]
+    assert random_row["positive"] == pytest.approx(auc(FRACTIONS, perturbation_curve(model, x, y, noise)))
+    negative = perturbation_curve(model, x, y, noise, most_relevant_first=False)
+    assert random_row["negative"] == pytest.approx(auc(FRACTIONS, negative))
+    centre = deletion_insertion_curves(model, x, None, baseline_maps("centre", 12, (4, 4)), steps=4)
+    assert result["rows"]["centre"]["deletion"] == pytest.approx(auc(centre.fractions, centre.deletion), abs=1e-6)
+    assert result["rows"]["centre"]["insertion"] == pytest.approx(auc(centre.fractions, centre.insertion), abs=1e-6)
+    for name, row in result["rows"].items():
+        for key in ("positive", "negative", "deletion", "insertion"):
+            assert 0.0 <= row[key] <= 1.0, (name, key)
+        assert row["positive_curve"][0] == row["negative_curve"][0] == pytest.approx(accuracy)  # nothing removed
+        assert len(row["deletion_curve"]) == 5 and "pointing" not in row  # no boxes in an image folder
+        assert row["ms_per_image"] > 0
+
+    text = out.read_text()
+    assert result["command"] in text and result["machine"] in text
+    assert "positive AUC ↓" in text and "insertion AUC ↑" in text and "baseline: centred Gaussian" in text
+    # a second model's run reports the first one too, each with its own command
+    second = [*argv[:6], "--limit", "4", "--methods", "attention", "--out", str(out)]
+    rollout_eval([*second, "--json", str(tmp_path / "b.json"), "--with-results", str(js)])
+    text = out.read_text()
+    assert text.count("## `") == 2 and result["command"] in text and "--limit 4 --methods attention" in text
+
+
+def test_rollout_eval_on_tiny_imagenet_boxes_scores_the_off_centre_subset(tmp_path):
+    """Six 16x16 val images; the centred Gaussian (pixel resolution) peaks at pixel (7, 7), the first
+    of the four central pixels, so it hits exactly the boxes that hold that pixel."""
+    root = tmp_path / "tiny"
+    boxes = [
+        (0, 0, 15, 15),  # the whole image: hit
+        (4, 4, 11, 11),  # centred: hit
+        (0, 0, 5, 5),  # top-left corner: off-centre
+        (10, 10, 15, 15),  # bottom-right corner: off-centre
+        (0, 8, 15, 15),  # the bottom half: holds central pixels (row 8), but not the peak (7, 7)
+        (8, 0, 15, 6),  # top right: off-centre
+    ]
+    wnids = ["n01", "n02", "n03"]
+    (root / "val" / "images").mkdir(parents=True)
+    (root / "wnids.txt").write_text("\n".join(wnids) + "\n")
+    rng = np.random.default_rng(0)
+    lines = []
+    for i, box in enumerate(boxes):
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(
+            root / "val" / "images" / f"val_{i}.JPEG"
+        )
+        lines.append("\t".join([f"val_{i}.JPEG", wnids[i % 3], *map(str, box)]))
+    (root / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+    ckpt = _checkpoint(tmp_path / "vit.ckpt", num_classes=3)
+    js = tmp_path / "eval.json"
+    argv = ["--checkpoint", str(ckpt), "--data-root", str(root), "--methods", "attention", "--steps", "2"]
+    rollout_eval([*argv, "--out", str(tmp_path / "eval.md"), "--json", str(js)])
+    result = json.loads(js.read_text())
+    assert result["dataset"] == "tiny-imagenet" and result["num_images"] == 6
+    assert result["off_centre_images"] == 3
+    centre = result["rows"]["centre"]
+    assert centre["pointing"] == pytest.approx(2 / 6) and centre["pointing_off_centre"] == 0.0
+    assert 0.0 <= centre["energy_off_centre"] < centre["energy"] <= 1.0
+    # the attention rollout's box scores, directly, on the same images (all six: order does not matter)
+    model = load_model(ckpt)
+    transform = eval_transform(16)
+    files = sorted((root / "val" / "images").iterdir())
+    x = torch.stack([transform(image=read_rgb(f))["image"] for f in files])
+    hits, energy = box_scores(attention_rollout(model, x)[0], torch.tensor(boxes), 16)
+    assert result["rows"]["attention"]["pointing"] == pytest.approx(hits.mean().item())
+    assert result["rows"]["attention"]["energy"] == pytest.approx(energy.mean().item(), rel=1e-5)
+    assert "pointing, off-centre ↑" in (tmp_path / "eval.md").read_text()

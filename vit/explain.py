@@ -273,3 +273,79 @@ def off_centre(boxes: torch.Tensor, size: int, min_dist: float, exclude_centre: 
         covers_y = (b[:, 1] <= hi) & (b[:, 3] >= lo)
         keep = keep & ~(covers_x & covers_y)
     return keep
+
+
+# -- scoring a method over a dataset ------------------------------------------------------------
+
+# Which way is better for each score `scripts/rollout_eval.py` reports.
+BETTER = {
+    "positive": "lower",  # accuracy should fall fast when the most relevant patches go
+    "negative": "higher",  # and hold when the least relevant go
+    "deletion": "lower",
+    "insertion": "higher",
+    "pointing": "higher",
+    "energy": "higher",
+    "ms_per_image": "lower",
+}
+
+
+@torch.no_grad()
+def perturbation_scores(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    maps: torch.Tensor,
+    fractions: Sequence[float] = FRACTIONS,
+    steps: int | None = None,
+    fill: float | torch.Tensor = 0.0,
+) -> dict[str, torch.Tensor]:
+    """The four perturbation tests of one batch of maps, per image.
+
+    "positive" / "negative": each image's AUC (`auc` over `fractions`) of its 0/1 hits against
+    `labels` as patches are removed most / least relevant first (`perturbation_curve`); averaged
+    over images they are the AUC of the accuracy curve, which starts at the clean accuracy.
+    "deletion" / "insertion": each image's AUC of the probability of the class the model predicts
+    on the unperturbed image (`deletion_insertion_curves` with `steps`). (B,) each, and the curves
+    under "<name>_curve", (points, B), to average into the mean curve.
+    """
+    positive = perturbation_curve(model, images, labels, maps, fractions, True, fill, per_image=True)
+    negative = perturbation_curve(model, images, labels, maps, fractions, False, fill, per_image=True)
+    curves = deletion_insertion_curves(model, images, None, maps, steps, fill, per_image=True)
+    scores = {}
+    for name, xs, ys in (
+        ("positive", fractions, positive),
+        ("negative", fractions, negative),
+        ("deletion", curves.fractions, curves.deletion),
+        ("insertion", curves.fractions, curves.insertion),
+    ):
+        scores[name] = auc(xs, ys).float()
+        scores[f"{name}_curve"] = ys.float()
+    return scores
+
+
+def mean_and_se(values: torch.Tensor | Sequence[float]) -> tuple[float, float]:
+    """The mean of per-image scores and its standard error (sample std / sqrt(n); 0 for one value,
+    NaN for none)."""
+    v = torch.as_tensor(values, dtype=torch.float64).flatten()
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    se = float(v.std() / len(v) ** 0.5) if len(v) > 1 else 0.0
+    return float(v.mean()), se
+
+
+def class_interleaved_order(labels: Sequence[int] | torch.Tensor, seed: int = 0) -> list[int]:
+    """Every index of `labels` once, in a fixed order that mixes the classes: each class's images
+    are shuffled (seeded), then taken one per class in turn (classes in id order) until all are used.
+
+    The first N of the order therefore hold every class equally, up to one image (a class with fewer
+    images drops out when it runs out), whatever order the files were listed in; the same seed and
+    labels give the same order on every machine.
+    """
+    labels = torch.as_tensor(labels).long()
+    generator = torch.Generator().manual_seed(seed)
+    keyed = []
+    for c in torch.unique(labels).tolist():
+        members = (labels == c).nonzero()[:, 0]
+        shuffled = members[torch.randperm(len(members), generator=generator)].tolist()
+        keyed += [(rank, c, index) for rank, index in enumerate(shuffled)]
+    return [index for _, _, index in sorted(keyed)]

@@ -6,6 +6,7 @@ raw patch-grid map as .npy, plus an index.html gallery of the run.
         --data-root ../shared/data/tiny-imagenet-200 --split val --limit 200 --out runs/rollout/tiny_val
     vit-rollout --checkpoint vit_b16.safetensors --model vit_base_patch16_224 --crop-pct 0.875 img/
     vit-rollout --checkpoint timm:vit_base_patch16_224 --method gradient img/   # needs the network
+    vit-rollout --checkpoint runs/x/last.ckpt --method attention,gradient,last_attention,gradcam img/
 
 (`python scripts/rollout.py ...` is the same command.)
 
@@ -13,7 +14,9 @@ The checkpoint is ours (.ckpt / .safetensors from scripts/train.py), a timm-form
 --model naming the architecture, or timm:<name>. Images are files, folders (searched recursively)
 or a dataset split from a training config. The model sees each image as in validation (shorter
 side resized to img_size / crop_pct, centre crop); the PNG shows that region of the original,
-with the map resized to it bilinearly.
+with the map resized to it bilinearly. `--method` takes any of `vit.rollout.METHODS`, or several
+separated by commas: then every image gets one panel and one map per method (`<image>_<method>.png` / `.npy`), and the
+gallery shows an image's methods side by side in one row.
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ from vit.data.images import IMAGE_EXTENSIONS, ImageArrays, ImageFiles, read_rgb
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
 from vit.rollout import METHODS, check_vit, render_panel, rollout_maps
 from vit.vision_transformer import VisionTransformer
+
+METHOD_NAMES = {
+    "attention": "attention rollout",
+    "gradient": "gradient rollout",
+    "last_attention": "last-block attention",
+    "gradcam": "GradCAM",
+}
 
 
 @dataclass
@@ -126,6 +136,17 @@ def model_view(image: np.ndarray, crop_pct: float) -> np.ndarray:
 # -- the export --------------------------------------------------------------------------------
 
 
+def _methods(text: str) -> list[str]:
+    """`--method a,b`: the names, checked against METHODS (one method per map file and panel)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in METHODS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)}: choose from {', '.join(METHODS)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a method is named twice in {text!r}")
+    return names
+
+
 def batches(items: list[Item], size: int) -> Iterator[list[Item]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -160,20 +181,28 @@ def export(args: argparse.Namespace) -> Path:
     for batch in batches(items, args.batch_size):
         images = [_read(item) for item in batch]
         x = torch.stack([transform(image=image)["image"] for image in images]).to(args.device)
-        maps, logits = rollout_maps(
-            model, x, args.method, args.head_fusion, args.discard_ratio, args.start_layer, args.target
-        )
+        maps, logits = {}, None
+        for method in args.method:
+            found, logits = rollout_maps(
+                model, x, method, args.head_fusion, args.discard_ratio, args.start_layer, args.target
+            )
+            maps[method] = found.cpu().numpy()
         probs = logits.float().softmax(dim=-1).cpu()
-        for item, image, m, p in zip(batch, images, maps.cpu().numpy(), probs, strict=True):
-            index = len(entries)
-            stem = f"{index:05d}_{item.name}"
+        for j, (item, image, p) in enumerate(zip(batch, images, probs, strict=True)):
+            stem = f"{len(entries):05d}_{item.name}"
             top = p.topk(min(args.topk, len(p)))
             lines = [f"{name_of(int(c))}: {float(v):.2f}" for v, c in zip(top.values, top.indices, strict=True)]
             if item.label is not None:
                 lines.append(f"(true: {name_of(item.label)})")
-            render_panel(model_view(image, settings["crop_pct"]), m, lines, args.panel_size).save(out / f"{stem}.png")
-            np.save(out / f"{stem}.npy", m.astype(np.float32))
-            entries.append((stem, item.name, lines))
+            view = model_view(image, settings["crop_pct"])
+            files = []
+            for method in args.method:  # one method: <stem>.png; several: <stem>_<method>.png, titled
+                file_stem = stem if len(args.method) == 1 else f"{stem}_{method}"
+                title = [] if len(args.method) == 1 else [METHOD_NAMES[method]]
+                render_panel(view, maps[method][j], title + lines, args.panel_size).save(out / f"{file_stem}.png")
+                np.save(out / f"{file_stem}.npy", maps[method][j].astype(np.float32))
+                files.append((method, file_stem))
+            entries.append((item.name, lines, files))
             progress.update()
     progress.close()
     write_gallery(out, entries, args)
@@ -187,23 +216,44 @@ def _read(item: Item) -> np.ndarray:
     return image
 
 
-def write_gallery(out: Path, entries: list[tuple[str, str, list[str]]], args: argparse.Namespace) -> None:
-    """index.html: every image's panel with its name, predictions and a link to the raw map."""
-    names = {"attention": "attention rollout", "gradient": "gradient rollout", "last_attention": "last-block attention"}
-    what = names.get(args.method, args.method) + (
-        f", {args.head_fusion} fusion, discard {args.discard_ratio}" if args.method == "attention" else ""
+def _figure(file_stem: str, caption: str) -> str:
+    stem = html.escape(file_stem)
+    return (
+        f'<figure><a href="{stem}.png"><img src="{stem}.png" loading="lazy"></a>'
+        f'<figcaption>{caption}<br><a href="{stem}.npy">map (.npy)</a></figcaption></figure>'
     )
-    figures = "\n".join(
-        f'<figure><a href="{html.escape(stem)}.png"><img src="{html.escape(stem)}.png" loading="lazy"></a>'
-        f"<figcaption><b>{html.escape(name)}</b><br>{'<br>'.join(html.escape(line) for line in lines)}"
-        f'<br><a href="{html.escape(stem)}.npy">map (.npy)</a></figcaption></figure>'
-        for stem, name, lines in entries
+
+
+def write_gallery(
+    out: Path, entries: list[tuple[str, list[str], list[tuple[str, str]]]], args: argparse.Namespace
+) -> None:
+    """index.html: every image's panel with its name, predictions and a link to the raw map; with
+    several methods, one row per image holding its panels side by side, methods in the order given."""
+    what = ", ".join(
+        METHOD_NAMES[m] + (f" ({args.head_fusion} fusion, discard {args.discard_ratio})" if m == "attention" else "")
+        for m in args.method
     )
+    captions = [f"<b>{html.escape(name)}</b><br>{'<br>'.join(map(html.escape, lines))}" for name, lines, _ in entries]
+    if len(args.method) == 1:
+        columns = f"repeat(auto-fill, minmax({3 * args.panel_size}px, 1fr))"
+        figures = "\n".join(
+            _figure(files[0][1], caption) for (_, _, files), caption in zip(entries, captions, strict=True)
+        )
+    else:  # a row per image: its caption, then one figure per method
+        columns = "1fr"
+        figures = "\n".join(
+            f'<section><p>{caption}</p><div class="row">'
+            + "".join(_figure(file_stem, f"<b>{html.escape(METHOD_NAMES[m])}</b>") for m, file_stem in files)
+            + "</div></section>"
+            for (_, _, files), caption in zip(entries, captions, strict=True)
+        )
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Attention rollout: {html.escape(args.checkpoint)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1em; }}
-main {{ display: grid; grid-template-columns: repeat(auto-fill, minmax({3 * args.panel_size}px, 1fr)); gap: 1em; }}
+main {{ display: grid; grid-template-columns: {columns}; gap: 1em; }}
+.row {{ display: grid; grid-template-columns: repeat({len(args.method)}, {3 * args.panel_size}px); gap: 1em; }}
+section p {{ margin: 0.2em 0; }}
 figure {{ margin: 0; }} img {{ width: 100%; image-rendering: auto; }} figcaption {{ font-size: 0.9em; }}
 </style></head><body>
 <h1>Attention rollout</h1>
@@ -226,11 +276,16 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--data-root", help="override the config's data.root")
     parser.add_argument("--limit", type=int, help="only the first N images")
     parser.add_argument("--out", default="runs/rollout/export", help="output folder")
-    parser.add_argument("--method", default="attention", choices=METHODS)
+    parser.add_argument(
+        "--method",
+        type=_methods,
+        default=["attention"],
+        help=f"one or several of {', '.join(METHODS)}, comma-separated",
+    )
     parser.add_argument("--head-fusion", default="mean", choices=["mean", "max", "min"])
     parser.add_argument("--discard-ratio", type=float, default=0.0)
     parser.add_argument("--start-layer", type=int, default=0)
-    parser.add_argument("--target", type=int, help="class for --method gradient (default: the predicted one)")
+    parser.add_argument("--target", type=int, help="class for gradient and gradcam (default: the predicted one)")
     parser.add_argument("--topk", type=int, default=3, help="predicted classes shown per image")
     parser.add_argument("--class-names", help="a text file with one class name per line")
     parser.add_argument("--crop-pct", type=float, default=1.0, help="eval centre crop (0.875 for ImageNet models)")

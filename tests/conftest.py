@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,3 +44,24 @@ def write_image_folder(
                 path.parent.mkdir(parents=True, exist_ok=True)
                 Image.fromarray(pixels).save(path)
     return root
+
+
+def write_image(path: Path, mode: str = "RGB", size: tuple[int, int] = (20, 12), value: int = 100) -> None:
+    """One flat image file of `size` (width, height) in PIL `mode`, parent folders made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    array = np.full((size[1], size[0], channels), value, dtype=np.uint8).squeeze()
+    Image.fromarray(array, mode=mode).save(path)
+
+
+def quiet_trainer(root: Path, **kwargs) -> L.Trainer:
+    """A CPU fp32 Trainer without logger, progress bar or sanity validation, keeping `best`/`last`
+    checkpoints by val/acc1 under root/checkpoints; `kwargs` override or add (callbacks add)."""
+    defaults = dict(
+        default_root_dir=str(root), accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[], precision="32-true",
+    )  # fmt: skip
+    defaults.update(kwargs)
+    checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", monitor="val/acc1", mode="max", save_last=True)
+    defaults["callbacks"] = [*defaults["callbacks"], checkpoints]
+    return L.Trainer(**defaults)

@@ -61,3 +61,14 @@ class RecordLR(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+class InterruptAt(L.Callback):
+    """Presses Ctrl-C after the given optimizer step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt

@@ -12,7 +12,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from tests.test_training import _trainer
+from tests.conftest import quiet_trainer
 from vit import create_model
 from vit.checkpoint import (
     adapt_state_dict,
@@ -59,7 +59,7 @@ def test_fine_tuning_a_timm_checkpoint_for_a_few_steps_at_32px(tmp_path):
     )
     data = DigitsDataModule(img_size=32, batch_size=32, num_workers=0)
     before = module.model.blocks[0].attn.qkv.weight.clone() if module.model is not None else None
-    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=4, limit_val_batches=2)
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=4, limit_val_batches=2)
     trainer.fit(module, data)
     assert trainer.global_step == 4 and module.model.head.out_features == 10
     assert before is None  # num_classes came from the datamodule, so the model was built in fit
@@ -68,7 +68,7 @@ def test_fine_tuning_a_timm_checkpoint_for_a_few_steps_at_32px(tmp_path):
 
 def test_our_checkpoint_by_path_and_as_safetensors(tmp_path):
     module = ImageClassifier("vit_nano_patch4_16", num_classes=10)
-    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1)
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1)
     trainer.fit(module, DigitsDataModule(batch_size=32, num_workers=0))
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
 
@@ -98,7 +98,7 @@ def test_load_model_builds_a_timm_format_file_given_the_architecture(tmp_path):
 
 def test_a_new_class_count_from_our_checkpoint_via_init_from(tmp_path):
     module = ImageClassifier("vit_nano_patch4_16", num_classes=10)
-    _trainer(tmp_path, max_steps=1).fit(module, DigitsDataModule(batch_size=32, num_workers=0))
+    quiet_trainer(tmp_path, max_steps=1).fit(module, DigitsDataModule(batch_size=32, num_workers=0))
     finetune = ImageClassifier("vit_nano_patch4_16", num_classes=4, init_from=str(tmp_path / "checkpoints/last.ckpt"))
     assert finetune.model.head.out_features == 4
     assert torch.equal(finetune.model.blocks[3].mlp.fc2.weight, module.model.blocks[3].mlp.fc2.weight)
@@ -230,7 +230,7 @@ def test_linear_probe_trains_only_the_head_with_the_backbone_in_eval_mode(tmp_pa
 
     module = ImageClassifier("vit_nano_patch4_16", {"drop_path_rate": 0.5}, num_classes=10, freeze_backbone=True)
     start = {k: v.clone() for k, v in module.model.state_dict().items()}
-    _trainer(tmp_path, max_epochs=1, limit_train_batches=3, limit_val_batches=1, callbacks=[Spy()]).fit(
+    quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=3, limit_val_batches=1, callbacks=[Spy()]).fit(
         module, DigitsDataModule(batch_size=32, num_workers=0)
     )
     changed = {k for k, v in module.model.state_dict().items() if not torch.equal(v, start[k])}

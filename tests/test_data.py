@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import shared_path
+from tests.conftest import shared_path, write_image
 from vit.data import (
     CIFARDataModule,
     CorruptImageError,
@@ -25,17 +25,10 @@ from vit.data.transforms import eval_transform, train_transform
 from vit.lit import ImageClassifier
 
 
-def _write_image(path, mode: str = "RGB", size=(20, 12), value=100) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
-    array = np.full((size[1], size[0], channels), value, dtype=np.uint8).squeeze()
-    Image.fromarray(array, mode=mode).save(path)
-
-
 @pytest.mark.parametrize("mode", ["L", "RGBA", "RGB"])
 def test_greyscale_and_rgba_files_become_rgb(tmp_path, mode):
     path = tmp_path / f"img_{mode}.png"
-    _write_image(path, mode, size=(20, 12), value=77)
+    write_image(path, mode, size=(20, 12), value=77)
     image = read_rgb(path)
     assert image.shape == (12, 20, 3) and image.dtype == np.uint8
     assert (image == 77).all()
@@ -53,7 +46,7 @@ def test_corrupt_file_raises_an_error_naming_it(tmp_path):
 
 def test_skip_corrupt_logs_counts_and_substitutes_the_next_image(tmp_path, caplog):
     good, bad = tmp_path / "good.png", tmp_path / "bad.png"
-    _write_image(good, value=9)
+    write_image(good, value=9)
     bad.write_bytes(b"garbage")
     dataset = ImageFiles([Sample(str(bad), 0), Sample(str(good), 1)], skip_corrupt=True)
     with caplog.at_level("WARNING"):
@@ -79,7 +72,7 @@ def test_evaluation_with_skip_corrupt_scores_every_readable_image_once(tmp_path,
     for split, n in (("train", 4), ("val", 3)):
         for cls in ("a", "b"):
             for i in range(n):
-                _write_image(tmp_path / split / cls / f"{i}.png", value=40 * i)
+                write_image(tmp_path / split / cls / f"{i}.png", value=40 * i)
     (tmp_path / "val" / "b" / "1.png").write_bytes(b"garbage")
     dm = ImageFolderDataModule(root=str(tmp_path), img_size=16, batch_size=4, num_workers=0, skip_corrupt=True)
     dm.setup("fit")
@@ -103,7 +96,7 @@ def test_image_folder_layout_and_its_errors(tmp_path):
     for split, n in (("train", 3), ("val", 2)):
         for cls in ("b_dog", "a_cat"):
             for i in range(n):
-                _write_image(tmp_path / split / cls / f"{i}.png")
+                write_image(tmp_path / split / cls / f"{i}.png")
     (tmp_path / "train" / "a_cat" / "notes.txt").write_text("not an image")
     dm = ImageFolderDataModule(root=str(tmp_path), img_size=16, batch_size=4, num_workers=0)
     assert dm.num_classes == 2 and dm.classes == ["a_cat", "b_dog"]
@@ -117,7 +110,7 @@ def test_image_folder_layout_and_its_errors(tmp_path):
     (tmp_path / "empty" / "train").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="no class sub-folders"):
         ImageFolderDataModule(root=str(tmp_path / "empty"))
-    _write_image(tmp_path / "val" / "c_extra" / "0.png")
+    write_image(tmp_path / "val" / "c_extra" / "0.png")
     with pytest.raises(ValueError, match="class folders that the training split does not: c_extra"):
         ImageFolderDataModule(root=str(tmp_path), img_size=16, num_workers=0).setup("fit")
 
@@ -126,10 +119,10 @@ def test_tiny_imagenet_official_layout_reads_val_labels_and_boxes(tmp_path):
     (tmp_path / "wnids.txt").write_text("n02\nn01\n")
     for wnid in ("n01", "n02"):
         for i in range(2):
-            _write_image(tmp_path / "train" / wnid / "images" / f"{wnid}_{i}.JPEG")
+            write_image(tmp_path / "train" / wnid / "images" / f"{wnid}_{i}.JPEG")
         (tmp_path / "train" / wnid / f"{wnid}_boxes.txt").write_text(f"{wnid}_0.JPEG\t1\t2\t3\t4\n")
     for i in range(3):
-        _write_image(tmp_path / "val" / "images" / f"val_{i}.JPEG")
+        write_image(tmp_path / "val" / "images" / f"val_{i}.JPEG")
     (tmp_path / "val" / "val_annotations.txt").write_text(
         "val_0.JPEG\tn02\t0\t0\t5\t5\nval_1.JPEG\tn01\t1\t1\t6\t6\nval_2.JPEG\tn02\t2\t2\t7\t7\n"
     )
@@ -269,7 +262,7 @@ def test_image_folder_shapes_with_the_real_cifar_copy():
 
 def test_image_folder_eval_keeps_the_whole_image_unless_training_used_random_resized_crops(tmp_path):
     for split in ("train", "val"):
-        _write_image(tmp_path / split / "cls" / "0.png", size=(32, 32))
+        write_image(tmp_path / split / "cls" / "0.png", size=(32, 32))
     image = np.zeros((32, 32, 3), np.uint8)
     image[0, :] = 255  # a white top edge: kept by a whole-image eval, cut by a 0.875 centre crop
     for crop, edge_kept in (("pad_crop", True), ("resize", True), ("rrc", False)):
@@ -283,7 +276,7 @@ def test_image_folder_picks_its_crop_from_the_image_size_and_logs_both_pipelines
     flip; whole-image eval), not with ImageNet's random resized crop, which could keep 8% of it; a
     folder at 224 px gets the random resized crop and the 0.875 centre-crop eval. Both are logged."""
     for split in ("train", "val"):
-        _write_image(tmp_path / split / "cls" / "0.png", size=(32, 32))
+        write_image(tmp_path / split / "cls" / "0.png", size=(32, 32))
 
     def ops(transform) -> list[str]:
         return [type(op).__name__ for op in transform.transforms]
@@ -322,9 +315,9 @@ def test_16_bit_greyscale_is_scaled_to_8_bits_and_float_images_are_refused(tmp_p
 
 
 def test_an_empty_class_folder_or_a_class_missing_from_val_is_named_in_a_warning(tmp_path, caplog):
-    _write_image(tmp_path / "train" / "cat" / "0.png")
+    write_image(tmp_path / "train" / "cat" / "0.png")
     (tmp_path / "train" / "dog").mkdir()
-    _write_image(tmp_path / "val" / "cat" / "0.png")
+    write_image(tmp_path / "val" / "cat" / "0.png")
     with caplog.at_level("WARNING", logger="vit"):
         classes, _ = scan_image_folder(tmp_path / "train")
         scan_image_folder(tmp_path / "val", classes=classes)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.test_training import InterruptAt, _trainer
+from tests.conftest import quiet_trainer
+from tests.faults import InterruptAt
 from vit.data import DigitsDataModule, ImageFiles
 from vit.data.datamodules import ImageFolderDataModule, holdout_indices
 from vit.data.images import Sample
@@ -186,7 +187,7 @@ def _memory_recipe() -> tuple[ImageClassifier, DigitsDataModule]:
 def test_in_memory_training_resumes_exactly_mid_epoch(tmp_path):
     L.seed_everything(7)
     module, data = _memory_recipe()
-    _trainer(tmp_path / "straight", max_steps=30).fit(module, data)
+    quiet_trainer(tmp_path / "straight", max_steps=30).fit(module, data)
     expected = module.model.state_dict()
 
     L.seed_everything(7)
@@ -194,12 +195,12 @@ def test_in_memory_training_resumes_exactly_mid_epoch(tmp_path):
     previous_handler = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(SystemExit):
-            _trainer(tmp_path / "run", max_steps=30, callbacks=[InterruptAt(13)]).fit(module, data)
+            quiet_trainer(tmp_path / "run", max_steps=30, callbacks=[InterruptAt(13)]).fit(module, data)
     finally:
         signal.signal(signal.SIGINT, previous_handler)
     L.seed_everything(123)
     module, data = _memory_recipe()
-    trainer = _trainer(tmp_path / "run", max_steps=30)
+    trainer = quiet_trainer(tmp_path / "run", max_steps=30)
     trainer.fit(module, data, ckpt_path="last")
     assert trainer.global_step == 30
     for name, value in expected.items():
@@ -218,7 +219,7 @@ def test_progressive_sizes_follow_the_run_and_validation_stays_full_size(tmp_pat
 
     module = ImageClassifier("vit_nano_patch4_16", {"posemb": "sincos2d"}, num_classes=10)
     data = DigitsDataModule(batch_size=64, in_memory=True, train_sizes=[[0, 8], [0.5, 16]])
-    trainer = _trainer(tmp_path, max_steps=10, limit_val_batches=1, callbacks=[Spy()])
+    trainer = quiet_trainer(tmp_path, max_steps=10, limit_val_batches=1, callbacks=[Spy()])
     trainer.fit(module, data)
     trainer.validate(module, data, verbose=False)
     assert [sizes[s] for s in range(10)] == [8] * 5 + [16] * 5 and sizes["val"] == 16
@@ -244,7 +245,7 @@ def test_wall_clock_budget_stops_the_run_and_the_lr_ends_on_time(tmp_path):
             expected.append(1e-3 * warmup_cosine(budget.progress(), 0.2, 0.0))
 
     module = ImageClassifier(num_classes=10, lr=1e-3, warmup_fraction=0.2)
-    trainer = _trainer(tmp_path, max_epochs=10_000, limit_val_batches=0, callbacks=[budget, Spy()])
+    trainer = quiet_trainer(tmp_path, max_epochs=10_000, limit_val_batches=0, callbacks=[budget, Spy()])
     trainer.fit(module, DigitsDataModule(batch_size=32))
     assert 3.0 <= budget.elapsed() < 4.5 and trainer.current_epoch < 10_000
     assert max(lrs) > 0.9e-3 and lrs[-1] < 0.05e-3  # warmed up to the peak, decayed to ~0 at the end
@@ -254,7 +255,7 @@ def test_wall_clock_budget_stops_the_run_and_the_lr_ends_on_time(tmp_path):
 
 
 def test_a_budget_takes_its_warmup_as_a_fraction(tmp_path):
-    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[WallClockBudget(1)])
+    trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[WallClockBudget(1)])
     with pytest.raises(ValueError, match="warmup_fraction"):
         trainer.fit(ImageClassifier(num_classes=10, warmup_epochs=1), DigitsDataModule(batch_size=32))
 
@@ -273,7 +274,7 @@ def test_warmup_epochs_count_the_loaders_batches_whether_the_run_is_bounded_by_e
     """One epoch of warmup is one epoch of batches either way (bounded by max_steps alone it used to
     be the whole run, cut to half of it)."""
     module = ImageClassifier(num_classes=10, lr=1e-3, warmup_epochs=1)
-    trainer = _trainer(tmp_path, limit_val_batches=0, **bound)
+    trainer = quiet_trainer(tmp_path, limit_val_batches=0, **bound)
     trainer.fit(module, DigitsDataModule(batch_size=50, num_workers=0))
     per_epoch = trainer.num_training_batches
     assert per_epoch == 28  # 1,437 training digits, the last partial batch dropped
@@ -284,7 +285,7 @@ def test_warmup_epochs_count_the_loaders_batches_whether_the_run_is_bounded_by_e
 
 def test_warmup_longer_than_half_the_run_is_cut_with_a_warning(tmp_path):
     module = ImageClassifier(num_classes=10, lr=1e-3, warmup_epochs=5)  # 5 epochs of warmup in a 1-epoch run
-    trainer = _trainer(tmp_path, max_epochs=1, limit_val_batches=0)
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_val_batches=0)
     with pytest.warns(UserWarning, match="longer than half the run"):
         trainer.fit(module, DigitsDataModule(batch_size=32))
     assert trainer.optimizers[0].param_groups[0]["lr"] < 0.1e-3  # the run still decayed

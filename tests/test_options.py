@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.test_training import _trainer
+from tests.conftest import quiet_trainer
 from vit import create_model
 from vit.data import DigitsDataModule
 from vit.layers import (
@@ -353,7 +353,7 @@ class _AuxOnly(ImageClassifier):
 def test_image_classifier_adds_and_logs_the_aux_loss(tmp_path):
     L.seed_everything(0)
     module = _AuxOnly("vit_nano_patch4_16", {"num_experts": 2, "experts_top_k": 1}, num_classes=10, aux_loss_weight=0.5)
-    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1)
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1)
     trainer.fit(module, DigitsDataModule(batch_size=16, num_workers=0))
     aux, loss = trainer.callback_metrics["train/aux_loss"], trainer.callback_metrics["train/loss"]
     assert aux.item() > 3.5  # one MoE per block, each >= ~1

@@ -446,13 +446,13 @@ def test_rollout_logger_writes_overlays_to_tensorboard(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.test_training import _trainer
+    from tests.conftest import quiet_trainer
     from vit.data import DigitsDataModule
     from vit.lit import ImageClassifier
     from vit.rollout import RolloutLogger
 
     logger = TensorBoardLogger(tmp_path, name="tb")
-    trainer = _trainer(
+    trainer = quiet_trainer(
         tmp_path, max_epochs=2, limit_train_batches=1, limit_val_batches=1, logger=logger,
         callbacks=[RolloutLogger(every_n_epochs=2, num_images=3, method="gradient", panel_size=32)],
     )  # fmt: skip

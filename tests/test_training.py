@@ -11,10 +11,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
-from tests.conftest import ROOT, shared_path
-from tests.test_data import _write_image
+from tests.conftest import ROOT, quiet_trainer, shared_path, write_image
+from tests.faults import InterruptAt
 from vit.checkpoint import load_model, read_lightning_checkpoint
 from vit.cli import main
 from vit.data import DigitsDataModule
@@ -86,7 +86,7 @@ def test_image_size_and_class_count_are_set_once_on_the_data_and_reach_the_model
     disagrees stops the run with both values."""
     for cls in ("ant", "bee", "cow"):
         for split in ("train", "val"):
-            _write_image(tmp_path / "data" / split / cls / "0.png", size=(30, 30), value=50 * len(cls))
+            write_image(tmp_path / "data" / split / cls / "0.png", size=(30, 30), value=50 * len(cls))
 
     def run(name: str, *overrides: str):
         return main([
@@ -169,7 +169,7 @@ def test_resnet_baseline_trains_through_the_same_pipeline(tmp_path):
     for split, n in (("train", 8), ("val", 4)):
         for cls in ("cat", "dog", "frog"):
             for i in range(n):
-                _write_image(tmp_path / "data" / split / cls / f"{i}.png", size=(32, 32), value=40 * len(cls) + i)
+                write_image(tmp_path / "data" / split / cls / f"{i}.png", size=(32, 32), value=40 * len(cls) + i)
     cli = fit(
         "configs/cifar10_resnet.yaml", tmp_path / "run", "--data", "vit.data.ImageFolderDataModule",
         "--data.root", str(tmp_path / "data"), "--data.batch_size", "8", "--data.num_workers", "0",
@@ -204,7 +204,7 @@ def test_lr_is_scaled_by_the_global_batch_and_follows_the_schedule(tmp_path):
 
     module = ImageClassifier("vit_nano_patch4_16", lr=1e-3, lr_base_batch_size=32, warmup_epochs=1, min_lr=0.0)
     data = DigitsDataModule(batch_size=64, num_workers=0)
-    trainer = _trainer(tmp_path, max_epochs=2, callbacks=[RecordLR()])
+    trainer = quiet_trainer(tmp_path, max_epochs=2, callbacks=[RecordLR()])
     trainer.fit(module, data)
     steps = trainer.global_step  # 22 per epoch
     peak = 1e-3 * 64 / 32
@@ -223,7 +223,7 @@ def test_ema_follows_the_weights_at_the_configured_rate(tmp_path):
         weights.clear()
         module = ImageClassifier("vit_nano_patch4_16", num_classes=10, ema_decay=decay)
         data = DigitsDataModule(batch_size=32, num_workers=0)
-        _trainer(tmp_path / str(decay), max_steps=3, callbacks=[Record()]).fit(module, data)
+        quiet_trainer(tmp_path / str(decay), max_steps=3, callbacks=[Record()]).fit(module, data)
         # the first update copies the weights; each later one keeps `decay` of the average
         expected = weights[0]
         for w in weights[1:]:
@@ -244,37 +244,11 @@ def test_mixup_applies_to_training_batches_only(tmp_path):
             targets["val"] = batch[1]
 
     data = DigitsDataModule(batch_size=32, num_workers=0, mixup_alpha=0.8, cutmix_alpha=1.0)
-    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, callbacks=[Spy()])
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, callbacks=[Spy()])
     trainer.fit(ImageClassifier(num_classes=10), data)
     assert targets["train"].shape == (32, 10) and targets["train"].dtype == torch.float32
     torch.testing.assert_close(targets["train"].sum(1), torch.ones(32))
     assert targets["val"].ndim == 1 and targets["val"].dtype == torch.int64
-
-
-def _trainer(root: Path, **kwargs) -> L.Trainer:
-    defaults = dict(
-        default_root_dir=str(root), accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[], precision="32-true",
-    )  # fmt: skip
-    defaults.update(kwargs)
-    defaults["callbacks"] = [*defaults["callbacks"], _checkpointing(root)]
-    return L.Trainer(**defaults)
-
-
-def _checkpointing(root: Path) -> ModelCheckpoint:
-    return ModelCheckpoint(dirpath=root / "checkpoints", monitor="val/acc1", mode="max", save_last=True)
-
-
-class InterruptAt(Callback):
-    """Presses Ctrl-C after the given optimizer step."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == self.step:
-            raise KeyboardInterrupt
 
 
 def _recipe() -> tuple[ImageClassifier, DigitsDataModule]:
@@ -291,7 +265,7 @@ def _recipe() -> tuple[ImageClassifier, DigitsDataModule]:
 def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, interrupt_at):
     L.seed_everything(7)
     module, data = _recipe()
-    _trainer(tmp_path / "straight", max_steps=30).fit(module, data)
+    quiet_trainer(tmp_path / "straight", max_steps=30).fit(module, data)
     expected = module
 
     L.seed_everything(7)
@@ -299,7 +273,7 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, interr
     previous_handler = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(SystemExit):
-            _trainer(tmp_path / "run", max_steps=30, callbacks=[InterruptAt(interrupt_at)]).fit(module, data)
+            quiet_trainer(tmp_path / "run", max_steps=30, callbacks=[InterruptAt(interrupt_at)]).fit(module, data)
     finally:
         signal.signal(signal.SIGINT, previous_handler)
     interrupted = tmp_path / "run" / "checkpoints" / "last-interrupted.ckpt"
@@ -307,7 +281,7 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, interr
 
     L.seed_everything(123)  # a new process would not share the first one's RNG state
     module, data = _recipe()
-    trainer = _trainer(tmp_path / "run", max_steps=30)
+    trainer = quiet_trainer(tmp_path / "run", max_steps=30)
     trainer.fit(module, data, ckpt_path="last")  # picks last-interrupted.ckpt, the newest
     assert not interrupted.exists()  # superseded by the completed run's last.ckpt
 
@@ -330,7 +304,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tm
                     module.model.head.weight.fill_(float("nan"))
 
     module = ImageClassifier("vit_nano_patch4_16", num_classes=10)
-    trainer = _trainer(tmp_path, max_epochs=3, callbacks=[PoisonWeights()])
+    trainer = quiet_trainer(tmp_path, max_epochs=3, callbacks=[PoisonWeights()])
     message = r"training loss is nan at step 25 .*last good checkpoint is .*last\.ckpt"
     with pytest.raises(NonFiniteLossError, match=message):
         trainer.fit(module, DigitsDataModule(batch_size=64, num_workers=0))

@@ -147,12 +147,14 @@ def report(args: argparse.Namespace) -> str:
         "re-encoding (quality 75) makes these numbers comparable with each other, not with papers' CIFAR-10 tables.",
         "",
     ]
+    # Speeds differ between machines, so each one gets its own table; a machine keeps one number in
+    # every table (its order of first appearance in the results file), as the readings refer to it.
+    number = {m: i for i, m in enumerate(dict.fromkeys(r["machine"] for r in rows), 1)}
     for split, title in (("test", "Final runs (test set, scored once)"), ("val", "Tuning runs (held-out validation)")):
         chosen = [r for r in rows if r["split"] == split]
-        machines = list(dict.fromkeys(r["machine"] for r in chosen))  # in order of first appearance
-        for i, m in enumerate(machines, 1):  # speeds differ between machines, so each one gets its own table
+        for m in sorted(dict.fromkeys(r["machine"] for r in chosen), key=number.__getitem__):
             lines += [
-                f"## {title}" + (f", machine {i}" if len(machines) > 1 else ""),
+                f"## {title}" + (f", machine {number[m]}" if len(number) > 1 else ""),
                 "",
                 f"Machine: {m}.",
                 "",

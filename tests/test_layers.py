@@ -68,6 +68,29 @@ def test_fused_and_explicit_attention_agree_with_the_formula(mask_kind, causal):
     torch.testing.assert_close(weights.sum(-1), torch.ones(3, 4, 10))
 
 
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_under_cpu_bf16_autocast_the_fused_path_attends_in_fp32(mask_kind, causal):
+    """PyTorch's CPU flash kernel is several times slower in bf16 than in fp32 at ViT lengths, so the
+    fused path attends in fp32 there: the output is only the fp32 result rounded to bf16."""
+    attn = Attention(dim=32, num_heads=4, causal=causal)
+    attn.proj = torch.nn.Identity()  # to compare the attention itself
+    q, k, v = (torch.randn(3, 4, 10, 8).bfloat16().requires_grad_() for _ in range(3))
+    mask = MASKS[mask_kind](3, 10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attn.attend(q, k, v, attn_mask=mask, is_causal=causal)
+    scores = q.double() @ k.double().transpose(-1, -2) / 8**0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(10, 10).triu(1).bool(), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    expected = (scores.softmax(-1) @ v.double()).transpose(1, 2).reshape(3, 10, 32)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-6)  # one bf16 rounding
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+
+
 def test_return_attn_uses_the_explicit_path_while_fused_stays_on():
     attn = Attention(dim=32, num_heads=4).eval()
     x = torch.randn(2, 5, 32)

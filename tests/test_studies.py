@@ -102,3 +102,23 @@ def test_ablation_runs_train_on_the_clock_and_report_a_row_each(tmp_path, keep_t
     assert re.search(r"\| rope \| `posemb='rope'` \| [\d,]+ \| [\d,]+ \|", report)  # the text table's row
     assert re.search(r"\| qk_norm \| `qk_norm=True` \| [\d,]+ \|.*\| \*\*\d+\.\d%\*\* \|", report)  # images
     assert report.endswith(ablate.NOTES_MARKER + "\nA note.\n") and "old tables" not in report
+
+
+def test_budget_report_gives_a_machine_the_same_number_in_every_table(tmp_path):
+    def row(split: str, machine: str) -> dict:
+        return {"split": split, "machine": machine, "name": "vit", "model_name": "vit_micro_patch4_32",
+                "config": "c.yaml", "overrides": [], "params": 1.2e6, "minutes": 10, "seed": 0, "epochs": 8.0,
+                "img_per_s": 600.0, "wall_minutes": 10.0, "top1": 0.77, "top1_flip": None}  # fmt: skip
+
+    results = tmp_path / "budget.jsonl"  # machine A only tuned; B has final runs and tuning runs
+    rows = [row("val", "A"), row("val", "B"), row("test", "B")]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "b.md"
+    budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(tmp_path / "b.png")])
+    text = out.read_text()
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings == [
+        "## Final runs (test set, scored once), machine 2",
+        "## Tuning runs (held-out validation), machine 1",
+        "## Tuning runs (held-out validation), machine 2",
+    ]

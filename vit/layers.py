@@ -272,6 +272,27 @@ class KVCache:
         return k, v
 
 
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`, computed in fp32 for half-precision inputs on a CPU.
+
+    PyTorch's CPU flash kernel in half precision is 3-6x slower than in fp32 at ViT sequence
+    lengths (fwd+bwd, 32-64 tokens: 26.6 vs 4.1 ms; 197 tokens: 103 vs 100 ms), and under bf16
+    autocast on an AMX Xeon it took over half of the ViT's training step; the matmuls around it
+    stay in bf16. Autocast is switched off for the call, since it would cast the inputs back down.
+    """
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.float()
+    with torch.autocast("cpu", enabled=False):
+        x = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
+        )
+    return x.to(q.dtype)
+
+
 class _AttentionBase(nn.Module):
     """What self- and cross-attention share: heads, qk-norm, the two attention paths, the output
     projection. Subclasses compute q, k, v (B, heads, N, head_dim) and call `attend`.
@@ -334,18 +355,7 @@ class _AttentionBase(nn.Module):
         attn = None
         if self.fused_attn and not return_attn:
             dropout_p = self.attn_drop.p if self.training else 0.0
-            if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-                # PyTorch's CPU flash kernel in half precision is 3-6x slower than in fp32 at ViT
-                # sequence lengths (32-64 tokens: 26.6 vs 4.1 ms fwd+bwd; 197: 103 vs 100 ms), and
-                # under bf16 autocast on AMX CPUs it took over half the step: attend in fp32 there
-                # (with autocast off, which would cast the inputs back down).
-                mask = attn_mask.float() if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
-                with torch.autocast("cpu", enabled=False):
-                    x = F.scaled_dot_product_attention(
-                        q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal
-                    ).to(q.dtype)
-            else:
-                x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+            x = fused_attention(q, k, v, attn_mask, dropout_p, is_causal)
         else:
             attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, n_q, n_k, q.device))
             x = self.attn_drop(attn) @ v

@@ -4,6 +4,7 @@ formulas, the export script and the TensorBoard callback."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from vit.rollout import (
     attention_rollout,
     box_scores,
     centre_gaussian,
+    contact_sheet,
     discard_lowest,
     gradcam,
     gradient_rollout,
@@ -358,6 +360,24 @@ def test_render_panel_is_original_heatmap_overlay():
     assert (panel[:32, :32] == 0).all()  # the original, untouched
 
 
+def test_contact_sheet_puts_each_map_overlay_in_its_column():
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    image[..., 1] = 255  # green, to find it on the sheet
+    hot_right, hot_left = np.zeros((4, 4)), np.zeros((4, 4))
+    hot_right[:, 3], hot_left[:, 0] = 1.0, 1.0
+    sheet = np.asarray(contact_sheet([(image, [hot_right, hot_left], ["cat 0.9"])] * 2, ["a", "b"], panel_size=32))
+    assert sheet.shape[1] == 3 * 32
+    green = (sheet[:, 16] == [0, 255, 0]).all(-1).nonzero()[0]
+    top = green[0]  # the first row's image starts under the column titles
+    assert len(green) == 2 * 32 and (green[:32] == np.arange(top, top + 32)).all()
+    row = sheet[top : top + 32]
+    for column, hot_col in ((1, 31), (2, 0)):  # each map's overlay is reddest where that map is hot
+        cell = row[:, column * 32 : (column + 1) * 32].astype(int)
+        assert cell[:, hot_col, 0].mean() > cell[:, 31 - hot_col, 0].mean() + 50
+    with pytest.raises(ValueError, match="row 0 has 1 maps for 2 titles"):
+        contact_sheet([(image, [hot_right], [])], ["a", "b"])
+
+
 # -- export script and TensorBoard callback -----------------------------------------------------
 
 
@@ -419,6 +439,33 @@ def test_export_from_a_timm_state_dict_file(tmp_path):
     out = export.main([*argv, str(tmp_path / "photo.jpg"), "--out", str(tmp_path / "out")])
     assert np.load(out / "00000_photo.npy").shape == (14, 14)
     assert (out / "00000_photo.png").is_file() and "00000_photo.png" in (out / "index.html").read_text()
+
+
+def test_predictions_are_labelled_with_the_class_names_the_training_data_gave(tmp_path):
+    """A run stores its data's class names in the checkpoint (and its .safetensors export); the
+    export labels predictions with them. WordNet-id folders read as words.txt names them."""
+    from tests.conftest import quiet_trainer, write_image_folder
+    from vit.checkpoint import export_safetensors, load_checkpoint
+    from vit.data import ImageFolderDataModule
+    from vit.lit import ImageClassifier
+
+    data = write_image_folder(tmp_path / "data", classes=3, train=4, val=1, size=16)
+    for c, wnid in enumerate(["n01", "n02", "n03"]):
+        for split in ("train", "val"):
+            (data / split / f"class{c}").rename(data / split / wnid)
+    (data / "words.txt").write_text("n01\tgoldfish, Carassius auratus\nn02\ttabby, tabby cat\n")  # n03: none
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=1, limit_val_batches=1)
+    datamodule = ImageFolderDataModule(root=str(data), img_size=16, batch_size=4, num_workers=0)
+    trainer.fit(ImageClassifier("vit_nano_patch4_16"), datamodule)
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    assert load_checkpoint(ckpt)[1]["class_names"] == ["goldfish", "tabby", "n03"]
+    weights = export_safetensors(ckpt, tmp_path / "model.safetensors")
+    assert load_checkpoint(weights)[1]["class_names"] == ["goldfish", "tabby", "n03"]
+
+    for source in (ckpt, weights):
+        out = export.main(["--checkpoint", str(source), str(data / "val" / "n02"), "--out", str(tmp_path / "out")])
+        gallery = (out / "index.html").read_text()
+        assert re.search(r"(goldfish|tabby|n03): \d\.\d\d", gallery) and not re.search(r">\d: \d\.\d\d", gallery)
 
 
 def test_export_refuses_bad_input_naming_the_file(tmp_path, capsys):

@@ -40,6 +40,8 @@ def test_export_of_several_methods_side_by_side(tmp_path, capsys):
     for row, stem in zip(rows, ("00000_a", "00001_b"), strict=True):
         where = [row.index(f'src="{stem}_{m}.png"') for m in methods]
         assert where == sorted(where) and row.index("GradCAM") < row.index("attention rollout")
+    sheet = Image.open(out / "gallery.png")  # both images and all three methods on one page
+    assert sheet.width == (1 + 3) * 96 and sheet.height > 2 * 96
 
     # one method keeps the plain names, and an image path may follow --method
     single = tmp_path / "single"

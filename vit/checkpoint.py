@@ -105,14 +105,14 @@ def _model_weights(checkpoint: dict, path: Path, use_ema: bool) -> dict[str, tor
 
 def load_checkpoint(path: str | Path, use_ema: bool = False) -> tuple[nn.Module, dict]:
     """Our `.ckpt` (or a `.safetensors` from `export_safetensors`) as its model, in eval mode, and the
-    run's metadata (`model_name`, `model_kwargs`, and what the task stored, e.g. a GPT's `vocab`).
+    run's metadata (`model_name`, `model_kwargs`, and what the task stored: an image classifier's
+    `class_names` in label order when its data named them, a GPT's `vocab`).
 
     `use_ema=True` loads the exponential-moving-average weights, when the run kept them.
     """
     path = Path(path)
     if path.suffix == ".safetensors":
-        name, kwargs = _safetensors_model_meta(path)
-        meta, state_dict = {"model_name": name, "model_kwargs": kwargs}, read_state_dict(path)
+        meta, state_dict = _safetensors_model_meta(path), read_state_dict(path)
     else:
         checkpoint = read_lightning_checkpoint(path)
         meta, state_dict = checkpoint["vit"], _model_weights(checkpoint, path, use_ema)
@@ -163,6 +163,8 @@ def export_safetensors(ckpt_path: str | Path, out_path: str | Path, use_ema: boo
     state_dict = _model_weights(checkpoint, Path(ckpt_path), use_ema)
     meta = checkpoint["vit"]
     metadata = {"vit_model_name": meta["model_name"], "vit_model_kwargs": json.dumps(meta["model_kwargs"])}
+    if meta.get("class_names") is not None:
+        metadata["vit_class_names"] = json.dumps(meta["class_names"])
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors that share memory (tied weights); store each once, contiguous.
@@ -170,7 +172,7 @@ def export_safetensors(ckpt_path: str | Path, out_path: str | Path, use_ema: boo
     return out_path
 
 
-def _safetensors_model_meta(path: Path) -> tuple[str, dict]:
+def _safetensors_model_meta(path: Path) -> dict[str, Any]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -180,7 +182,11 @@ def _safetensors_model_meta(path: Path) -> tuple[str, dict]:
             f"{path} has no vit_model_name in its metadata (it was not written by export_safetensors); "
             "build the model with vit.create_model and load it with load_pretrained(model, path)"
         )
-    return metadata["vit_model_name"], json.loads(metadata.get("vit_model_kwargs", "{}"))
+    kwargs = json.loads(metadata.get("vit_model_kwargs", "{}"))
+    meta: dict[str, Any] = {"model_name": metadata["vit_model_name"], "model_kwargs": kwargs}
+    if "vit_class_names" in metadata:
+        meta["class_names"] = json.loads(metadata["vit_class_names"])
+    return meta
 
 
 # -- reading any source ----------------------------------------------------------------------

@@ -408,3 +408,8 @@ class ImageClassifier(TrainingTask):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["hyper_parameters"]["num_classes"] = self.hparams.num_classes  # resolved from the data
+        # The data's class names in label order, so exports label predictions "ship", not "8".
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        names = getattr(datamodule, "class_names", None)
+        if names is not None and len(names) == self.hparams.num_classes:
+            checkpoint["vit"]["class_names"] = list(names)

@@ -412,6 +412,36 @@ def render_panel(
     return canvas
 
 
+def contact_sheet(
+    rows: Sequence[tuple[np.ndarray, Sequence[np.ndarray], Sequence[str]]],
+    titles: Sequence[str],
+    panel_size: int = 96,
+) -> Image.Image:
+    """One image for a page: a row per image (the region the model saw, then its overlay for each
+    map, in `titles` order) with its caption lines under the image; `titles` head the columns."""
+    font = ImageFont.load_default(size=max(10, panel_size // 9))
+    line_height = int(font.size * 1.3) if hasattr(font, "size") else 14
+    lines_per_row = max((len(lines) for _, _, lines in rows), default=0)
+    row_height = panel_size + line_height * lines_per_row + 6
+    canvas = Image.new("RGB", ((1 + len(titles)) * panel_size, line_height + 4 + row_height * len(rows)), "white")
+    draw = ImageDraw.Draw(canvas)
+    for c, title in enumerate(["image", *titles]):
+        draw.text((c * panel_size + 3, 2), title, fill="black", font=font)
+    for r, (image, maps, lines) in enumerate(rows):
+        if len(maps) != len(titles):
+            raise ValueError(f"row {r} has {len(maps)} maps for {len(titles)} titles")
+        top = line_height + 4 + r * row_height
+        shown = np.asarray(Image.fromarray(image).resize((panel_size, panel_size), Image.Resampling.BICUBIC))
+        canvas.paste(Image.fromarray(shown), (0, top))
+        for c, grid_map in enumerate(maps, 1):
+            canvas.paste(
+                Image.fromarray(overlay(shown, to_unit(resize_map(grid_map, (panel_size,) * 2)))), (c * panel_size, top)
+            )
+        for i, line in enumerate(lines):
+            draw.text((3, top + panel_size + 3 + i * line_height), line, fill="black", font=font)
+    return canvas
+
+
 # -- TensorBoard during training --------------------------------------------------------------
 
 

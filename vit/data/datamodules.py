@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from vit.data.images import ImageArrays, ImageFiles, scan_image_folder, scan_tiny_imagenet
+from vit.data.images import ImageArrays, ImageFiles, readable_class_names, scan_image_folder, scan_tiny_imagenet
 from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, resize_batch, to_tensor_images
 from vit.data.mixup import MixupCutmix
 from vit.data.sampling import ResumableSampler, mix_seed, resumable_loader, run_seed
@@ -66,6 +66,9 @@ class ImageDataModule(L.LightningDataModule):
     """
 
     num_classes: int
+    # The classes' names in label order, as people read them; checkpoints carry them, so exports
+    # label predictions by name. None where the data does not name its classes.
+    class_names: list[str] | None = None
 
     def __init__(
         self,
@@ -271,6 +274,7 @@ class DigitsDataModule(ImageDataModule):
         super().__init__(img_size=img_size, crop=crop, crop_padding=crop_padding, hflip=hflip, **kwargs)
         self.val_fraction = val_fraction
         self.num_classes = 10
+        self.class_names = [str(digit) for digit in range(10)]
 
     def load_splits(self) -> tuple[ImageArrays, ImageArrays]:
         from sklearn.datasets import load_digits
@@ -332,6 +336,7 @@ class CIFARDataModule(ImageDataModule):
             train, val = self._torchvision_dataset(True, False), self._torchvision_dataset(False, False)
         except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
             raise FileNotFoundError(self._missing_message(str(e))) from e
+        self.class_names = list(train.classes)  # torchvision reads them from the dataset's meta file
         return ImageArrays(train.data, train.targets, self.train_transform), ImageArrays(
             val.data, val.targets, self.eval_transform
         )
@@ -382,6 +387,7 @@ class ImageFolderDataModule(ImageDataModule):
         # Scan the class folders now: the CLI links num_classes to the model's at instantiation (vit.cli).
         self.classes, self._train_samples = scan_image_folder(self.root / train_dir)
         self.num_classes = len(self.classes)
+        self.class_names = readable_class_names(self.classes, self.root)
 
     def load_splits(self) -> tuple[ImageFiles, ImageFiles]:
         _, val_samples = scan_image_folder(self.root / self.val_dir, classes=self.classes)
@@ -407,6 +413,7 @@ class TinyImageNetDataModule(ImageDataModule):
         self.root = Path(root)
         self.classes, self._train_samples = scan_tiny_imagenet(self.root, "train")
         self.num_classes = len(self.classes)
+        self.class_names = readable_class_names(self.classes, self.root)
 
     def load_splits(self) -> tuple[ImageFiles, ImageFiles]:
         _, val_samples = scan_tiny_imagenet(self.root, "val")

@@ -84,6 +84,17 @@ def scan_image_folder(root: str | Path, classes: Sequence[str] | None = None) ->
     return list(classes), samples
 
 
+def readable_class_names(classes: Sequence[str], root: str | Path) -> list[str]:
+    """Class folder names as people read them: WordNet ids are looked up in `root/words.txt` when
+    there is one (Tiny-ImageNet's "n01443537<TAB>goldfish, Carassius auratus" gives "goldfish");
+    other names are kept as they are."""
+    words = Path(root) / "words.txt"
+    if not words.is_file():
+        return list(classes)
+    lookup = dict(line.split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
+    return [lookup.get(c, c).split(",")[0].strip() or c for c in classes]
+
+
 def scan_tiny_imagenet(root: str | Path, split: str) -> tuple[list[str], list[Sample]]:
     """Tiny-ImageNet-200 in its official layout, with each image's object box.
 

@@ -15,8 +15,10 @@ The checkpoint is ours (.ckpt / .safetensors from scripts/train.py), a timm-form
 or a dataset split from a training config. The model sees each image as in validation (shorter
 side resized to img_size / crop_pct, centre crop); the PNG shows that region of the original,
 with the map resized to it bilinearly. `--method` takes any of `vit.rollout.METHODS`, or several
-separated by commas: then every image gets one panel and one map per method (`<image>_<method>.png` / `.npy`), and the
-gallery shows an image's methods side by side in one row.
+separated by commas: then every image gets one panel and one map per method (`<image>_<method>.png` /
+`.npy`), and the gallery shows an image's methods side by side in one row. `gallery.png` puts every
+image and method on one page (the image, then each method's overlay; `--sheet-size` pixels a cell).
+Predictions are labelled with the class names the checkpoint carries (or the config's data gives).
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from vit.checkpoint import load_model
+from vit.checkpoint import load_checkpoint, load_model
 from vit.data.images import IMAGE_EXTENSIONS, ImageArrays, ImageFiles, read_rgb
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
-from vit.rollout import METHODS, check_vit, render_panel, rollout_maps
+from vit.rollout import METHODS, check_vit, contact_sheet, render_panel, rollout_maps
 from vit.vision_transformer import VisionTransformer
 
 METHOD_NAMES = {
@@ -59,13 +61,18 @@ class Item:
 # -- the model ---------------------------------------------------------------------------------
 
 
-def load_vit(source: str, model_name: str | None = None) -> VisionTransformer:
-    """Any source `vit.checkpoint.load_model` reads (with `--model` for a timm-format file), as a ViT."""
+def load_vit(source: str, model_name: str | None = None) -> tuple[VisionTransformer, list[str] | None]:
+    """Any source `vit.checkpoint.load_model` reads (with `--model` for a timm-format file), as a ViT,
+    and the class names our checkpoints carry (None for other sources)."""
+    ours = model_name is None and Path(source).suffix in (".ckpt", ".safetensors") and Path(source).is_file()
     try:
-        return check_vit(load_model(source, model_name), source)
+        if ours:  # rebuilt from the file alone, with the run's metadata
+            model, meta = load_checkpoint(source)
+            return check_vit(model, source), meta.get("class_names")
+        return check_vit(load_model(source, model_name), source), None
     except ValueError as e:
-        if model_name is None and "give the architecture" in str(e):
-            raise ValueError(f"{e}: pass --model <architecture>") from e
+        if model_name is None and (ours or "give the architecture" in str(e)):
+            raise ValueError(f"{e}. For a timm-format file, pass --model <architecture>") from e
         raise
 
 
@@ -113,16 +120,7 @@ def items_from_config(config: str, split: str, data_root: str | None) -> tuple[l
             f"{data['class_path']}'s {split} set is a {type(dataset).__name__}; expected image files or arrays"
         )
     settings = {"crop_pct": datamodule.eval_crop_pct, "mean": tuple(datamodule.mean), "std": tuple(datamodule.std)}
-    return items, _class_names(datamodule), settings
-
-
-def _class_names(datamodule) -> list[str] | None:
-    classes, root = getattr(datamodule, "classes", None), getattr(datamodule, "root", None)
-    words = Path(root or ".") / "words.txt"  # Tiny-ImageNet: wnid -> "goldfish, Carassius auratus"
-    if classes and root is not None and words.is_file():
-        lookup = dict(line.split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
-        return [lookup.get(c, c).split(",")[0].strip() for c in classes]
-    return list(classes) if classes else None
+    return items, datamodule.class_names, settings
 
 
 def model_view(image: np.ndarray, crop_pct: float) -> np.ndarray:
@@ -153,15 +151,17 @@ def batches(items: list[Item], size: int) -> Iterator[list[Item]]:
 
 
 def export(args: argparse.Namespace) -> Path:
-    model = load_vit(args.checkpoint, args.model).to(args.device)
+    model, class_names = load_vit(args.checkpoint, args.model)
+    model = model.to(args.device)
     settings = {"crop_pct": args.crop_pct, "mean": args.mean, "std": args.std}
     if args.config:
-        items, class_names, found = items_from_config(args.config, args.split, args.data_root)
+        items, data_names, found = items_from_config(args.config, args.split, args.data_root)
+        class_names = data_names or class_names
         settings.update(found)
     else:
         if not args.images:
             raise ValueError("give image files or folders, or --config (and --split) for a dataset split")
-        items, class_names = items_from_paths(args.images), None
+        items = items_from_paths(args.images)
     if args.class_names:
         class_names = [line.strip() for line in Path(args.class_names).read_text().splitlines() if line.strip()]
     elif class_names is None and model.num_classes == 1000:
@@ -176,7 +176,7 @@ def export(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name_of = (lambda c: class_names[c]) if class_names else str
-    entries = []
+    entries, sheet_rows = [], []
     progress = tqdm(total=len(items), desc="rollout", unit="img")
     for batch in batches(items, args.batch_size):
         images = [_read(item) for item in batch]
@@ -203,9 +203,11 @@ def export(args: argparse.Namespace) -> Path:
                 np.save(out / f"{file_stem}.npy", maps[method][j].astype(np.float32))
                 files.append((method, file_stem))
             entries.append((item.name, lines, files))
+            sheet_rows.append((view, [maps[method][j] for method in args.method], lines))
             progress.update()
     progress.close()
     write_gallery(out, entries, args)
+    contact_sheet(sheet_rows, [METHOD_NAMES[m] for m in args.method], args.sheet_size).save(out / "gallery.png")
     return out
 
 
@@ -292,6 +294,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN)
     parser.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD)
     parser.add_argument("--panel-size", type=int, default=224, help="pixels per panel in the PNGs")
+    parser.add_argument(
+        "--sheet-size", type=int, default=96, help="pixels per cell of gallery.png (every image x method on one page)"
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)

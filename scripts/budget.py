@@ -178,23 +178,27 @@ def report(args: argparse.Namespace) -> str:
 NOTES_MARK = "<!-- notes: kept when the tables are regenerated -->"
 
 
+def curves(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """(budget, mean top-1 %) points per model and recipe: a recipe change (bf16, another width) is
+    its own curve, never averaged into the config's; seeds are averaged."""
+    points: dict[str, dict[float, list[float]]] = {}
+    for r in rows:
+        recipe = " ".join(o.removeprefix("--") for o in r["overrides"])
+        label = f"{r['name']}, {recipe}" if recipe else r["name"]
+        points.setdefault(label, {}).setdefault(r["minutes"], []).append(100 * r["top1"])
+    return {label: [(m, sum(v) / len(v)) for m, v in sorted(by.items())] for label, by in sorted(points.items())}
+
+
 def plot(rows: list[dict], path: Path) -> None:
-    """Test top-1 against the wall-clock budget, one line per model (mean over seeds)."""
+    """Test top-1 against the wall-clock budget, one line per model and recipe."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in sorted({r["name"] for r in rows}):
-        budgets = sorted({r["minutes"] for r in rows if r["name"] == name})
-        means = [
-            100
-            * sum(r["top1"] for r in rows if r["name"] == name and r["minutes"] == m)
-            / sum(1 for r in rows if r["name"] == name and r["minutes"] == m)
-            for m in budgets
-        ]
-        ax.plot(budgets, means, marker="o", label=name)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in curves(rows).items():
+        ax.plot(*zip(*points, strict=True), marker="o", label=label[:60])
     ax.set_title(rows[0]["machine"].split(";")[0], fontsize=9)
     ax.set_xlabel("wall-clock budget (minutes)")
     ax.set_ylabel("CIFAR-10 test top-1 (%)")

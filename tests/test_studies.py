@@ -104,7 +104,7 @@ def test_ablation_runs_train_on_the_clock_and_report_a_row_each(tmp_path, keep_t
     assert report.endswith(ablate.NOTES_MARKER + "\nA note.\n") and "old tables" not in report
 
 
-def test_budget_report_gives_a_machine_the_same_number_in_every_table(tmp_path):
+def test_budget_report_numbers_each_machine_once_and_plots_each_recipe_as_its_own_curve(tmp_path):
     def row(split: str, machine: str) -> dict:
         return {"split": split, "machine": machine, "name": "vit", "model_name": "vit_micro_patch4_32",
                 "config": "c.yaml", "overrides": [], "params": 1.2e6, "minutes": 10, "seed": 0, "epochs": 8.0,
@@ -122,3 +122,11 @@ def test_budget_report_gives_a_machine_the_same_number_in_every_table(tmp_path):
         "## Tuning runs (held-out validation), machine 1",
         "## Tuning runs (held-out validation), machine 2",
     ]
+    # the plot: one curve per model and recipe, seeds averaged, a recipe change never averaged in
+    rows = [row("test", "B") | {"minutes": m, "top1": t, "seed": seed, "overrides": o}
+            for m, t, seed, o in ((10, 0.77, 0, []), (10, 0.75, 1, []), (30, 0.82, 0, []),
+                                  (10, 0.79, 0, ["--trainer.precision", "bf16-mixed"]))]  # fmt: skip
+    curves = budget.curves(rows)
+    assert curves.keys() == {"vit", "vit, trainer.precision bf16-mixed"}
+    assert [(m, round(t, 6)) for m, t in curves["vit"]] == [(10, 76.0), (30, 82.0)]
+    assert [(m, round(t, 6)) for m, t in curves["vit, trainer.precision bf16-mixed"]] == [(10, 79.0)]

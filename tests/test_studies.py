@@ -33,7 +33,9 @@ def test_vit_vs_resnet_comparison_writes_a_row_per_model(tmp_path):
 
 def test_finetune_study_runs_every_row_and_reports_the_jpeg_recovery(tmp_path):
     root, resnet56 = shared_path("data/cifar10"), shared_path("weights/resnet56-4bfd9763.th")
-    pretrained = create_model("vit_micro_patch8_64", num_classes=200)
+    pretrained = create_model(  # what configs/tiny_imagenet_vit.yaml trains
+        "vit_micro_patch8_64", num_classes=200, posemb="sincos2d", global_pool="avg", class_token=False
+    )
     torch.save(pretrained.state_dict(), tmp_path / "tiny.pth")
     out = tmp_path / "finetune.md"
     rows = finetune_study.main([
@@ -63,6 +65,8 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
         assert 0.1 <= r["wall_minutes"] < 0.2  # the clock (decoding included) stops the run
         assert r["steps"] > 0 and 0.0 <= r["top1"] <= 1.0 and 0.0 <= r["top1_flip"] <= 1.0
         assert r["top1"] > 0.5  # three classes told apart by brightness: learnt, not chance
+        assert r["recipe"]["model"]["init_args"]["optimizer"] == "sgd"  # the ResNet config's, as run
+        assert r["recipe"]["data"]["init_args"]["batch_size"] == 16 and r["recipe"]["precision"] == "32-true"
     out, plot = tmp_path / "budget.md", tmp_path / "budget.png"
     budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(plot)])
     table = out.read_text()

@@ -118,7 +118,11 @@ def test_default_job_learns_and_leaves_checkpoints_that_rebuild_the_model(tmp_pa
     assert list((tmp_path / "lightning_logs").glob("version_0/events.out.tfevents.*"))
 
     meta = read_lightning_checkpoint(ckpt.last_model_path)["vit"]
-    assert meta == {"model_name": "vit_nano_patch4_16", "model_kwargs": {"img_size": 16, "num_classes": 10}}
+    assert meta == {  # the offline default's classes are the ten digits it draws
+        "model_name": "vit_nano_patch4_16",
+        "model_kwargs": {"img_size": 16, "num_classes": 10},
+        "class_names": [str(digit) for digit in range(10)],
+    }
     model = load_model(ckpt.last_model_path)  # from the file alone
     x = torch.randn(3, 3, 16, 16)
     with torch.no_grad():
@@ -147,7 +151,8 @@ def test_fit_on_the_real_tiny_imagenet_layout(tmp_path):
 
 
 def test_the_cpu_finetune_config_moves_a_tiny_imagenet_run_to_cifar10(tmp_path, caplog):
-    """configs/finetune/tiny_to_cifar10_cpu.yaml: 64px/200 classes -> 32px/10 classes, by config alone."""
+    """configs/finetune/tiny_to_cifar10_cpu.yaml: a 200-class Tiny-ImageNet run becomes a 10-class
+    CIFAR-10 model at the backbone's 64 px, by config alone: same blocks, new head."""
     tiny, cifar = shared_path("data/tiny-imagenet-200"), shared_path("data/cifar10")
     few = ["--data.batch_size", "16", "--data.num_workers", "0", "--trainer.max_epochs", "1",
            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]  # fmt: skip
@@ -159,10 +164,11 @@ def test_the_cpu_finetune_config_moves_a_tiny_imagenet_run_to_cifar10(tmp_path, 
             "--data.root", str(cifar), *few[:6], "--trainer.limit_train_batches", "0",
             "--trainer.limit_val_batches", "1",
         )  # fmt: skip
-    assert "resampled pos_embed (grid 8x8 -> 4x4)" in caplog.text and "reinitialised head.weight" in caplog.text
-    ours, theirs = cli.model.model.state_dict(), pretrained.model.model.state_dict()
-    assert ours["pos_embed"].shape == (1, 17, 192) and ours["head.weight"].shape == (10, 192)
-    assert torch.equal(ours["blocks.5.mlp.fc2.weight"], theirs["blocks.5.mlp.fc2.weight"])  # no step taken
+    assert "reinitialised head.weight" in caplog.text
+    model, theirs = cli.model.model, pretrained.model.model.state_dict()
+    assert cli.datamodule.img_size == 64 and model.pos_embed.shape == (1, 64, 192)  # the 8x8 grid it learned on
+    assert model.head.weight.shape == (10, 192) and pretrained.model.model.head.weight.shape == (200, 192)
+    assert torch.equal(model.state_dict()["blocks.5.mlp.fc2.weight"], theirs["blocks.5.mlp.fc2.weight"])  # no step
 
 
 def test_resnet_baseline_trains_through_the_same_pipeline(tmp_path):

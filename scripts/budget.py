@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> dict:
     _show_our_logs()
     cli = TrainCLI(args=cli_args, run=False, save_config_kwargs={"overwrite": True})  # the clock starts here
     trainer, model, data = cli.trainer, cli.model, cli.datamodule
+    # What the run really used (the config file may change later): model and data options, precision.
+    used = cli.config.as_dict()
+    recipe = {"model": used["model"], "data": used["data"], "precision": used["trainer"]["precision"]}
     budget = find_budget(trainer)
     trainer.fit(model, data)
     wall = budget.elapsed()
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": "python scripts/budget.py " + " ".join(sys.argv[1:]),
+        "recipe": json.loads(json.dumps(recipe, default=str)),
     }
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     with open(args.results, "a") as f:

@@ -6,9 +6,10 @@
     flock /tmp/vit-bench.lock python scripts/rollout_eval.py --checkpoint runs/tiny/checkpoints/last.ckpt \
         --dataset tiny-imagenet --limit 2000 --methods attention gradient
 
-Every method of `vit.rollout.METHODS` (or those named by --methods) and two baselines that look at
-no image (a seeded uniform-random map and a centred Gaussian) are scored on the same images, the
-first --limit of the split in a seeded order that mixes the classes (`class_interleaved_order`):
+Every method of `vit.rollout.METHODS` and rollout's fusion / discard variants (`VARIANTS`), or those
+named by --methods, and two baselines that look at no image (a seeded uniform-random map and a
+centred Gaussian) are scored on the same images, the first --limit of the split in a seeded order
+that mixes the classes (`class_interleaved_order`):
 
   - positive / negative perturbation AUC (Chefer et al. 2021): accuracy against the labels as
     0%, 10%, ..., 90% of the patches are removed (set to the mean colour), most / least relevant first;
@@ -56,9 +57,21 @@ from vit.explain import (
 from vit.report import machine, markdown_table, write_report
 from vit.rollout import METHODS, box_scores, centre_gaussian, check_vit, rollout_maps
 
+# Rollout's variants that vit-explain users and papers compare (max / min head fusion, discarding the
+# weakest 90% of each fused attention): row name -> (a METHODS method, its keyword arguments).
+VARIANTS = {
+    "attention_max": ("attention", {"head_fusion": "max"}),
+    "attention_min": ("attention", {"head_fusion": "min"}),
+    "attention_discard": ("attention", {"discard_ratio": 0.9}),
+    "attention_max_discard": ("attention", {"head_fusion": "max", "discard_ratio": 0.9}),
+}
 DATASETS = {"tiny-imagenet": "../shared/data/tiny-imagenet-200", "cifar10": "../shared/data/cifar10"}
 NAMES = {
     "attention": "attention rollout (mean fusion)",
+    "attention_max": "attention rollout (max fusion)",
+    "attention_min": "attention rollout (min fusion)",
+    "attention_discard": "attention rollout (mean fusion, discard 0.9)",
+    "attention_max_discard": "attention rollout (max fusion, discard 0.9)",
     "gradient": "gradient rollout (Chefer ICCV 2021)",
     "last_attention": "last-block attention",
     "gradcam": "GradCAM (pytorch-grad-cam)",
@@ -128,7 +141,8 @@ def evaluate(args: argparse.Namespace, checkpoint: str) -> dict:
             if name in BASELINES:
                 maps = baseline_maps(name, len(x), model.patch_embed.grid_size, generator)
             else:
-                maps = rollout_maps(model, x, name)[0]
+                method, options = VARIANTS.get(name, (name, {}))
+                maps = rollout_maps(model, x, method, **options)[0]
             seconds[name] += time.perf_counter() - t0
             for key, value in perturbation_scores(model, x, y, maps, steps=args.steps).items():
                 scores[name][key].append(value.cpu())
@@ -262,7 +276,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--data-root", help="default: " + ", ".join(f"{k}: {v}" for k, v in DATASETS.items()))
     parser.add_argument("--split", default="test", help="the image-folder split for cifar10 (Tiny-ImageNet: val)")
     parser.add_argument("--limit", type=int, default=None, help="the first N images of the mixed order (default: all)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    methods = [*METHODS, *VARIANTS]
+    parser.add_argument("--methods", nargs="+", default=methods, choices=methods)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=None, help="deletion/insertion steps (default: one per patch)")
     parser.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN, help="the model's normalisation")

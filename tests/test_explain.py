@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from scripts.rollout_eval import VARIANTS
 from scripts.rollout_eval import main as rollout_eval
 from tests.conftest import write_image_folder
 from tests.test_rollout import _nano
@@ -261,7 +262,7 @@ def test_rollout_eval_on_an_image_folder_equals_the_scores_computed_directly(tmp
     argv += ["--batch-size", "5", "--steps", "4", "--out", str(out), "--json", str(js)]
     rollout_eval(argv)
     result = json.loads(js.read_text())
-    assert list(result["rows"]) == [*METHODS, "random", "centre"]
+    assert list(result["rows"]) == [*METHODS, *VARIANTS, "random", "centre"]
     assert result["num_images"] == 12 and result["images_per_class"] == [3, 3]
 
     # the same 12 images, by hand: the seeded class-interleaved order of the test split
@@ -282,6 +283,9 @@ def test_rollout_eval_on_an_image_folder_equals_the_scores_computed_directly(tmp
     generator = torch.Generator().manual_seed(0)
     noise = torch.cat([random_maps(b, (4, 4), generator) for b in (5, 5, 2)])
     random_row = result["rows"]["random"]
+    max_discard = attention_rollout(model, x, "max", discard_ratio=0.9)[0]  # a variant's row: its options applied
+    expected = auc(FRACTIONS, perturbation_curve(model, x, y, max_discard))
+    assert result["rows"]["attention_max_discard"]["positive"] == pytest.approx(expected)
     assert random_row["positive"] == pytest.approx(auc(FRACTIONS, perturbation_curve(model, x, y, noise)))
     negative = perturbation_curve(model, x, y, noise, most_relevant_first=False)
     assert random_row["negative"] == pytest.approx(auc(FRACTIONS, negative))

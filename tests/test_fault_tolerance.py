@@ -421,3 +421,29 @@ def test_last_checkpoint_is_the_final_state_when_the_final_epoch_is_not_the_best
     assert torch.load(ckpt.best_model_path, weights_only=True)["global_step"] == 2  # epoch 0 was the best
     assert last["global_step"] == trainer.global_step == 6
     assert torch.equal(last["state_dict"]["layer.weight"], module.layer.weight.detach())
+
+
+def test_a_finished_ddp_run_destroys_its_process_group_before_exit(tmp_path):
+    """Not left to interpreter teardown, where gloo's threads can abort a finished run (exit -6, seen
+    once in the CPU gpu-check here). A one-process DDP run through `vit.cli.main`, as
+    scripts/train.py runs it; atexit shows what teardown would find."""
+    data = write_image_folder(tmp_path / "data")
+    code = (
+        "import atexit, sys, torch.distributed as dist\n"
+        "destroy = dist.destroy_process_group\n"
+        "def traced(*args, **kwargs):\n"
+        "    print('destroying a group of', dist.get_world_size())\n"
+        "    return destroy(*args, **kwargs)\n"
+        "dist.destroy_process_group = traced\n"
+        "atexit.register(lambda: print('at exit, a group:', dist.is_initialized()))\n"
+        "from vit.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    args = cifar_recipe(data, tmp_path / "run", "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
+                        "--trainer.devices", "1", "--trainer.max_epochs", "1")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    env.pop("LOCAL_RANK", None)
+    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("destroying", "at exit"))]
+    assert lines == ["destroying a group of 1", "at exit, a group: False"], done.stdout[-3000:]

@@ -23,6 +23,7 @@ from vit.fault_tolerance import (
     RunCheckpoint,
     checkpoint_complete,
     checkpoint_dir,
+    destroy_process_group,
     interruptible,
     stop_message,
     stop_signal,
@@ -301,7 +302,7 @@ def main(args: list[str] | None = None) -> Any:
     _show_our_logs()
     TrainCLI.argv = ["scripts/train.py", *args] if args is not None else sys.argv
     try:
-        return TrainCLI(
+        cli = TrainCLI(
             args=args,
             save_config_kwargs={"overwrite": True},
         )
@@ -316,6 +317,8 @@ def main(args: list[str] | None = None) -> Any:
         # jsonargparse wraps the reason in a dump of every subtype tried; say the reason alone.
         print(f"\nerror: {cause}", file=sys.stderr)
         sys.exit(1)
+    destroy_process_group()  # a finished DDP or sharded run exits 0, not a teardown abort
+    return cli
 
 
 def _root_cause(e: BaseException) -> BaseException:

@@ -8,6 +8,10 @@
   checkpoint's name, and a failed write stops the run with the path and the OS error.
 - `--ckpt_path last` takes the newest `last*.ckpt` that is a complete file, warning about any it
   skips, in the run's checkpoint folder (`checkpoint_dir`).
+- A distributed run that finished destroys its process group itself (`destroy_process_group`),
+  rather than leaving it to interpreter teardown, where gloo's worker threads can abort the finished
+  process (SIGABRT, "terminate called without an active exception"). A failed run does not: its
+  peers may be inside a collective that the shutdown would wait for.
 """
 
 from __future__ import annotations
@@ -32,6 +36,19 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 log = logging.getLogger(__name__)
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + signal number, the shell's convention
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group, if there is one; call it after a run that succeeded.
+
+    Lightning leaves the group to interpreter teardown, where gloo's threads may still hold work
+    with Python references and abort the process (pytorch/pytorch#179291): a finished 2-process CPU
+    run of ours once exited -6 that way. Not after a failure: NCCL's shutdown waits for the peers,
+    which may be stuck in a collective the failed rank never joins (torchtitan destroys the group
+    on success only, for the same reason).
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class NonFiniteLossError(RuntimeError):

@@ -294,6 +294,8 @@ def run_worker(args: argparse.Namespace, strategy: str, peak: float | None) -> R
 
 def worker(args: argparse.Namespace) -> None:
     """One distributed fit; rank 0 writes its row to --json."""
+    from vit.fault_tolerance import destroy_process_group
+
     short = re.sub(r"^vit_|_224$", "", args.model)
     name = "ShardedStrategy (FSDP2)" if args.worker == "sharded" else "DDP"
     case = FitCase(
@@ -305,6 +307,7 @@ def worker(args: argparse.Namespace) -> None:
         raise RuntimeError(f"{name} on GPUs ran on {backend}, not nccl")
     if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
         Path(args.json).write_text(json.dumps(asdict(row)))
+    destroy_process_group()  # exit 0 after a good fit, not a teardown abort
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

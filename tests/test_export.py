@@ -89,6 +89,19 @@ def test_sincos_vit_and_cifar_resnet_export_with_a_dynamic_size(tmp_path):
             assert max_abs_diff(model, onnx_model, torch.randn(batch, 3, size, size)) < 1e-4, (name, size)
 
 
+def test_a_hybrid_vit_exports_with_a_dynamic_size_in_steps_of_its_backbone_stride(tmp_path):
+    """AugReg's R-Ti hybrid (timm's ResNetV2 stem, then 8x8 patches of its feature map: one token per
+    32x32 pixels) at 64 px: onnxruntime gives our logits at 64 and 96 px; 80 px is refused."""
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_r_s16_p8_224", img_size=64, num_classes=5).eval()
+    onnx_model = OnnxClassifier(export_onnx(model, tmp_path / "hybrid.onnx"))
+    assert onnx_model.spec.multiple == (32, 32)
+    for batch, size in ((1, 64), (3, 96)):
+        assert max_abs_diff(model, onnx_model, torch.randn(batch, 3, size, size)) < 1e-4, size
+    with pytest.raises(ValueError, match="not a positive multiple of the patch size 32x32"):
+        onnx_model(torch.randn(1, 3, 80, 80))
+
+
 def test_script_exports_a_timm_format_file_and_checks_two_sizes(tmp_path, capsys):
     torch.save(create_model("vit_nano_patch4_16", num_classes=5).state_dict(), tmp_path / "w.pth")
     out = tmp_path / "nano.onnx"

@@ -302,6 +302,17 @@ def test_image_folder_picks_its_crop_from_the_image_size_and_logs_both_pipelines
     assert "eval transform: resize shorter side to 256, centre crop 224, normalise" in caplog.text
 
 
+def test_the_logged_train_transform_says_how_often_batches_are_mixed(tmp_path):
+    def line(**mix) -> str:
+        return CIFARDataModule(root=str(tmp_path), download=False, **mix).describe_transforms()[0]
+
+    assert "Mixup" not in line()
+    assert line(cutmix_alpha=1.0).endswith("normalise, Mixup 0 / CutMix 1 per batch")
+    assert line(cutmix_alpha=1.0, mixup_prob=0.5).endswith("Mixup 0 / CutMix 1 on 50% of batches")
+    both = line(mixup_alpha=0.8, cutmix_alpha=1.0, mixup_switch_prob=0.25)
+    assert both.endswith("Mixup 0.8 / CutMix 1 (CutMix on 25%) per batch")
+
+
 def test_16_bit_greyscale_is_scaled_to_8_bits_and_float_images_are_refused(tmp_path):
     levels = np.array([[0, 257 * 100, 65535]], dtype=np.uint16)  # 0, mid-grey, white in 16 bits
     Image.fromarray(levels).save(tmp_path / "deep.png")

@@ -165,7 +165,11 @@ class ImageDataModule(L.LightningDataModule):
         train.append("normalise")
         options = self.mixup_options
         if self.mixup_enabled:
-            train.append(f"Mixup {options['mixup_alpha']:g} / CutMix {options['cutmix_alpha']:g} per batch")
+            share = "per batch" if options["prob"] >= 1 else f"on {options['prob']:.0%} of batches"
+            mixing = f"Mixup {options['mixup_alpha']:g} / CutMix {options['cutmix_alpha']:g}"
+            if options["mixup_alpha"] > 0 and options["cutmix_alpha"] > 0:
+                mixing += f" (CutMix on {options['switch_prob']:.0%})"
+            train.append(f"{mixing} {share}")
         if self.train_sizes:
             train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.train_sizes))
         evaluation = f"resize shorter side to {round(size / self.eval_crop_pct)}, centre crop {size}, normalise"

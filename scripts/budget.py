@@ -5,6 +5,9 @@
         --minutes 10 --tune
     # the final run: all 50,000 training images, then the 10,000 test images once
     flock /tmp/vit-bench.lock python scripts/budget.py run --name vit --config configs/cifar10_vit.yaml --minutes 10
+    # configs lay over each other as in train.py: the ViT with its long-budget changes
+    flock /tmp/vit-bench.lock python scripts/budget.py run --name vit-cutmix --minutes 60 \
+        --config configs/cifar10_vit.yaml --config configs/cifar10_vit_long.yaml
     python scripts/budget.py report   # benchmarks/budget.md and benchmarks/budget.png from the results
 
 The clock starts before the data is read: decoding the JPEGs (into a fresh cache in the run's
@@ -36,10 +39,16 @@ RESULTS = ROOT / "benchmarks" / "results" / "budget.jsonl"
 _NOT_FOLDER_OPTIONS = {"root", "dataset", "download", "in_memory", "cache_dir", "val_holdout", "num_workers"}
 
 
-def data_overrides(config: Path, data_root: str, cache_dir: Path, holdout: int) -> list[str]:
-    """The config's data recipe, moved onto the JPEG ImageFolder copy, in memory."""
-    data = (yaml.safe_load(config.read_text()) or {}).get("data") or {}
-    init_args = data.get("init_args", {})
+def data_overrides(configs: list[Path], data_root: str, cache_dir: Path, holdout: int) -> list[str]:
+    """The configs' data recipe (a later config's options win, as in train.py), moved onto the JPEG
+    ImageFolder copy, in memory."""
+    class_path, init_args = None, {}
+    for config in configs:
+        data = (yaml.safe_load(config.read_text()) or {}).get("data") or {}
+        if data.get("class_path", class_path) != class_path:  # another datamodule: its own options only
+            init_args = {}
+        class_path = data.get("class_path", class_path)
+        init_args |= data.get("init_args") or {}
     args = ["--data", "vit.data.ImageFolderDataModule", "--data.root", data_root, "--data.val_dir", "test"]
     args += ["--data.img_size", "32"]  # CIFAR's size unless the config says otherwise (the folder default is 224)
     for key, value in init_args.items():
@@ -52,12 +61,12 @@ def data_overrides(config: Path, data_root: str, cache_dir: Path, holdout: int) 
 
 
 def run(args: argparse.Namespace) -> dict:
-    config = Path(args.config)
+    configs = [Path(c) for c in args.config]
     split = "val" if args.tune else "test"
     workdir = Path(args.workdir) / f"{args.name}-{args.minutes:g}min-{split}-s{args.seed}-{time.strftime('%H%M%S')}"
     cli_args = [
-        "--config", str(config),
-        *data_overrides(config, args.data_root, workdir / "cache", args.holdout if args.tune else 0),
+        *(a for c in configs for a in ("--config", str(c))),
+        *data_overrides(configs, args.data_root, workdir / "cache", args.holdout if args.tune else 0),
         "--seed_everything", str(args.seed),
         "--trainer.default_root_dir", str(workdir),
         "--trainer.max_epochs", "100000", "--trainer.max_steps", "-1",
@@ -86,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
         top1[flip] = scores[0][f"{split}/acc1"]
     result = {
         "name": args.name,
-        "config": str(config),
+        "config": " + ".join(map(str, configs)),
         "overrides": args.overrides,
         "model_name": model.hparams.model_name,
         "params": sum(p.numel() for p in model.model.parameters()),
@@ -128,10 +137,14 @@ HEADER = (
 
 def _cells(r: dict) -> list[str]:
     return [
-        f"{r['name']} (`{r['model_name']}`)", f"`{r['config']}`", _recipe(r), f"{r['params'] / 1e6:.2f}M",
+        f"{r['name']} (`{r['model_name']}`)", _configs(r["config"]), _recipe(r), f"{r['params'] / 1e6:.2f}M",
         f"{r['minutes']:g}", str(r["seed"]), f"{r['epochs']:.1f}", f"{r['img_per_s']:.0f}",
         f"{r['wall_minutes']:.2f}", f"{100 * r['top1']:.2f}%", _percent(r.get("top1_flip")),
     ]  # fmt: skip
+
+
+def _configs(config: str) -> str:
+    return " + ".join(f"`{c}`" for c in config.split(" + "))  # several configs, laid over each other
 
 
 def _recipe(r: dict) -> str:
@@ -166,6 +179,7 @@ def report(args: argparse.Namespace) -> str:
             on_m = sorted((r for r in chosen if r["machine"] == m), key=lambda r: (r["minutes"], r["name"], r["seed"]))
             lines += markdown_table(HEADER, [_cells(r) for r in on_m], align="lllrrrrrrrr")
             lines.append("")
+    lines += seed_tables(rows, number)
     if not rows:
         lines.append("No runs yet.")
     text = "\n".join(lines) + "\n"
@@ -177,6 +191,45 @@ def report(args: argparse.Namespace) -> str:
         print(f"no test-set runs yet: {args.plot} not drawn")
     print(text)
     return text
+
+
+SEED_HEADER = (
+    "model", "config", "recipe changes", "top-1 by seed", "mean", "spread", "mean, flip TTA", "epochs", "img/s",
+    "vs `vit`",
+)  # fmt: skip
+
+
+def seed_tables(rows: list[dict], number: dict[str, int]) -> list[str]:
+    """The recipes run with two or more seeds, their seeds side by side, so a lever's effect can be
+    read against the noise: one table per machine, split and budget. `vs vit` is the difference of
+    means against the `vit` recipe with the fewest changes in the same table."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["machine"], r["split"], r["minutes"], r["name"], r["config"], tuple(r["overrides"]))
+        groups.setdefault(key, []).append(r)
+    repeated = {k: sorted(v, key=lambda r: r["seed"]) for k, v in groups.items() if len({r["seed"] for r in v}) > 1}
+    lines = []
+    for where in sorted({k[:3] for k in repeated}, key=lambda w: (number[w[0]], w[1] == "val", w[2])):
+        machine, split, minutes = where
+        mine = {k: v for k, v in repeated.items() if k[:3] == where}
+        mean = {k: sum(r["top1"] for r in v) / len(v) for k, v in mine.items()}
+        base = min((k for k in mine if k[3] == "vit"), key=lambda k: len(k[5]), default=None)
+        body = []
+        for k, v in sorted(mine.items(), key=lambda kv: -mean[kv[0]]):
+            flips = [r["top1_flip"] for r in v if r.get("top1_flip") is not None]
+            body.append([
+                f"{k[3]} (`{v[0]['model_name']}`)", _configs(k[4]), _recipe(v[0]),
+                ", ".join(f"{100 * r['top1']:.2f}" for r in v), f"{100 * mean[k]:.2f}%",
+                f"{100 * (max(r['top1'] for r in v) - min(r['top1'] for r in v)):.2f}",
+                _percent(sum(flips) / len(flips) if len(flips) == len(v) else None),
+                f"{sum(r['epochs'] for r in v) / len(v):.1f}", f"{sum(r['img_per_s'] for r in v) / len(v):.0f}",
+                "-" if base is None or k == base else f"{100 * (mean[k] - mean[base]):+.2f}",
+            ])  # fmt: skip
+        which = "held-out validation" if split == "val" else "test set"
+        lines += [f"## Seeds side by side: {minutes:g} minutes, {which}, machine {number[machine]}", ""]
+        lines += markdown_table(SEED_HEADER, body, align="llllrrrrrr")
+        lines.append("")
+    return lines
 
 
 NOTES_MARK = "<!-- notes: kept when the tables are regenerated -->"
@@ -218,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="one budgeted training run")
     r.add_argument("--name", required=True, help="the model's row label, e.g. vit or resnet20")
-    r.add_argument("--config", required=True)
+    r.add_argument("--config", required=True, action="append", help="a train.py config; repeat to lay one over another")
     r.add_argument("--minutes", type=float, required=True)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--tune", action="store_true", help="hold out --holdout training images and score on them")

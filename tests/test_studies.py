@@ -56,9 +56,15 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
     results = tmp_path / "budget.jsonl"
     common = ["--config", "configs/cifar10_resnet.yaml", "--minutes", "0.1", "--data-root", str(tmp_path / "data"),
               "--workdir", str(tmp_path / "runs"), "--results", str(results)]  # fmt: skip
-    budget.main(["run", "--name", "resnet20", "--tune", "--holdout", "30", *common, "--", "--data.batch_size", "16"])
+    # a second config lies over the first, as in train.py: its data options reach the image folder too
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("model:\n  init_args:\n    lr: 0.05\ndata:\n  init_args:\n    batch_size: 16\n")
+    budget.main(["run", "--name", "resnet20", "--tune", "--holdout", "30", *common, "--config", str(overlay)])
     budget.main(["run", "--name", "resnet20", *common, "--", "--data.batch_size", "16"])
     tuned, final = (json.loads(line) for line in results.read_text().splitlines())
+    assert tuned["config"] == f"configs/cifar10_resnet.yaml + {overlay}"
+    assert final["config"] == "configs/cifar10_resnet.yaml"
+    assert tuned["recipe"]["model"]["init_args"]["lr"] == 0.05 and final["recipe"]["model"]["init_args"]["lr"] == 0.2
     assert tuned["split"] == "val" and tuned["train_images"] == 90  # 120 training images, 30 held out
     assert final["split"] == "test" and final["train_images"] == 120
     for r in (tuned, final):
@@ -72,6 +78,7 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
     table = out.read_text()
     assert "## Final runs (test set, scored once)" in table and "## Tuning runs (held-out validation)" in table
     assert re.search(r"\| resnet20 \(`resnet20`\) \| `configs/cifar10_resnet.yaml` \| --data.batch_size 16 \|", table)
+    assert f"| resnet20 (`resnet20`) | `configs/cifar10_resnet.yaml` + `{overlay}` | (config as is) |" in table
     assert plot.stat().st_size > 1000
 
 
@@ -134,3 +141,31 @@ def test_budget_report_numbers_each_machine_once_and_plots_each_recipe_as_its_ow
     assert curves.keys() == {"vit", "vit, trainer.precision bf16-mixed"}
     assert [(m, round(t, 6)) for m, t in curves["vit"]] == [(10, 76.0), (30, 82.0)]
     assert [(m, round(t, 6)) for m, t in curves["vit, trainer.precision bf16-mixed"]] == [(10, 79.0)]
+
+
+def test_budget_report_puts_seeds_side_by_side_with_each_recipes_difference_from_vit(tmp_path):
+    def row(name: str, overrides: list[str], seed: int, top1: float, minutes: int = 10) -> dict:
+        return {"split": "val", "machine": "A", "name": name, "model_name": "m", "config": "c.yaml",
+                "overrides": overrides, "params": 1e6, "minutes": minutes, "seed": seed, "epochs": 10.0 + seed,
+                "img_per_s": 1000.0, "wall_minutes": 10.0, "top1": top1, "top1_flip": top1 + 0.01}  # fmt: skip
+
+    bf16, nodrop = ["--trainer.precision", "bf16-mixed"], ["--trainer.precision", "bf16-mixed", "--x", "0"]
+    rows = [row("vit", bf16, 0, 0.80), row("vit", bf16, 1, 0.79),  # the baseline: fewest changes
+            row("vit-nodrop", nodrop, 0, 0.775), row("vit-nodrop", nodrop, 1, 0.785),
+            row("vit-once", bf16, 0, 0.99),  # one seed: no noise to read, not in the seed table
+            row("vit", bf16, 0, 0.70, minutes=5), row("vit", bf16, 1, 0.72, minutes=5)]  # fmt: skip
+    results, out = tmp_path / "budget.jsonl", tmp_path / "b.md"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(tmp_path / "b.png")])
+    text = out.read_text()
+    five, ten = text.split("## Seeds side by side: 5 minutes, held-out validation, machine 1")[1].split(
+        "## Seeds side by side: 10 minutes, held-out validation, machine 1"
+    )
+    assert "| vit (`m`) | `c.yaml` | --trainer.precision bf16-mixed | 70.00, 72.00 | 71.00% | 2.00 | 72.00% |" in five
+    table = [line for line in ten.splitlines() if line.startswith("| vit")]
+    assert table == [  # best mean first; the difference of means against the vit baseline
+        "| vit (`m`) | `c.yaml` | --trainer.precision bf16-mixed | 80.00, 79.00 | 79.50% | 1.00 | 80.50% | 10.5 | 1000 "
+        "| - |",
+        "| vit-nodrop (`m`) | `c.yaml` | --trainer.precision bf16-mixed --x 0 | 77.50, 78.50 | 78.00% | 1.00 | 79.00% "
+        "| 10.5 | 1000 | -1.50 |",
+    ]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import re
 import signal
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import Callback
 
 from tests.conftest import ROOT, quiet_trainer, shared_path, write_image
@@ -33,10 +35,19 @@ def fit(config: str, root: Path, *overrides: str):
     return main(args)
 
 
+def documented_configs(config: Path) -> list[Path]:
+    """The configs to run `config` with: the `fit --config A --config B` line of its header comment
+    where it has one (a config laid over another names both), else itself alone."""
+    usage = re.search(r"train\.py fit((?: --config \S+)+)", config.read_text())
+    return [ROOT / p for p in usage[1].split()[1::2]] if usage else [config]
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses_and_prints_its_resolved_form(config, capsys):
+    configs = documented_configs(config)
+    assert configs[-1] == config, f"{config}'s header runs {configs}, not itself last"
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(config), "--print_config"])
+        main(["fit", *(a for c in configs for a in ("--config", str(c))), "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert "model:" in printed and "class_path: vit.lit.ImageClassifier" in printed and "checkpoint:" in printed
@@ -67,6 +78,33 @@ def test_a_mistyped_option_is_one_line_with_the_closest_real_one(typo, message, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"error: {message}" or err[-1].startswith(f"error: {message} (run with --help")
     assert len(err) <= 3
+
+
+def test_configs_laid_over_the_vit_change_only_what_they_say(capsys):
+    def resolved(*configs: str) -> dict:
+        with pytest.raises(SystemExit):
+            main(["fit", *(a for c in configs for a in ("--config", str(ROOT / c))), "--print_config"])
+        return yaml.safe_load(capsys.readouterr().out)
+
+    vit = resolved("configs/cifar10_vit.yaml")
+    long = resolved("configs/cifar10_vit.yaml", "configs/cifar10_vit_long.yaml")
+    hybrid = resolved("configs/cifar10_vit.yaml", "configs/cifar10_hybrid.yaml")
+    assert long["model"] == vit["model"] and hybrid["data"] == vit["data"]
+    assert {k: v for k, v in long["data"]["init_args"].items() if vit["data"]["init_args"][k] != v} == {
+        "cutmix_alpha": 1.0, "mixup_prob": 0.5}  # fmt: skip
+    changed = {k for k, v in hybrid["model"]["init_args"].items() if vit["model"]["init_args"][k] != v}
+    assert changed == {"model_kwargs"}
+    assert hybrid["model"]["init_args"]["model_kwargs"] == vit["model"]["init_args"]["model_kwargs"] | {
+        "stem_channels": [32, 64]}  # fmt: skip
+
+
+def test_a_config_that_only_changes_options_run_alone_says_what_it_lays_over(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs/cifar10_vit_long.yaml"), "--print_config"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: --data.cutmix_alpha is given but no data class is: a config that only changes")
+    assert "--config configs/cifar10_vit.yaml --config configs/cifar10_vit_long.yaml" in last
 
 
 def test_a_missing_data_root_is_the_last_line_the_user_sees(tmp_path, capsys):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from vit.fault_tolerance import (
@@ -95,6 +96,12 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
             cls = _class(class_path)
         except (ImportError, AttributeError):
             return None
+        if cls in (LightningModule, LightningDataModule):  # options given, but no class chosen for them
+            return (
+                f"--{group[1]}.{option} is given but no {group[1]} class is: a config that only changes options "
+                f"(such as configs/cifar10_vit_long.yaml) goes after the config it changes, e.g. --config "
+                f"configs/cifar10_vit.yaml --config configs/cifar10_vit_long.yaml; or set --{group[1]}.class_path"
+            )
         # The class's and its bases' __init__ arguments: jsonargparse follows **kwargs up the bases.
         params = [p for c in cls.__mro__ if "__init__" in vars(c) for p in inspect.signature(c.__init__).parameters]
         choices = [f"--{group[1]}.{p}" for p in params if p not in ("self", "args", "kwargs")]

@@ -291,6 +291,16 @@ def test_warmup_longer_than_half_the_run_is_cut_with_a_warning(tmp_path):
     assert trainer.optimizers[0].param_groups[0]["lr"] < 0.1e-3  # the run still decayed
 
 
+def test_a_run_without_training_batches_has_no_warmup_to_cut(tmp_path, recwarn):
+    """limit_train_batches 0 (to validate a loaded checkpoint) used to warn of a warmup 'longer than
+    half the run (-1)'."""
+    module = ImageClassifier(num_classes=10, lr=1e-3, warmup_fraction=0.05)
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=0, limit_val_batches=1)
+    trainer.fit(module, DigitsDataModule(batch_size=32, num_workers=0))
+    assert trainer.global_step == 0
+    assert not [w for w in recwarn if "longer than half the run" in str(w.message)]
+
+
 # -- Muon and flip TTA -----------------------------------------------------------------------------
 
 

@@ -342,8 +342,9 @@ class ImageClassifier(TrainingTask):
         return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
 
     def _cap_warmup(self, warmup: float, total: float) -> float:
-        """A warmup longer than half the run leaves no time to learn at the peak rate and decay: cut it."""
-        if warmup > total / 2:
+        """A warmup longer than half the run leaves no time to learn at the peak rate and decay: cut it.
+        A run without training steps (limit_train_batches 0, to validate a checkpoint) has none to cut."""
+        if 0 < total / 2 < warmup:
             rank_zero_warn(
                 f"warmup ({warmup:g}) is longer than half the run ({total:g}); using {total / 2:g}. "
                 "Give it as model.warmup_fraction to scale it with the run's length."

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 import yaml
+from lightning.pytorch import LightningDataModule, Trainer
 
 from vit.cli import TrainCLI, _show_our_logs
+from vit.lit import ImageClassifier
 from vit.report import machine, markdown_table, write_report
 from vit.schedule import find_budget
 
@@ -87,12 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     wall = budget.elapsed()
     steps = trainer.global_step
     images = steps * data.batch_size * trainer.world_size
-    trainer.limit_val_batches = trainer.limit_test_batches = 1.0  # the whole split, once
-    top1 = {}
-    for flip in (False, True):  # the same weights scored without and with flip averaging
-        model.hparams.tta_flip = flip
-        scores = trainer.validate(model, data, verbose=False) if args.tune else trainer.test(model, data, verbose=False)
-        top1[flip] = scores[0][f"{split}/acc1"]
+    top1 = score(trainer, model, data, split)
     result = {
         "name": args.name,
         "config": " + ".join(map(str, configs)),
@@ -102,14 +99,15 @@ def run(args: argparse.Namespace) -> dict:
         "minutes": args.minutes,
         "seed": args.seed,
         "split": split,
-        "top1": top1[False],
-        "top1_flip": top1[True],
+        "top1": top1["plain"],
+        "top1_flip": top1["flip"],
+        **({"top1_ema": top1["ema"]} if "ema" in top1 else {}),
         "epochs": images / len(data.train_set),
         "steps": steps,
         "img_per_s": images / wall,
         "wall_minutes": wall / 60,
         "train_images": len(data.train_set),
-        "machine": machine(),
+        "machine": machine() + (f"; {args.machine_label}" if args.machine_label else ""),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": "python scripts/budget.py " + " ".join(sys.argv[1:]),
         "recipe": json.loads(json.dumps(recipe, default=str)),
@@ -118,6 +116,27 @@ def run(args: argparse.Namespace) -> dict:
     with open(args.results, "a") as f:
         f.write(json.dumps(result) + "\n")
     print(json.dumps(result, indent=1))
+    return result
+
+
+def score(trainer: Trainer, model: ImageClassifier, data: LightningDataModule, split: str) -> dict[str, float]:
+    """Top-1 on the whole split of the trained weights, without and with flip averaging, and
+    (model.ema_decay) of their moving average: the EMA lever's effect is the difference."""
+    trainer.limit_val_batches = trainer.limit_test_batches = 1.0  # the whole split, once
+
+    def top1() -> float:
+        evaluate = trainer.validate if split == "val" else trainer.test
+        return evaluate(model, data, verbose=False)[0][f"{split}/acc1"]
+
+    result = {}
+    for name, flip in (("plain", False), ("flip", True)):  # the same weights scored both ways
+        model.hparams.tta_flip = flip
+        result[name] = top1()
+    if model.ema is not None:  # the averaged weights (buffers too) in the model's place, scored plainly
+        averaged, model.ema = model.ema, None
+        model.model.load_state_dict(averaged.module.state_dict())
+        model.hparams.tta_flip = False
+        result["ema"] = top1()
     return result
 
 
@@ -139,8 +158,13 @@ def _cells(r: dict) -> list[str]:
     return [
         f"{r['name']} (`{r['model_name']}`)", _configs(r["config"]), _recipe(r), f"{r['params'] / 1e6:.2f}M",
         f"{r['minutes']:g}", str(r["seed"]), f"{r['epochs']:.1f}", f"{r['img_per_s']:.0f}",
-        f"{r['wall_minutes']:.2f}", f"{100 * r['top1']:.2f}%", _percent(r.get("top1_flip")),
+        f"{r['wall_minutes']:.2f}", _top1(r["top1"], r.get("top1_ema")), _percent(r.get("top1_flip")),
     ]  # fmt: skip
+
+
+def _top1(plain: float, ema: float | None) -> str:
+    """The trained weights' top-1, and their moving average's where the run kept one."""
+    return f"{100 * plain:.2f}%" + ("" if ema is None else f" (EMA {100 * ema:.2f}%)")
 
 
 def _configs(config: str) -> str:
@@ -216,12 +240,11 @@ def seed_tables(rows: list[dict], number: dict[str, int]) -> list[str]:
         base = min((k for k in mine if k[3] == "vit"), key=lambda k: len(k[5]), default=None)
         body = []
         for k, v in sorted(mine.items(), key=lambda kv: -mean[kv[0]]):
-            flips = [r["top1_flip"] for r in v if r.get("top1_flip") is not None]
             body.append([
                 f"{k[3]} (`{v[0]['model_name']}`)", _configs(k[4]), _recipe(v[0]),
-                ", ".join(f"{100 * r['top1']:.2f}" for r in v), f"{100 * mean[k]:.2f}%",
+                ", ".join(f"{100 * r['top1']:.2f}" for r in v), _top1(mean[k], _mean(v, "top1_ema")),
                 f"{100 * (max(r['top1'] for r in v) - min(r['top1'] for r in v)):.2f}",
-                _percent(sum(flips) / len(flips) if len(flips) == len(v) else None),
+                _percent(_mean(v, "top1_flip")),
                 f"{sum(r['epochs'] for r in v) / len(v):.1f}", f"{sum(r['img_per_s'] for r in v) / len(v):.0f}",
                 "-" if base is None or k == base else f"{100 * (mean[k] - mean[base]):+.2f}",
             ])  # fmt: skip
@@ -230,6 +253,12 @@ def seed_tables(rows: list[dict], number: dict[str, int]) -> list[str]:
         lines += markdown_table(SEED_HEADER, body, align="llllrrrrrr")
         lines.append("")
     return lines
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    """The mean of a score every row has (older rows lack the flip score, non-EMA runs the EMA's)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values and len(values) == len(rows) else None
 
 
 NOTES_MARK = "<!-- notes: kept when the tables are regenerated -->"
@@ -279,6 +308,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data" / "cifar10"))
     r.add_argument("--workdir", default="runs/budget")
     r.add_argument("--results", default=str(RESULTS))
+    r.add_argument(
+        "--machine-label",
+        help="added to the machine line, so rows from another host of the same type (the same line, "
+        "a different speed) get their own tables",
+    )
     r.add_argument("overrides", nargs="*", help="more train.py options after --, e.g. -- --model.lr 2e-3")
     s = sub.add_parser("report", help="markdown table and plot from the results")
     s.add_argument("--results", default=str(RESULTS))

@@ -59,7 +59,12 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
     # a second config lies over the first, as in train.py: its data options reach the image folder too
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text("model:\n  init_args:\n    lr: 0.05\ndata:\n  init_args:\n    batch_size: 16\n")
-    budget.main(["run", "--name", "resnet20", "--tune", "--holdout", "30", *common, "--config", str(overlay)])
+    # decay 1.0 keeps the moving average at the weights after the first step: scored, it is untrained
+    ema = ["--", "--model.ema_decay", "1.0"]
+    host = ["--machine-label", "host B"]  # another host of the same type, slower say: its own tables
+    budget.main(
+        ["run", "--name", "resnet20", "--tune", "--holdout", "30", *common, "--config", str(overlay), *host, *ema]
+    )
     budget.main(["run", "--name", "resnet20", *common, "--", "--data.batch_size", "16"])
     tuned, final = (json.loads(line) for line in results.read_text().splitlines())
     assert tuned["config"] == f"configs/cifar10_resnet.yaml + {overlay}"
@@ -73,12 +78,16 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
         assert r["top1"] > 0.5  # three classes told apart by brightness: learnt, not chance
         assert r["recipe"]["model"]["init_args"]["optimizer"] == "sgd"  # the ResNet config's, as run
         assert r["recipe"]["data"]["init_args"]["batch_size"] == 16 and r["recipe"]["precision"] == "32-true"
+    assert tuned["top1_ema"] < 0.5 < tuned["top1"] and "top1_ema" not in final  # the average, not the weights
+    assert tuned["machine"] == final["machine"] + "; host B"
     out, plot = tmp_path / "budget.md", tmp_path / "budget.png"
     budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(plot)])
     table = out.read_text()
-    assert "## Final runs (test set, scored once)" in table and "## Tuning runs (held-out validation)" in table
+    assert "## Final runs (test set, scored once), machine 2" in table  # the tuned row's host came first
+    assert f"## Tuning runs (held-out validation), machine 1\n\nMachine: {tuned['machine']}." in table
     assert re.search(r"\| resnet20 \(`resnet20`\) \| `configs/cifar10_resnet.yaml` \| --data.batch_size 16 \|", table)
-    assert f"| resnet20 (`resnet20`) | `configs/cifar10_resnet.yaml` + `{overlay}` | (config as is) |" in table
+    assert f"| resnet20 (`resnet20`) | `configs/cifar10_resnet.yaml` + `{overlay}` | --model.ema_decay 1.0 |" in table
+    assert f"| {100 * tuned['top1']:.2f}% (EMA {100 * tuned['top1_ema']:.2f}%) |" in table
     assert plot.stat().st_size > 1000
 
 

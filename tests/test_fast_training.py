@@ -395,11 +395,28 @@ def test_patch_dropout_keeps_prefix_tokens_and_a_random_ordered_subset_of_patche
 def test_a_vit_with_patch_dropout_trains_on_fewer_tokens_and_evaluates_on_all():
     model = create_model("vit_nano_patch4_16", num_classes=10, patch_drop_rate=0.75, posemb="sincos2d")
     x = torch.randn(2, 3, 16, 16)
-    assert model.train()._embed(x).shape == (2, 1 + 4, 128)  # 16 patches -> 4, plus CLS
-    assert model.eval()._embed(x).shape == (2, 1 + 16, 128)
+    assert model.train()._embed(x)[0].shape == (2, 1 + 4, 128)  # 16 patches -> 4, plus CLS
+    assert model.eval()._embed(x)[0].shape == (2, 1 + 16, 128)
     assert model.train()(x).shape == (2, 10)
-    with pytest.raises(ValueError, match="patch_drop_rate"):
-        create_model("vit_nano_patch4_16", patch_drop_rate=0.5, posemb="rope")
+
+
+def test_with_rope_each_kept_patch_is_rotated_by_its_own_grid_position():
+    """Patch dropout reorders nothing but removes tokens: the rotary tables must follow the kept
+    patches, not be the first rows of the full grid's."""
+    torch.manual_seed(0)
+    model = create_model("vit_nano_patch4_16", num_classes=10, patch_drop_rate=0.5, posemb="rope")
+    x = torch.randn(3, 3, 16, 16)
+    full, (cos, sin) = model.eval()._embed(x)
+    kept, (kept_cos, kept_sin) = model.train()._embed(x)
+    assert kept.shape == (3, 1 + 8, 128) and kept_cos.shape == (3, 1, 8, cos.shape[-1])
+    for b in range(3):
+        # which of the 16 patches each kept token is (tokens are the patches' embeddings, unchanged)
+        where = [int((full[b, 1:] == token).all(dim=-1).nonzero()) for token in kept[b, 1:]]
+        assert where == sorted(where) and len(set(where)) == 8
+        assert torch.equal(kept_cos[b, 0], cos[where]) and torch.equal(kept_sin[b, 0], sin[where])
+    logits = model.train()(x)
+    logits.sum().backward()  # trains: every block runs on 8 rotated patches and the CLS token
+    assert logits.shape == (3, 10) and model.patch_embed.proj.weight.grad.abs().sum() > 0
 
 
 def test_conv_stem_makes_a_hybrid_with_the_same_token_grid():

@@ -217,14 +217,19 @@ class PatchDropout(nn.Module):
             raise ValueError(f"patch_drop_rate must be in [0, 1), got {prob}")
         self.prob, self.num_prefix_tokens = prob, num_prefix_tokens
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, return_indices: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """With `return_indices` (as in timm), also the kept patches' indices (B, kept) in the
+        patch grid, None when nothing was dropped: rotary positions (posemb="rope") follow them."""
         if not self.training or self.prob == 0.0:
-            return x
+            return (x, None) if return_indices else x
         prefix, patches = x[:, : self.num_prefix_tokens], x[:, self.num_prefix_tokens :]
         b, n, d = patches.shape
         keep = max(1, round(n * (1.0 - self.prob)))
         order = torch.rand(b, n, device=x.device).argsort(dim=1)[:, :keep].sort(dim=1).values
-        return torch.cat([prefix, patches.gather(1, order[..., None].expand(-1, -1, d))], dim=1)
+        x = torch.cat([prefix, patches.gather(1, order[..., None].expand(-1, -1, d))], dim=1)
+        return (x, order) if return_indices else x
 
 
 def check_divisible(img_size: tuple[int, ...], patch_size: tuple[int, int]) -> None:

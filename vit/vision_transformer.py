@@ -78,7 +78,7 @@ class ViTConfig(BlockConfig):
     # "learn" (timm), "sincos2d" (fixed, big_vision; CLS gets no position), "rope" (2-D axial
     # rotary embedding of q and k in every block; CLS unrotated; no pos_embed parameter) or "none".
     posemb: str = "learn"
-    # Fraction of patch tokens dropped at random per image while training (not with rope).
+    # Fraction of patch tokens dropped at random per image while training.
     patch_drop_rate: float = 0.0
     # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
     stem_channels: tuple[int, ...] | None = None
@@ -97,8 +97,6 @@ class ViTConfig(BlockConfig):
             raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True (use global_pool='avg' without it)")
-        if self.patch_drop_rate and self.posemb == "rope":
-            raise ValueError("patch_drop_rate needs additive position embeddings (posemb 'learn' or 'sincos2d')")
         if self.backbone is not None:
             if self.stem_channels:
                 raise ValueError("give a hybrid's backbone or stem_channels, not both")
@@ -207,15 +205,19 @@ class VisionTransformer(nn.Module):
     def _grid(self, x: torch.Tensor) -> tuple[int, int]:
         return self.patch_embed.dynamic_feat_size(tuple(x.shape[-2:]))
 
-    def _rope(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """posemb="rope": the (cos, sin) tables of the images' patch grid, shared by every block."""
+    def _rope(self, images: torch.Tensor, kept: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """posemb="rope": the (cos, sin) tables of the images' patch grid, shared by every block;
+        after patch dropout each image's kept patches' rows, (B, 1, kept, head_dim) for the heads."""
         if self.config.posemb != "rope":
             return None
-        cos, sin = rope_2d(self._grid(images), self.embed_dim // self.config.num_heads)
-        return cos.to(images.device), sin.to(images.device)
+        cos, sin = (t.to(images.device) for t in rope_2d(self._grid(images), self.embed_dim // self.config.num_heads))
+        if kept is not None:
+            cos, sin = cos[kept][:, None], sin[kept][:, None]
+        return cos, sin
 
-    def _embed(self, images: torch.Tensor) -> torch.Tensor:
-        """Images -> [CLS, registers] + patch tokens with their positions, as the blocks take them."""
+    def _embed(self, images: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Images -> [CLS, registers] + patch tokens with their positions, as the blocks take them,
+        and the rotary tables of those patches (posemb="rope", else None)."""
         x = self.patch_embed(images)
         pos_embed = self._pos_embed(self._grid(images), x.device) if self.pos_embed is not None else None
         if pos_embed is not None and self.config.no_embed_class:
@@ -225,7 +227,8 @@ class VisionTransformer(nn.Module):
         x = torch.cat([*prefix, x], dim=1) if prefix else x
         if pos_embed is not None and not self.config.no_embed_class:
             x = x + pos_embed  # prefix and patches
-        return self.norm_pre(self.patch_drop(self.pos_drop(x)))
+        x, kept = self.patch_drop(self.pos_drop(x), return_indices=True)
+        return self.norm_pre(x), self._rope(images, kept)
 
     def _pos_embed(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
         """The additive position embedding for a patch grid, resampled (or recomputed) off img_size's."""
@@ -244,7 +247,7 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normed tokens (B, prefix + patches, D)."""
-        return self.norm(self._run_blocks(self._embed(x), self._rope(x))[0])
+        return self.norm(self._run_blocks(*self._embed(x))[0])
 
     def _run_blocks(
         self,
@@ -296,7 +299,7 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take = _take_indices(len(self.blocks), indices)
         depth = max(take) + 1 if stop_early else None
-        tokens, _, taken = self._run_blocks(self._embed(x), self._rope(x), take=set(take), depth=depth)
+        tokens, _, taken = self._run_blocks(*self._embed(x), take=set(take), depth=depth)
         taken = [self.norm(t) for t in taken] if norm else taken
         prefix = [t[:, : self.num_prefix_tokens] for t in taken]
         out = [t[:, self.num_prefix_tokens :] for t in taken]
@@ -389,7 +392,7 @@ class VisionTransformer(nn.Module):
         that block's work, which timm spends on outputs it throws away, is skipped.
         """
         last_num_queries = 1 + int(self.config.distilled) if self.global_pool == "token" else None
-        return self.forward_head(self.norm(self._run_blocks(self._embed(x), self._rope(x), last_num_queries)[0]))
+        return self.forward_head(self.norm(self._run_blocks(*self._embed(x), last_num_queries)[0]))
 
     def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits and every block's attention weights, each (B, heads, N, N) with N = prefix + patches.
@@ -397,7 +400,7 @@ class VisionTransformer(nn.Module):
         Uses the explicit attention path for this call only; the weights stay in the autograd graph
         (for gradient-weighted rollout) unless called under `torch.no_grad()`.
         """
-        x, attns, _ = self._run_blocks(self._embed(x), self._rope(x), return_attn=True)
+        x, attns, _ = self._run_blocks(*self._embed(x), return_attn=True)
         return self.forward_head(self.norm(x)), attns
 
 

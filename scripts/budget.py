@@ -236,7 +236,7 @@ def seed_tables(rows: list[dict], number: dict[str, int]) -> list[str]:
     for where in sorted({k[:3] for k in repeated}, key=lambda w: (number[w[0]], w[1] == "val", w[2])):
         machine, split, minutes = where
         mine = {k: v for k, v in repeated.items() if k[:3] == where}
-        mean = {k: sum(r["top1"] for r in v) / len(v) for k, v in mine.items()}
+        mean = {k: _mean(v, "top1") for k, v in mine.items()}
         base = min((k for k in mine if k[3] == "vit"), key=lambda k: len(k[5]), default=None)
         body = []
         for k, v in sorted(mine.items(), key=lambda kv: -mean[kv[0]]):
@@ -245,7 +245,7 @@ def seed_tables(rows: list[dict], number: dict[str, int]) -> list[str]:
                 ", ".join(f"{100 * r['top1']:.2f}" for r in v), _top1(mean[k], _mean(v, "top1_ema")),
                 f"{100 * (max(r['top1'] for r in v) - min(r['top1'] for r in v)):.2f}",
                 _percent(_mean(v, "top1_flip")),
-                f"{sum(r['epochs'] for r in v) / len(v):.1f}", f"{sum(r['img_per_s'] for r in v) / len(v):.0f}",
+                f"{_mean(v, 'epochs'):.1f}", f"{_mean(v, 'img_per_s'):.0f}",
                 "-" if base is None or k == base else f"{100 * (mean[k] - mean[base]):+.2f}",
             ])  # fmt: skip
         which = "held-out validation" if split == "val" else "test set"
@@ -256,7 +256,7 @@ def seed_tables(rows: list[dict], number: dict[str, int]) -> list[str]:
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
-    """The mean of a score every row has (older rows lack the flip score, non-EMA runs the EMA's)."""
+    """The mean of a value every row has, else None (older rows lack the flip score, non-EMA runs the EMA's)."""
     values = [r[key] for r in rows if r.get(key) is not None]
     return sum(values) / len(values) if values and len(values) == len(rows) else None
 

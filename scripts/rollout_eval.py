@@ -2,9 +2,10 @@
 
     flock /tmp/vit-bench.lock python scripts/rollout_eval.py --dataset cifar10 --limit 1000 \
         --checkpoint runs/budget/vit-10min-val-s0-124456/checkpoints/last.ckpt \
-        --out benchmarks/rollout_cifar10.md --json benchmarks/results/rollout_cifar10_reg0.json
+        --json benchmarks/results/rollout_cifar10_reg0.json        # its report: runs/rollout/eval.md
     flock /tmp/vit-bench.lock python scripts/rollout_eval.py --checkpoint runs/tiny/checkpoints/last.ckpt \
         --dataset tiny-imagenet --limit 2000 --methods attention gradient
+    python scripts/rollout_eval.py --out benchmarks/rollout.md --with-results benchmarks/results/rollout_*.json
 
 Every method of `vit.rollout.METHODS` and rollout's fusion / discard variants (`VARIANTS`), or those
 named by --methods, and two baselines that look at no image (a seeded uniform-random map and a
@@ -23,7 +24,10 @@ that mixes the classes (`class_interleaved_order`):
 Also the model's clean top-1 on those images and the fraction of patch tokens with outlier norms in
 the last block's output (`vit.explain.outlier_norm_fraction`, prefix tokens excluded). Class-specific
 maps (gradient rollout, GradCAM) explain the predicted class. --with-results adds earlier JSONs of
-this script (other models) to the same report, each as its own section with its own command.
+this script (other models) to the same report, each as its own section with its own command, after
+a side-by-side table of every model's scores; without --checkpoint the report is only rewritten from
+those JSONs, nothing measured (the last command above: the study in benchmarks/rollout.md). Notes
+written by hand below the marker line that ends the report (`NOTES`) are kept when it is rewritten.
 """
 
 from __future__ import annotations
@@ -79,6 +83,13 @@ NAMES = {
     "centre": "baseline: centred Gaussian",
 }
 ARROW = {"lower": "↓", "higher": "↑"}
+NOTES = "<!-- notes: written by hand below this line, kept when the report is regenerated -->"
+# The side-by-side tables: title, the two scores in each cell, whether they are fractions shown as %.
+SIDE_BY_SIDE = (
+    ("positive ↓ / negative ↑ perturbation AUC", ("positive", "negative"), False),
+    ("deletion ↓ / insertion ↑ AUC", ("deletion", "insertion"), False),
+    ("pointing ↑ / pointing, off-centre ↑ (images with boxes)", ("pointing", "pointing_off_centre"), True),
+)
 
 
 class EvalImages(Dataset):
@@ -240,6 +251,40 @@ def section(result: dict) -> list[str]:
     return lines + markdown_table(header, table, "l" + "r" * (len(header) - 1)) + [""]
 
 
+def side_by_side(results: list[dict]) -> list[str]:
+    """Every model's scores in one table per test, a column per model, so a method compares across
+    models (with and without registers, one dataset and another) at a glance; a model's own section
+    below has the standard errors and the command. A method a run did not score shows "-"."""
+    lines = ["## Side by side", ""]
+    for i, r in enumerate(results, 1):
+        lines.append(
+            f"({i}) `{r['checkpoint']}`: {r['dataset']}, {r['reg_tokens']} register tokens, clean top-1 "
+            f"{100 * r['clean_top1']:.2f}% on {r['num_images']:,} images, patch tokens with outlier norms "
+            f"{100 * r['outlier_norm_fraction']:.2f}%"
+        )
+    lines.append("")
+    known = [*METHODS, *VARIANTS, *BASELINES]
+    present = {name for r in results for name in r["rows"]}
+    names = [n for n in known if n in present] + sorted(present - set(known))
+    for title, keys, percent in SIDE_BY_SIDE:
+        columns = [
+            (i, r) for i, r in enumerate(results, 1) if all(k in row for row in r["rows"].values() for k in keys)
+        ]
+        if not columns:
+            continue
+        table = []
+        for name in names:
+            cells = [NAMES.get(name, name)]
+            for _, r in columns:
+                row = r["rows"].get(name)
+                values = [f"{100 * row[k]:.1f}%" if percent else f"{row[k]:.3f}" for k in keys] if row else ["-"]
+                cells.append(" / ".join(values))
+            table.append(cells)
+        header = ["method", *(f"({i}) {r['dataset']}, {r['reg_tokens']} reg" for i, r in columns)]
+        lines += [f"**{title}**", ""] + markdown_table(header, table, "l" + "r" * len(columns)) + [""]
+    return lines
+
+
 def markdown(results: list[dict]) -> str:
     datasets = sorted({r["dataset"] for r in results})
     better = ", ".join(f"{key} {ARROW[way]}" for key, way in BETTER.items())
@@ -264,14 +309,33 @@ def markdown(results: list[dict]) -> str:
         "Class-specific maps (gradient rollout, GradCAM) explain the predicted class.",
         "",
     ]
+    if len(results) > 1:
+        lines += side_by_side(results)
     for result in results:
         lines += section(result)
     return "\n".join(lines)
 
 
+def read_result(path: str) -> dict:
+    """An earlier JSON of this script, or an error that names the file and what was expected."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--with-results {path}: not a readable JSON of scripts/rollout_eval.py ({err})") from err
+    keys = ("checkpoint", "dataset", "reg_tokens", "clean_top1", "rows")
+    missing = [key for key in keys if key not in result] if isinstance(result, dict) else list(keys)
+    if missing:
+        raise SystemExit(f"--with-results {path}: not a JSON of scripts/rollout_eval.py (missing {missing})")
+    return result
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="our .ckpt / .safetensors of a ViT (any load_model source)")
+    parser.add_argument(
+        "--checkpoint",
+        help="our .ckpt / .safetensors of a ViT (any load_model source); without it, only rewrite the report "
+        "from --with-results",
+    )
     parser.add_argument("--dataset", default="tiny-imagenet", choices=list(DATASETS))
     parser.add_argument("--data-root", help="default: " + ", ".join(f"{k}: {v}" for k, v in DATASETS.items()))
     parser.add_argument("--split", default="test", help="the image-folder split for cifar10 (Tiny-ImageNet: val)")
@@ -287,19 +351,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0, help="the image order and the random baseline")
-    parser.add_argument("--out", default="benchmarks/rollout.md", help="the markdown report")
+    parser.add_argument("--out", default="runs/rollout/eval.md", help="the markdown report")
     parser.add_argument("--json", default="runs/rollout/eval.json", help="all numbers of this run")
     parser.add_argument("--with-results", nargs="*", default=[], help="earlier JSONs of this script to report too")
     args = parser.parse_args(argv)
-    if not Path(args.checkpoint).is_file():
+    if args.checkpoint is None and not args.with_results:
+        parser.error("give --checkpoint to score a model, or --with-results to rewrite the report from earlier JSONs")
+    if args.checkpoint is not None and not Path(args.checkpoint).is_file():
         parser.error(f"checkpoint {args.checkpoint} does not exist")
-    earlier = [json.loads(Path(path).read_text()) for path in args.with_results]
+    earlier = [read_result(path) for path in args.with_results]
+    if args.checkpoint is None:
+        write_report(args.out, markdown(earlier), NOTES)
+        print(f"wrote {args.out} from {len(earlier)} earlier results (nothing measured)")
+        return earlier
     result = evaluate(args, args.checkpoint)
     result["command"] = "flock /tmp/vit-bench.lock python scripts/rollout_eval.py " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )
     text = markdown([*earlier, result])
-    write_report(args.out, text)
+    write_report(args.out, text, NOTES)
     write_report(args.json, json.dumps(result, indent=2))
     print(text)
     print(f"wrote {args.out} and {args.json}")

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from scripts.rollout_eval import VARIANTS
+from scripts.rollout_eval import NOTES, VARIANTS
 from scripts.rollout_eval import main as rollout_eval
 from tests.conftest import write_image_folder
 from tests.test_rollout import _nano
@@ -351,3 +351,78 @@ def test_rollout_eval_on_tiny_imagenet_boxes_scores_the_off_centre_subset(tmp_pa
     assert result["rows"]["attention"]["pointing"] == pytest.approx(hits.mean().item())
     assert result["rows"]["attention"]["energy"] == pytest.approx(energy.mean().item(), rel=1e-5)
     assert "pointing, off-centre ↑" in (tmp_path / "eval.md").read_text()
+
+
+def _result(dataset: str, reg_tokens: int, rows: dict[str, dict[str, float]]) -> dict:
+    """A JSON of scripts/rollout_eval.py with these scores (each with a standard error of 0.01)."""
+    boxes = "pointing" in next(iter(rows.values()))
+    return {
+        "checkpoint": f"runs/{dataset}_reg{reg_tokens}/last.ckpt",
+        "model": "VisionTransformer",
+        "reg_tokens": reg_tokens,
+        "global_pool": "avg",
+        "dataset": dataset,
+        "split": "val" if boxes else "test",
+        "num_images": 100,
+        "images_per_class": [10, 10],
+        "seed": 0,
+        "clean_top1": 0.5,
+        "outlier_norm_fraction": 0.01,
+        "outlier_factor": 2.0,
+        "patch_tokens": 6400,
+        "off_centre_images": 20 if boxes else None,
+        "off_centre_min_dist": 0.0 if boxes else None,
+        "seconds": 60.0,
+        "machine": "a test machine",
+        "command": f"python scripts/rollout_eval.py --dataset {dataset} --reg {reg_tokens}",
+        "rows": {
+            name: {"ms_per_image": 1.0, **scores, **{f"{key}_se": 0.01 for key in scores}}
+            for name, scores in rows.items()
+        },
+    }
+
+
+def test_rollout_eval_without_a_checkpoint_rewrites_the_report_side_by_side_and_keeps_the_notes(tmp_path):
+    def scores(positive, negative, deletion, insertion, **boxes):
+        return {"positive": positive, "negative": negative, "deletion": deletion, "insertion": insertion, **boxes}
+
+    box = {"pointing": 0.57, "pointing_off_centre": 0.241, "energy": 0.5, "energy_off_centre": 0.2}
+    results = [
+        _result("cifar10", 0, {"attention": scores(0.42, 0.41, 0.33, 0.33), "gradient": scores(0.31, 0.48, 0.24, 0.4)}),
+        _result("cifar10", 4, {"attention": scores(0.4, 0.43, 0.3, 0.35)}),  # gradient rollout not scored
+        _result("tiny-imagenet", 0, {"attention": scores(0.12, 0.15, 0.09, 0.11, **box)}),
+    ]
+    paths = []
+    for i, result in enumerate(results):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(result))
+    out = tmp_path / "rollout.md"
+    out.write_text(f"an older report\n{NOTES}\nmy reading of it\n")
+
+    assert rollout_eval(["--out", str(out), "--with-results", *map(str, paths)]) == results
+    text = out.read_text()
+    assert "an older report" not in text and text.endswith(f"{NOTES}\nmy reading of it\n")
+    lines = text.splitlines()
+    # one column per model; a method a model was not scored on shows "-"
+    assert "| method | (1) cifar10, 0 reg | (2) cifar10, 4 reg | (3) tiny-imagenet, 0 reg |" in lines
+    assert "| attention rollout (mean fusion) | 0.420 / 0.410 | 0.400 / 0.430 | 0.120 / 0.150 |" in lines
+    assert "| gradient rollout (Chefer ICCV 2021) | 0.310 / 0.480 | - | - |" in lines
+    assert "| gradient rollout (Chefer ICCV 2021) | 0.240 / 0.400 | - | - |" in lines  # deletion / insertion
+    # pointing only for the model with boxes
+    assert "| method | (3) tiny-imagenet, 0 reg |" in lines
+    assert "| attention rollout (mean fusion) | 57.0% / 24.1% |" in lines
+    # then each model's own section with its command
+    assert text.count("## `") == 3 and all(r["command"] in text for r in results)
+
+
+def test_rollout_eval_names_the_file_when_an_earlier_result_is_not_one_of_its_jsons(tmp_path):
+    with pytest.raises(SystemExit) as nothing:
+        rollout_eval(["--out", str(tmp_path / "rollout.md")])
+    assert nothing.value.code == 2  # neither a checkpoint to score nor results to report
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"checkpoint": "a.ckpt", "rows": {}}))
+    with pytest.raises(SystemExit, match=r"other\.json.*missing \['dataset', 'reg_tokens', 'clean_top1'\]"):
+        rollout_eval(["--out", str(tmp_path / "rollout.md"), "--with-results", str(other)])
+    with pytest.raises(SystemExit, match=r"absent\.json: not a readable JSON"):
+        rollout_eval(["--out", str(tmp_path / "rollout.md"), "--with-results", str(tmp_path / "absent.json")])
+    assert not (tmp_path / "rollout.md").exists()  # nothing written

@@ -281,7 +281,7 @@ def side_by_side(results: list[dict]) -> list[str]:
                 cells.append(" / ".join(values))
             table.append(cells)
         header = ["method", *(f"({i}) {r['dataset']}, {r['reg_tokens']} reg" for i, r in columns)]
-        lines += [f"**{title}**", ""] + markdown_table(header, table, "l" + "r" * len(columns)) + [""]
+        lines += [f"**{title}**", "", *markdown_table(header, table, "l" + "r" * len(columns)), ""]
     return lines
 
 

@@ -258,7 +258,7 @@ def side_by_side(results: list[dict]) -> list[str]:
     lines = ["## Side by side", ""]
     for i, r in enumerate(results, 1):
         lines.append(
-            f"({i}) `{r['checkpoint']}`: {r['dataset']}, {r['reg_tokens']} register tokens, clean top-1 "
+            f"- ({i}) `{r['checkpoint']}`: {r['dataset']}, {r['reg_tokens']} register tokens, clean top-1 "
             f"{100 * r['clean_top1']:.2f}% on {r['num_images']:,} images, patch tokens with outlier norms "
             f"{100 * r['outlier_norm_fraction']:.2f}%"
         )

@@ -423,6 +423,44 @@ def test_last_checkpoint_is_the_final_state_when_the_final_epoch_is_not_the_best
     assert torch.equal(last["state_dict"]["layer.weight"], module.layer.weight.detach())
 
 
+def test_last_checkpoint_is_the_final_state_when_a_budget_stops_the_run_between_validations(tmp_path):
+    """A time budget that runs out in an epoch without a validation (here: a stop after step 5 of 2
+    an epoch, validating every 2nd epoch) must not leave last.ckpt at step 4."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from vit.fault_tolerance import RunCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("score", 1.0)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class StopAfter(L.Callback):  # what WallClockBudget does when the time is up
+        def on_train_batch_end(self, trainer, *args) -> None:
+            trainer.should_stop = trainer.global_step >= 5
+
+    data = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
+    ckpt = RunCheckpoint(dirpath=tmp_path, monitor="score", mode="max", save_last=True, save_top_k=1)
+    trainer = L.Trainer(max_epochs=10, check_val_every_n_epoch=2, callbacks=[StopAfter(), ckpt], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    module = Module()
+    trainer.fit(module, data, data)
+    assert torch.load(ckpt.best_model_path, weights_only=True)["global_step"] == 4  # the one validation
+    last = torch.load(ckpt.last_model_path, weights_only=True)
+    assert last["global_step"] == trainer.global_step == 5
+    assert torch.equal(last["state_dict"]["layer.weight"], module.layer.weight.detach())
+
+
 def test_a_finished_ddp_run_destroys_its_process_group_before_exit(tmp_path):
     """Not left to interpreter teardown, where gloo's threads can abort a finished run (exit -6, seen
     once in the CPU gpu-check here). A one-process DDP run through `vit.cli.main`, as

@@ -152,7 +152,14 @@ class RunCheckpoint(ModelCheckpoint):
     - Lightning (2.6) refreshes `last.ckpt` at a validation only when a top-k checkpoint was written
       at that step, so after an epoch that is not the best it kept an older state and a resume
       repeated the epochs since. Here it is written at every epoch's (or validation's) save point.
+    - A run that stops between save points (a `WallClockBudget` running out in an epoch without a
+      validation, `max_steps` mid-epoch, a stop request) ended with `last.ckpt` at the previous save
+      point, so the last steps of training were lost. Here the final state is written at the end.
     """
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._refresh_last(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)

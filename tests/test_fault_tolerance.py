@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -389,13 +390,9 @@ def test_lr_scaling_uses_the_real_batch_when_the_data_is_smaller_than_one(tmp_pa
     assert record.lrs == {0: pytest.approx(1e-3 * 16 / 64)}
 
 
-def test_last_checkpoint_is_the_final_state_when_the_final_epoch_is_not_the_best(tmp_path):
-    """Lightning 2.6 refreshes last.ckpt only when a top-k checkpoint is written at that step; a
-    resume from it would repeat every epoch since the best one."""
+def _linear_module(score: Callable[[int], float]):
+    """A one-layer LightningModule that logs `score(epoch)` as "score" at each validation."""
     import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from vit.fault_tolerance import RunCheckpoint
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -406,16 +403,27 @@ def test_last_checkpoint_is_the_final_state_when_the_final_epoch_is_not_the_best
             return self.layer(batch[0]).pow(2).mean()
 
         def validation_step(self, batch, batch_idx):
-            self.log("score", 1.0 / (1 + self.current_epoch))  # best at epoch 0, worse after
+            self.log("score", score(self.current_epoch))
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Module()
+
+
+def test_last_checkpoint_is_the_final_state_when_the_final_epoch_is_not_the_best(tmp_path):
+    """Lightning 2.6 refreshes last.ckpt only when a top-k checkpoint is written at that step; a
+    resume from it would repeat every epoch since the best one."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from vit.fault_tolerance import RunCheckpoint
 
     data = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
     ckpt = RunCheckpoint(dirpath=tmp_path, monitor="score", mode="max", save_last=True, save_top_k=1)
     trainer = L.Trainer(max_epochs=3, callbacks=[ckpt], logger=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
-    module = Module()
+    module = _linear_module(lambda epoch: 1.0 / (1 + epoch))  # best at epoch 0, worse after
     trainer.fit(module, data, data)
     last = torch.load(ckpt.last_model_path, weights_only=True)
     assert torch.load(ckpt.best_model_path, weights_only=True)["global_step"] == 2  # epoch 0 was the best
@@ -431,20 +439,6 @@ def test_last_checkpoint_is_the_final_state_when_a_budget_stops_the_run_between_
 
     from vit.fault_tolerance import RunCheckpoint
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch[0]).pow(2).mean()
-
-        def validation_step(self, batch, batch_idx):
-            self.log("score", 1.0)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     class StopAfter(L.Callback):  # what WallClockBudget does when the time is up
         def on_train_batch_end(self, trainer, *args) -> None:
             trainer.should_stop = trainer.global_step >= 5
@@ -453,7 +447,7 @@ def test_last_checkpoint_is_the_final_state_when_a_budget_stops_the_run_between_
     ckpt = RunCheckpoint(dirpath=tmp_path, monitor="score", mode="max", save_last=True, save_top_k=1)
     trainer = L.Trainer(max_epochs=10, check_val_every_n_epoch=2, callbacks=[StopAfter(), ckpt], logger=False,
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    module = Module()
+    module = _linear_module(lambda epoch: 1.0)
     trainer.fit(module, data, data)
     assert torch.load(ckpt.best_model_path, weights_only=True)["global_step"] == 4  # the one validation
     last = torch.load(ckpt.last_model_path, weights_only=True)

@@ -428,6 +428,41 @@ class Attention(_AttentionBase):
         return (x, attn) if return_attn else x
 
 
+@torch.no_grad()
+def mimetic_init_(attn: Attention, qk: tuple[float, float] = (0.7, 0.7), vo: tuple[float, float] = (0.4, 0.4)) -> None:
+    """Initialise a self-attention layer so that, as in trained ViTs, each head's W_q W_k^T is near
+    a scaled identity (tokens attend to themselves and to tokens with similar positions: local,
+    convolution-like maps at step 0) and W_v W_proj near minus one (Trockman & Kolter, "Mimetic
+    Initialization of Self-Attention Layers", ICML 2023: ViTs on small datasets learn faster).
+
+    Per head, W_q W_k^T is the best rank-head_dim factorisation of a Z + b I (Z with N(0, 1/dim)
+    entries, (a, b) = `qk`); W_v W_proj is a factorisation of a Z' - b' I ((a', b') = `vo`). The
+    biases are zeroed. Shapes and parameter names do not change: only the starting point does."""
+    dim = attn.proj.in_features
+    if attn.qkv.in_features != dim:
+        raise ValueError(f"mimetic init needs a width-preserving attention, got qkv {tuple(attn.qkv.weight.shape)}")
+    eye = torch.eye(dim)
+
+    def factors(a: float, b: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """L (dim, rank), R (rank, dim) with L @ R the best rank-`rank` approximation of a Z + b I."""
+        u, s, vh = torch.linalg.svd(a * torch.randn(dim, dim) / dim**0.5 + b * eye)
+        root = s[:rank].sqrt()
+        return u[:, :rank] * root, root[:, None] * vh[:rank]
+
+    w = attn.qkv.weight  # (3 dim, dim): q, k, v rows; nn.Linear computes x @ w.T
+    for h in range(attn.num_heads):
+        left, right = factors(*qk, attn.head_dim)  # q = x @ left, k = x @ right.T: q k^T = x (aZ + bI) x'^T
+        rows = slice(h * attn.head_dim, (h + 1) * attn.head_dim)
+        w[:dim][rows] = left.T.to(w)
+        w[dim : 2 * dim][rows] = right.to(w)
+    left, right = factors(vo[0], -vo[1], dim)  # v = x @ left, out = v @ right: W_v W_proj = a Z' - b' I
+    w[2 * dim :] = left.T.to(w)
+    attn.proj.weight.copy_(right.T)
+    for bias in (attn.qkv.bias, attn.proj.bias):
+        if bias is not None:
+            bias.zero_()
+
+
 class CrossAttention(_AttentionBase):
     """Queries from x, keys and values from another sequence (`context`, of width `context_dim`):
     separate `q` and `kv` projections, timm's names. Used by the attention-pool head."""

@@ -34,6 +34,7 @@ from vit.layers import (
     PatchDropout,
     PatchEmbed,
     make_norm,
+    mimetic_init_,
     moe_aux_loss,
 )
 from vit.position import rope_2d, sincos_2d
@@ -80,6 +81,9 @@ class ViTConfig(BlockConfig):
     posemb: str = "learn"
     # Fraction of patch tokens dropped at random per image while training.
     patch_drop_rate: float = 0.0
+    # "" (timm's default init) or "mimetic": every self-attention layer starts with W_q W_k^T near
+    # +identity and W_v W_proj near -identity (vit.layers.mimetic_init_; faster on small datasets).
+    weight_init: str = ""
     # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
     stem_channels: tuple[int, ...] | None = None
     # A hybrid with one of timm's CNNs as patch embedding (vit.layers.HybridEmbed; the ViT paper's
@@ -93,6 +97,8 @@ class ViTConfig(BlockConfig):
         super().__post_init__()
         if self.posemb not in ("learn", "sincos2d", "rope", "none"):
             raise ValueError(f"posemb must be 'learn', 'sincos2d', 'rope' or 'none', got {self.posemb!r}")
+        if self.weight_init not in ("", "mimetic"):
+            raise ValueError(f"weight_init must be '' (timm's default) or 'mimetic', got {self.weight_init!r}")
         if self.global_pool not in GLOBAL_POOLS:
             raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
@@ -166,7 +172,7 @@ class VisionTransformer(nn.Module):
     def init_weights(self) -> None:
         """timm's default: trunc-normal(0.02) for pos-embed and Linear weights, zero biases,
         CLS and register tokens normal(1e-6), the distillation token trunc-normal(0.02) (DeiT); conv
-        and norms keep PyTorch's defaults."""
+        and norms keep PyTorch's defaults. `weight_init="mimetic"` then re-initialises attention."""
         if isinstance(self.pos_embed, nn.Parameter):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.dist_token is not None:
@@ -179,6 +185,9 @@ class VisionTransformer(nn.Module):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if self.config.weight_init == "mimetic":
+            for block in self.blocks:
+                mimetic_init_(block.attn)
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names (besides norms and biases) that weight decay should skip."""

@@ -27,6 +27,7 @@ from vit.layers import (
     SwiGLU,
     make_mlp,
     make_norm,
+    mimetic_init_,
     moe_aux_loss,
 )
 from vit.lit import ImageClassifier
@@ -257,6 +258,61 @@ def test_unknown_options_are_clear_errors():
         create_model("gpt_char_cpu", mlp="relu")
     with pytest.raises(ValueError, match="top_k must be between 1 and num_experts=2"):
         create_model("gpt_char_cpu", num_experts=2, experts_top_k=3)
+    with pytest.raises(ValueError, match="weight_init must be '' \\(timm's default\\) or 'mimetic', got 'jax'"):
+        create_model("vit_nano_patch4_16", weight_init="jax")
+
+
+# -- mimetic initialisation ---------------------------------------------------------------------
+
+
+def _first_block_attention(weight_init: str) -> torch.Tensor:
+    """The first block's attention at step 0, averaged over heads and 8 noise images: (64, 64)."""
+    torch.manual_seed(0)
+    model = create_model(
+        "vit_micro_patch4_32", num_classes=10, posemb="sincos2d", global_pool="avg", class_token=False,
+        embed_dim=128, num_heads=4, weight_init=weight_init,
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        _, attns = model.forward_with_attn(torch.randn(8, 3, 32, 32))
+    return attns[0].mean((0, 1))
+
+
+def test_mimetic_init_starts_attention_local_where_timms_init_starts_it_uniform():
+    rows, cols = torch.arange(64) // 8, torch.arange(64) % 8
+    distance = (rows[:, None] - rows).abs() + (cols[:, None] - cols).abs()  # on the 8 x 8 patch grid
+    uniform = 1 / 64
+    default = _first_block_attention("")
+    torch.testing.assert_close(default, torch.full_like(default, uniform), atol=0.05 * uniform, rtol=0)
+    mimetic = _first_block_attention("mimetic")
+    itself, neighbours, far = mimetic.diag().mean(), mimetic[distance == 1].mean(), mimetic[distance >= 4].mean()
+    assert itself > 0.3  # measured 0.46: each token attends mostly to itself ...
+    assert neighbours > 1.5 * far  # ... then to its neighbours (0.0150 against 0.0070): a conv-like start
+
+
+def test_mimetic_init_makes_each_heads_qk_a_positive_rank_head_dim_form_and_value_output_minus_identity():
+    torch.manual_seed(0)
+    dim, heads, head_dim = 128, 4, 32
+    attn = Attention(dim, heads)
+    mimetic_init_(attn)
+    w = attn.qkv.weight  # rows: q, k, v; each head's rows in turn
+    vo = w[2 * dim :].T @ attn.proj.weight.T  # x -> x @ vo when every token attends to itself
+    off_diagonal = vo[~torch.eye(dim, dtype=torch.bool)]
+    assert vo.diag().mean().item() == pytest.approx(-0.4, abs=0.01)  # a Z - b I with b = 0.4 ...
+    assert off_diagonal.std().item() == pytest.approx(0.4 / dim**0.5, rel=0.05)  # ... and Z's entries N(0, 1/dim)
+    forms = []
+    for h in range(heads):
+        q, k = w[h * head_dim : (h + 1) * head_dim], w[dim + h * head_dim : dim + (h + 1) * head_dim]
+        form = q.T @ k  # score(x, x') = x @ form @ x'
+        assert torch.linalg.matrix_rank(form).item() == head_dim
+        assert form.trace().item() > 0.7 * head_dim  # the identity part survives the rank cut
+        forms.append(form)
+    assert not torch.allclose(forms[0], forms[1])  # every head draws its own Z
+    assert not attn.qkv.bias.any() and not attn.proj.bias.any()
+
+
+def test_mimetic_init_changes_values_not_names_or_shapes():
+    default, mimetic = (create_model("vit_nano_patch4_16", weight_init=w).state_dict() for w in ("", "mimetic"))
+    assert {k: v.shape for k, v in default.items()} == {k: v.shape for k, v in mimetic.items()}
 
 
 # -- mixture of experts ------------------------------------------------------------------------

@@ -225,6 +225,41 @@ def test_progressive_sizes_follow_the_run_and_validation_stays_full_size(tmp_pat
     assert [sizes[s] for s in range(10)] == [8] * 5 + [16] * 5 and sizes["val"] == 16
 
 
+def test_patch_drop_schedule_follows_the_run_and_validation_sees_every_patch(tmp_path):
+    tokens = {}
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            def count(block, args):
+                tokens[trainer.global_step] = args[0].shape[1]  # tokens entering the first block
+
+            self.handle = module.model.blocks[0].register_forward_pre_hook(count)
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.handle.remove()
+
+    module = ImageClassifier(
+        "vit_nano_patch4_16",
+        {"posemb": "sincos2d", "global_pool": "avg", "class_token": False, "patch_drop_rate": 0.25},
+        num_classes=10,
+        patch_drop_schedule=[[0.6, 0.0], [0, 0.5]],  # any order; replaces the model's 0.25
+    )
+    data = DigitsDataModule(batch_size=64, in_memory=True)
+    trainer = quiet_trainer(tmp_path, max_steps=10, limit_val_batches=1, callbacks=[Spy()])
+    trainer.fit(module, data)
+    assert [tokens[s] for s in range(10)] == [8] * 6 + [16] * 4  # 16 patches, half dropped until 60%
+    module.model.eval()
+    with torch.no_grad():
+        assert module.model.forward_features(torch.zeros(2, 3, 16, 16)).shape[1] == 16
+
+
+def test_patch_drop_schedule_needs_a_vit_and_rates_below_one():
+    with pytest.raises(ValueError, match=r"rates must be in \[0, 1\), got \[\[0, 1.0\]\]"):
+        ImageClassifier("vit_nano_patch4_16", num_classes=10, patch_drop_schedule=[[0, 1.0]])
+    with pytest.raises(ValueError, match=r"patch_drop_schedule needs a ViT .* resnet20 has none"):
+        ImageClassifier("resnet20", num_classes=10, patch_drop_schedule=[[0, 0.5]])
+
+
 # -- the schedule on the clock ---------------------------------------------------------------------
 
 

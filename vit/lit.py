@@ -21,10 +21,10 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
 from vit.data.images import MISSING
-from vit.layers import MoE
+from vit.layers import MoE, PatchDropout
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model, model_config
-from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
+from vit.schedule import find_budget, training_progress, warmup_cosine, warmup_cosine_steps
 from vit.training import TrainingTask, adamw, can_fuse, param_groups
 
 
@@ -80,6 +80,10 @@ class ImageClassifier(TrainingTask):
         distillation: "hard" (cross-entropy to the teacher's top class, DeiT's best) or "soft"
             (KL divergence to the teacher's softmax at temperature distillation_tau, Hinton et al.).
         distillation_alpha: the teacher term's weight; the label term gets 1 - alpha (DeiT: 0.5).
+        patch_drop_schedule: [[progress, rate], ...]: the ViT's patch dropout rate from each point of
+            the run (a fraction of its steps, or of its WallClockBudget) on, replacing its
+            patch_drop_rate; e.g. [[0, 0.5], [0.8, 0.0]] trains the last 20% on every patch, the
+            token count it is evaluated on (FLIP's unmasked tuning, on the clock).
     """
 
     def __init__(
@@ -115,12 +119,15 @@ class ImageClassifier(TrainingTask):
         distillation: str = "hard",
         distillation_alpha: float = 0.5,
         distillation_tau: float = 1.0,
+        patch_drop_schedule: list[tuple[float, float]] | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "sgd", "muon"):
             raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'muon', got {optimizer!r}")
         if distillation not in ("hard", "soft"):
             raise ValueError(f"distillation must be 'hard' or 'soft', got {distillation!r}")
+        if patch_drop_schedule is not None and not all(0 <= rate < 1 for _, rate in patch_drop_schedule):
+            raise ValueError(f"patch_drop_schedule rates must be in [0, 1), got {patch_drop_schedule}")
         if (model_kwargs or {}).get("distilled") and teacher is None:
             raise ValueError("model_kwargs.distilled trains a distillation head, which needs a teacher (model.teacher)")
         self.save_hyperparameters()
@@ -149,6 +156,8 @@ class ImageClassifier(TrainingTask):
         if hp.init_from:
             load_pretrained(self.model, hp.init_from)
         self._freeze()
+        if hp.patch_drop_schedule and not isinstance(getattr(self.model, "patch_drop", None), PatchDropout):
+            raise ValueError(f"patch_drop_schedule needs a ViT (a model with patch dropout); {hp.model_name} has none")
         if hp.grad_checkpointing:
             if not hasattr(self.model, "set_grad_checkpointing"):
                 raise ValueError(f"{hp.model_name} does not support grad_checkpointing (only the ViTs do)")
@@ -272,6 +281,8 @@ class ImageClassifier(TrainingTask):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, target = batch  # target: class ids (B,), or soft (B, classes) after Mixup/CutMix
+        if self.hparams.patch_drop_schedule:
+            self.model.patch_drop.prob = self.patch_drop_rate()
         logits = self(x)
         if self._teacher is not None:
             loss = self.distillation_loss(x, logits, target)
@@ -287,6 +298,12 @@ class ImageClassifier(TrainingTask):
             self.train_acc1(logits, target)
             self.log("train/acc1", self.train_acc1, on_step=False, on_epoch=True)
         return loss
+
+    def patch_drop_rate(self) -> float:
+        """patch_drop_schedule's rate at this point of the run (of its steps, or of its budget)."""
+        schedule = sorted((float(p), float(r)) for p, r in self.hparams.patch_drop_schedule)
+        progress = training_progress(self.trainer)
+        return next((rate for start, rate in reversed(schedule) if progress >= start), schedule[0][1])
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)

@@ -209,8 +209,8 @@ def report(args: argparse.Namespace) -> str:
     text = "\n".join(lines) + "\n"
     write_report(args.out, text, NOTES_MARK)
     final = [r for r in rows if r["split"] == "test"]
-    if final:  # the newest machine's final runs: times on different machines do not share an axis
-        plot([r for r in final if r["machine"] == final[-1]["machine"]], Path(args.plot))
+    if final:
+        plot(final, Path(args.plot), number)
     else:
         print(f"no test-set runs yet: {args.plot} not drawn")
     print(text)
@@ -275,24 +275,36 @@ def curves(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
     return {label: [(m, sum(v) / len(v)) for m, v in sorted(by.items())] for label, by in sorted(points.items())}
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """Test top-1 against the wall-clock budget, one line per model and recipe."""
+def plot(rows: list[dict], path: Path, number: dict[str, int]) -> list[str]:
+    """Test top-1 against the wall-clock budget, one line per model and recipe, one panel per
+    machine (times on different machines do not share an axis), numbered as in the tables.
+    Returns the panels' titles."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, points in curves(rows).items():
-        ax.plot(*zip(*points, strict=True), marker="o", label=label[:60])
-    ax.set_title(rows[0]["machine"].split(";")[0], fontsize=9)
-    ax.set_xlabel("wall-clock budget (minutes)")
-    ax.set_ylabel("CIFAR-10 test top-1 (%)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    machines = sorted(dict.fromkeys(r["machine"] for r in rows), key=number.__getitem__)
+    cols = min(2, len(machines))
+    fig, axes = plt.subplots(
+        -(-len(machines) // cols), cols, figsize=(7 * cols, 4.5 * -(-len(machines) // cols)), squeeze=False
+    )
+    titles = []
+    for ax, where in zip(axes.flat, machines, strict=False):
+        for label, points in curves([r for r in rows if r["machine"] == where]).items():
+            ax.plot(*zip(*points, strict=True), marker="o", label=label[:60])
+        titles.append(f"machine {number[where]}: {where.split(';')[0]}")
+        ax.set_title(titles[-1], fontsize=9)
+        ax.set_xlabel("wall-clock budget (minutes)")
+        ax.set_ylabel("CIFAR-10 test top-1 (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes.flat[len(machines) :]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return titles
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

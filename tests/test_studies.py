@@ -146,6 +146,9 @@ def test_budget_report_numbers_each_machine_once_and_plots_each_recipe_as_its_ow
     rows = [row("test", "B") | {"minutes": m, "top1": t, "seed": seed, "overrides": o}
             for m, t, seed, o in ((10, 0.77, 0, []), (10, 0.75, 1, []), (30, 0.82, 0, []),
                                   (10, 0.79, 0, ["--trainer.precision", "bf16-mixed"]))]  # fmt: skip
+    # every machine with final runs gets its own panel, numbered as in the tables
+    titles = budget.plot([*rows, row("test", "A")], tmp_path / "p.png", {"A": 1, "B": 2})
+    assert titles == ["machine 1: A", "machine 2: B"] and (tmp_path / "p.png").stat().st_size > 1000
     curves = budget.curves(rows)
     assert curves.keys() == {"vit", "vit, trainer.precision bf16-mixed"}
     assert [(m, round(t, 6)) for m, t in curves["vit"]] == [(10, 76.0), (30, 82.0)]

@@ -433,7 +433,8 @@ def mimetic_init_(attn: Attention, qk: tuple[float, float] = (0.7, 0.7), vo: tup
     """Initialise a self-attention layer so that, as in trained ViTs, each head's W_q W_k^T is near
     a scaled identity (tokens attend to themselves and to tokens with similar positions: local,
     convolution-like maps at step 0) and W_v W_proj near minus one (Trockman & Kolter, "Mimetic
-    Initialization of Self-Attention Layers", ICML 2023: ViTs on small datasets learn faster).
+    Initialization of Self-Attention Layers", ICML 2023, where ViTs trained with AdamW on small
+    datasets learned faster; with Muon on CIFAR-10 it did not: benchmarks/budget.md).
 
     Per head, W_q W_k^T is the best rank-head_dim factorisation of a Z + b I (Z with N(0, 1/dim)
     entries, (a, b) = `qk`); W_v W_proj is a factorisation of a Z' - b' I ((a', b') = `vo`). The

@@ -82,7 +82,8 @@ class ViTConfig(BlockConfig):
     # Fraction of patch tokens dropped at random per image while training.
     patch_drop_rate: float = 0.0
     # "" (timm's default init) or "mimetic": every self-attention layer starts with W_q W_k^T near
-    # +identity and W_v W_proj near -identity (vit.layers.mimetic_init_; faster on small datasets).
+    # +identity and W_v W_proj near -identity (vit.layers.mimetic_init_). The paper found it faster on
+    # small datasets; in our 10-minute CIFAR-10 runs with Muon it cost 1.5 points (benchmarks/budget.md).
     weight_init: str = ""
     # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
     stem_channels: tuple[int, ...] | None = None

@@ -24,7 +24,7 @@ from vit.data.images import MISSING
 from vit.layers import MoE, PatchDropout
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model, model_config
-from vit.schedule import find_budget, training_progress, warmup_cosine, warmup_cosine_steps
+from vit.schedule import find_budget, stepwise, training_progress, warmup_cosine, warmup_cosine_steps
 from vit.training import TrainingTask, adamw, can_fuse, param_groups
 
 
@@ -131,6 +131,7 @@ class ImageClassifier(TrainingTask):
         if (model_kwargs or {}).get("distilled") and teacher is None:
             raise ValueError("model_kwargs.distilled trains a distillation head, which needs a teacher (model.teacher)")
         self.save_hyperparameters()
+        self._patch_drop_schedule = sorted((float(p), float(r)) for p, r in patch_drop_schedule or [])
         self.model: nn.Module | None = None
         if num_classes is not None:
             self.configure_model()
@@ -301,9 +302,7 @@ class ImageClassifier(TrainingTask):
 
     def patch_drop_rate(self) -> float:
         """patch_drop_schedule's rate at this point of the run (of its steps, or of its budget)."""
-        schedule = sorted((float(p), float(r)) for p, r in self.hparams.patch_drop_schedule)
-        progress = training_progress(self.trainer)
-        return next((rate for start, rate in reversed(schedule) if progress >= start), schedule[0][1])
+        return stepwise(self._patch_drop_schedule, training_progress(self.trainer))
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)

@@ -71,6 +71,12 @@ def training_progress(trainer: L.Trainer) -> float:
     return min(1.0, trainer.global_step / total) if math.isfinite(total) and total > 0 else 0.0
 
 
+def stepwise(schedule: list[tuple[float, float]], progress: float) -> float:
+    """The value of a sorted [(start, value), ...] schedule at `progress` (the first value before
+    the first start): progressive image sizes, patch-dropout rates."""
+    return next((value for start, value in reversed(schedule) if progress >= start), schedule[0][1])
+
+
 def warmup_cosine(progress: float, warmup: float, min_ratio: float) -> float:
     """Learning-rate multiplier at `progress` in [0, 1]: linear warmup over the first `warmup`
     fraction, then cosine from 1 down to min_ratio at the end."""

@@ -21,7 +21,7 @@ from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize
 from vit.data.mixup import MixupCutmix
 from vit.data.sampling import ResumableSampler, mix_seed, resumable_loader, run_seed
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
-from vit.schedule import training_progress
+from vit.schedule import stepwise, training_progress
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class ImageDataModule(L.LightningDataModule):
         if not self.train_sizes or self.trainer is None:
             return self.img_size
         progress = training_progress(self.trainer)
-        return next((size for start, size in reversed(self.train_sizes) if progress >= start), self.train_sizes[0][1])
+        return int(stepwise(self.train_sizes, progress))
 
     @property
     def mixup_enabled(self) -> bool:

@@ -77,8 +77,11 @@ def _val_accuracy(state_dict: dict) -> float:
 
 
 def test_two_process_ddp_on_cpu(tmp_path):
+    # whiten_patch_embed sets the patch embedding from a batch, which differs between ranks: every
+    # rank must take rank 0's, or the replicas part from the first step.
+    command = _command(tmp_path, "--trainer.devices", "2", "--model.whiten_patch_embed", "true")
     result = subprocess.run(
-        _command(tmp_path, "--trainer.devices", "2"), env=_env(MASTER_PORT=str(_free_port())),
+        command, env=_env(MASTER_PORT=str(_free_port())),
         capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

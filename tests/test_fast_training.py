@@ -18,6 +18,7 @@ from vit.data.datamodules import ImageFolderDataModule, holdout_indices
 from vit.data.images import Sample
 from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, to_tensor_images
 from vit.data.transforms import train_transform
+from vit.layers import whiten_patch_embed_
 from vit.lit import ImageClassifier
 from vit.optim import MuonAdamW, orthogonalize, split_muon_groups
 from vit.registry import create_model
@@ -474,3 +475,111 @@ def test_channels_last_stores_convolutions_nhwc_and_gives_the_same_logits():
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     x = torch.randn(4, 3, 32, 32)
     torch.testing.assert_close(nhwc(x), plain(x), atol=1e-5, rtol=1e-5)
+
+
+# -- whitened patch embedding ----------------------------------------------------------------------
+
+
+def _smooth_images(n: int = 64, size: int = 16) -> torch.Tensor:
+    """Images whose neighbouring pixels and colour channels are strongly correlated, as in photos."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.nn.functional.avg_pool2d(torch.randn(n, 1, size + 3, size + 3, generator=g), 4, stride=1)
+    return x * torch.tensor([1.0, 0.8, 0.6]).view(1, 3, 1, 1) + 0.1 * torch.randn(n, 3, size, size, generator=g)
+
+
+def _patch_tokens(proj: torch.nn.Conv2d, images: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return proj(images).flatten(2).transpose(1, 2).flatten(0, 1)  # (images * patches, channels)
+
+
+def test_whitened_patch_embedding_gives_the_patches_zero_mean_and_unit_variance():
+    images, eps = _smooth_images(), 1e-3
+    patches = torch.nn.functional.unfold(images, 4, stride=4).transpose(1, 2).flatten(0, 1)  # 48 pixels each
+    variances = torch.linalg.eigvalsh(torch.cov(patches.T.double())).float()
+    assert variances.max() / variances.min() > 100  # strongly correlated pixels
+    proj = torch.nn.Conv2d(3, 64, 4, stride=4)
+    before = torch.linalg.eigvalsh(torch.cov(_patch_tokens(proj, images).T))
+    assert before[-1] / before[-48] > 100  # the default init passes the correlations on
+
+    torch.manual_seed(1)
+    whiten_patch_embed_(proj, images, eps=eps)
+    tokens = _patch_tokens(proj, images)
+    assert tokens.mean(0).abs().max() < 1e-4
+    spectrum = torch.linalg.eigvalsh(torch.cov(tokens.T.double())).float()
+    # 48 whitened directions, spread over 64 channels by an orthonormal map: variance
+    # lambda / (lambda + eps) along each, nothing in the other 16 channels' worth of directions.
+    torch.testing.assert_close(spectrum[-48:], (variances / (variances + eps)).sort().values, atol=1e-4, rtol=1e-4)
+    assert spectrum[:16].abs().max() < 1e-5
+
+    other = torch.nn.Conv2d(3, 64, 4, stride=4)
+    torch.manual_seed(2)  # the spreading map does not use (or depend on) the global RNG
+    whiten_patch_embed_(other, images, eps=eps)
+    assert torch.equal(other.weight, proj.weight) and torch.equal(other.bias, proj.bias)
+
+
+def test_whitening_into_fewer_channels_keeps_the_strongest_directions():
+    images = _smooth_images()
+    patches = torch.nn.functional.unfold(images, 4, stride=4).transpose(1, 2).flatten(0, 1)
+    variances, directions = torch.linalg.eigh(torch.cov(patches.T.double()))
+    proj = torch.nn.Conv2d(3, 8, 4, stride=4)
+    whiten_patch_embed_(proj, images, eps=0.0)
+    rows = proj.weight.flatten(1).double()
+    # each channel is one of the 8 largest-variance directions, scaled to unit variance
+    torch.testing.assert_close(rows.abs(), (directions[:, -8:] / variances[-8:].sqrt()).T.abs(), atol=1e-4, rtol=1e-3)
+    spectrum = torch.linalg.eigvalsh(torch.cov(_patch_tokens(proj, images).T))
+    torch.testing.assert_close(spectrum, torch.ones(8), atol=1e-3, rtol=0)
+
+
+def test_whitening_refuses_convs_that_are_not_patchify_and_too_few_patches():
+    with pytest.raises(ValueError, match=r"patchify conv .* kernel \(3, 3\), stride \(1, 1\)"):
+        whiten_patch_embed_(torch.nn.Conv2d(3, 8, 3), _smooth_images())
+    with pytest.raises(ValueError, match=r"images \(B, 3, H, W\), got \(4, 1, 16, 16\)"):
+        whiten_patch_embed_(torch.nn.Conv2d(3, 8, 4, stride=4), torch.zeros(4, 1, 16, 16))
+    with pytest.raises(ValueError, match=r"48-pixel patches needs at least 96 of them, got 16"):
+        whiten_patch_embed_(torch.nn.Conv2d(3, 8, 4, stride=4), torch.zeros(1, 3, 16, 16))
+
+
+class _PatchEmbedSpy(L.Callback):
+    """The first batch's images, and the patch embedding as each step's optimizer sees it."""
+
+    def __init__(self) -> None:
+        self.first_images, self.weight_at_step, self.weight_after_step = None, {}, {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 0:  # callbacks see the batch before the module's own hook
+            self.first_images = batch[0].clone()
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.weight_at_step[trainer.global_step] = module.model.patch_embed.proj.weight.detach().clone()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.weight_after_step[trainer.global_step - 1] = module.model.patch_embed.proj.weight.detach().clone()
+
+
+def _whitened_classifier() -> ImageClassifier:
+    return ImageClassifier("vit_nano_patch4_16", {"posemb": "sincos2d"}, num_classes=10, whiten_patch_embed=True)
+
+
+def test_whiten_patch_embed_whitens_the_first_batch_once_and_not_again_on_resume(tmp_path):
+    spy = _PatchEmbedSpy()
+    data = DigitsDataModule(batch_size=64, in_memory=True)
+    trainer = quiet_trainer(tmp_path, max_steps=2, limit_val_batches=1, callbacks=[spy])
+    trainer.fit(_whitened_classifier(), data)
+    expected = torch.nn.Conv2d(3, 128, 4, stride=4)  # vit_nano is 128 wide
+    whiten_patch_embed_(expected, spy.first_images)
+    assert torch.equal(spy.weight_at_step[0], expected.weight)  # the first step starts from the whitening
+    assert torch.equal(spy.weight_at_step[1], spy.weight_after_step[0])  # the second from the first's update
+
+    resumed = _PatchEmbedSpy()
+    trainer = quiet_trainer(tmp_path, max_steps=3, limit_val_batches=1, callbacks=[resumed])
+    trainer.fit(_whitened_classifier(), data, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert torch.equal(resumed.weight_at_step[2], spy.weight_after_step[1])  # the trained weights, not re-whitened
+
+
+def test_whiten_patch_embed_needs_a_patchify_vit_and_no_pretrained_weights():
+    with pytest.raises(ValueError, match=r"whiten_patch_embed needs a ViT with a patchify conv; resnet20 has none"):
+        ImageClassifier("resnet20", num_classes=10, whiten_patch_embed=True)
+    with pytest.raises(ValueError, match=r"has none \(or a stem\)"):
+        ImageClassifier("vit_nano_patch4_16", {"stem_channels": [8, 16]}, num_classes=10, whiten_patch_embed=True)
+    with pytest.raises(ValueError, match="would replace the patch embedding init_from loads"):
+        ImageClassifier("vit_nano_patch4_16", num_classes=10, whiten_patch_embed=True, init_from="timm:vit_tiny")

@@ -119,6 +119,47 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
+@torch.no_grad()
+def whiten_patch_embed_(proj: nn.Conv2d, images: torch.Tensor, eps: float = 1e-2) -> None:
+    """Set a patchify conv (kernel = stride, no padding) to whiten the patches of `images`: its
+    outputs on them have zero mean and, along each of the C*p*p directions the patch pixels span,
+    variance lambda / (lambda + eps) (about 1 for all but the faintest; lambda the direction's
+    variance). airbench's whitening init of its first conv (Jordan 2024; Coates & Ng 2011 before
+    it), here for a ViT's patch embedding: a linear patchify sees decorrelated pixels from step 0
+    instead of learning to. `eps` (in the units of `images`' variance) keeps near-empty directions,
+    pixel noise and JPEG artefacts, from being blown up.
+
+    With more output channels than patch pixels (CIFAR's 4x4x3 = 48 into 128) a fixed orthonormal
+    map, seeded apart from the global RNG, spreads the whitened directions over all channels; with
+    fewer, the strongest directions are kept. Without a bias the outputs are not centred."""
+    kernel, c_out = tuple(proj.kernel_size), proj.out_channels
+    if tuple(proj.stride) != kernel or tuple(proj.padding) != (0, 0) or proj.groups != 1 or proj.dilation != (1, 1):
+        raise ValueError(
+            f"whitening needs a patchify conv (kernel = stride, no padding, groups or dilation), got kernel "
+            f"{kernel}, stride {tuple(proj.stride)}, padding {proj.padding}, groups {proj.groups}"
+        )
+    if images.ndim != 4 or images.shape[1] != proj.in_channels:
+        raise ValueError(f"whitening needs images (B, {proj.in_channels}, H, W), got {tuple(images.shape)}")
+    patches = F.unfold(images.float(), kernel, stride=kernel).transpose(1, 2).flatten(0, 1)  # (B*L, C*p*p)
+    if len(patches) < 2 * patches.shape[1]:
+        raise ValueError(
+            f"whitening {patches.shape[1]}-pixel patches needs at least {2 * patches.shape[1]} of them, "
+            f"got {len(patches)} from images {tuple(images.shape)}"
+        )
+    mean = patches.mean(0)
+    variances, directions = torch.linalg.eigh(torch.cov(patches.T.double()))  # ascending
+    white = (directions / (variances.clamp(min=0) + eps).sqrt()).T.float()  # rows: directions, scaled
+    if c_out >= len(white):
+        generator = torch.Generator().manual_seed(0)
+        spread, _ = torch.linalg.qr(torch.randn(c_out, len(white), generator=generator))  # orthonormal columns
+        weight = spread.to(white) @ white
+    else:
+        weight = white[-c_out:]
+    proj.weight.copy_(weight.reshape(proj.weight.shape))
+    if proj.bias is not None:
+        proj.bias.copy_(-weight @ mean.float())
+
+
 class HybridEmbed(nn.Module):
     """A CNN's feature map as patch tokens: the ViT paper's hybrid (R50+ViT-B/16), as timm's
     HybridEmbed, with its parameter names (`backbone.*`, `proj.*`).

@@ -21,7 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
 from vit.data.images import MISSING
-from vit.layers import MoE, PatchDropout
+from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model, model_config
 from vit.schedule import find_budget, stepwise, training_progress, warmup_cosine, warmup_cosine_steps
@@ -84,6 +84,10 @@ class ImageClassifier(TrainingTask):
             the run (a fraction of its steps, or of its WallClockBudget) on, replacing its
             patch_drop_rate; e.g. [[0, 0.5], [0.8, 0.0]] trains the last 20% on every patch, the
             token count it is evaluated on (FLIP's unmasked tuning, on the clock).
+        whiten_patch_embed: at the start of a fresh run (not a resumed one), set the ViT's patchify
+            conv to whiten the patches of the first training batch (vit.layers.whiten_patch_embed_,
+            airbench's init of its first conv); every rank takes rank 0's. Not with init_from (it
+            would replace the pretrained patch embedding) nor with a conv stem.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class ImageClassifier(TrainingTask):
         distillation_alpha: float = 0.5,
         distillation_tau: float = 1.0,
         patch_drop_schedule: list[tuple[float, float]] | None = None,
+        whiten_patch_embed: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "sgd", "muon"):
@@ -130,8 +135,13 @@ class ImageClassifier(TrainingTask):
             raise ValueError(f"patch_drop_schedule rates must be in [0, 1), got {patch_drop_schedule}")
         if (model_kwargs or {}).get("distilled") and teacher is None:
             raise ValueError("model_kwargs.distilled trains a distillation head, which needs a teacher (model.teacher)")
+        if whiten_patch_embed and init_from:
+            raise ValueError(
+                "whiten_patch_embed would replace the patch embedding init_from loads; use one or the other"
+            )
         self.save_hyperparameters()
         self._patch_drop_schedule = sorted((float(p), float(r)) for p, r in patch_drop_schedule or [])
+        self._whitened = False
         self.model: nn.Module | None = None
         if num_classes is not None:
             self.configure_model()
@@ -159,6 +169,11 @@ class ImageClassifier(TrainingTask):
         self._freeze()
         if hp.patch_drop_schedule and not isinstance(getattr(self.model, "patch_drop", None), PatchDropout):
             raise ValueError(f"patch_drop_schedule needs a ViT (a model with patch dropout); {hp.model_name} has none")
+        embed = getattr(self.model, "patch_embed", None)
+        if hp.whiten_patch_embed and not (isinstance(embed, PatchEmbed) and embed.backbone is None):
+            raise ValueError(
+                f"whiten_patch_embed needs a ViT with a patchify conv; {hp.model_name} has none (or a stem)"
+            )
         if hp.grad_checkpointing:
             if not hasattr(self.model, "set_grad_checkpointing"):
                 raise ValueError(f"{hp.model_name} does not support grad_checkpointing (only the ViTs do)")
@@ -245,6 +260,15 @@ class ImageClassifier(TrainingTask):
             params = list(module.parameters())
             if params and not any(p.requires_grad for p in params):
                 module.eval()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.hparams.whiten_patch_embed and self.global_step == 0 and not self._whitened:
+            proj = self.model.patch_embed.proj
+            whiten_patch_embed_(proj, batch[0])
+            state = {name: value.cpu() for name, value in proj.state_dict().items()}
+            proj.load_state_dict(self.trainer.strategy.broadcast(state, src=0))  # the replicas stay equal
+            self._whitened = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model = self._compiled if self._compiled is not None else self.model

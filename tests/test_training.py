@@ -89,13 +89,14 @@ def test_configs_laid_over_the_vit_change_only_what_they_say(capsys):
     vit = resolved("configs/cifar10_vit.yaml")
     long = resolved("configs/cifar10_vit.yaml", "configs/cifar10_vit_long.yaml")
     hybrid = resolved("configs/cifar10_vit.yaml", "configs/cifar10_hybrid.yaml")
-    assert long["model"] == vit["model"] and hybrid["data"] == vit["data"]
+    assert hybrid["data"] == vit["data"]
     assert {k: v for k, v in long["data"]["init_args"].items() if vit["data"]["init_args"][k] != v} == {
         "cutmix_alpha": 1.0, "mixup_prob": 0.5}  # fmt: skip
-    changed = {k for k, v in hybrid["model"]["init_args"].items() if vit["model"]["init_args"][k] != v}
-    assert changed == {"model_kwargs"}
-    assert hybrid["model"]["init_args"]["model_kwargs"] == vit["model"]["init_args"]["model_kwargs"] | {
-        "stem_channels": [32, 64]}  # fmt: skip
+    kwargs = vit["model"]["init_args"]["model_kwargs"]
+    for overlay, model_kwargs in ((long, kwargs | {"depth": 6}), (hybrid, kwargs | {"depth": 6, "stem_channels": [32, 64]})):
+        changed = {k for k, v in overlay["model"]["init_args"].items() if vit["model"]["init_args"][k] != v}
+        assert changed == {"model_kwargs"}  # both keep the 6 blocks they were measured with
+        assert overlay["model"]["init_args"]["model_kwargs"] == model_kwargs
 
 
 def test_a_config_that_only_changes_options_run_alone_says_what_it_lays_over(capsys):

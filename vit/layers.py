@@ -123,11 +123,12 @@ class PatchEmbed(nn.Module):
 def whiten_patch_embed_(proj: nn.Conv2d, images: torch.Tensor, eps: float = 1e-2) -> None:
     """Set a patchify conv (kernel = stride, no padding) to whiten the patches of `images`: its
     outputs on them have zero mean and, along each of the C*p*p directions the patch pixels span,
-    variance lambda / (lambda + eps) (about 1 for all but the faintest; lambda the direction's
-    variance). airbench's whitening init of its first conv (Jordan 2024; Coates & Ng 2011 before
-    it), here for a ViT's patch embedding: a linear patchify sees decorrelated pixels from step 0
-    instead of learning to. `eps` (in the units of `images`' variance) keeps near-empty directions,
-    pixel noise and JPEG artefacts, from being blown up.
+    variance lambda / (lambda + eps) (lambda the direction's own variance: near 1 where lambda >> eps;
+    on CIFAR-10's 4x4 patches 14 of 48 directions reach 0.9 at eps 0.01). airbench's whitening init
+    of its first conv (Jordan 2024; Coates & Ng 2011 before it), here for a ViT's patch embedding: a
+    linear patchify sees decorrelated pixels from step 0 instead of learning to. `eps` (in the units
+    of `images`' variance) keeps near-empty directions, pixel noise and JPEG artefacts, from being
+    blown up.
 
     With more output channels than patch pixels (CIFAR's 4x4x3 = 48 into 128) a fixed orthonormal
     map, seeded apart from the global RNG, spreads the whitened directions over all channels; with

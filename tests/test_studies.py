@@ -27,7 +27,7 @@ def test_vit_vs_resnet_comparison_writes_a_row_per_model(tmp_path):
     ])  # fmt: skip
     assert [r.model_name for r in results] == ["vit_micro_patch4_32", "resnet20"]
     table = out.read_text()
-    assert re.search(r"\| vit \| `vit_micro_patch4_32` \| 1\.\d\dM \| 1 \|", table)
+    assert re.search(r"\| vit \| `vit_micro_patch4_32` \| 0\.60M \| 1 \|", table)
     assert re.search(r"\| resnet20 \| `resnet20` \| 0\.27M \| 1 \|", table)
 
 

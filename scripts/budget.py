@@ -226,10 +226,12 @@ SEED_HEADER = (
 def seed_tables(rows: list[dict], number: dict[str, int]) -> list[str]:
     """The recipes run with two or more seeds, their seeds side by side, so a lever's effect can be
     read against the noise: one table per machine, split and budget. `vs vit` is the difference of
-    means against the `vit` recipe with the fewest changes in the same table."""
+    means against the `vit` recipe with the fewest changes in the same table (the newest, if a config
+    changed its model: runs are grouped by parameter count too, so a 6-block and a 3-block config
+    under one name are two rows)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        key = (r["machine"], r["split"], r["minutes"], r["name"], r["config"], tuple(r["overrides"]))
+        key = (r["machine"], r["split"], r["minutes"], r["name"], r["config"], tuple(r["overrides"]), r["params"])
         groups.setdefault(key, []).append(r)
     repeated = {k: sorted(v, key=lambda r: r["seed"]) for k, v in groups.items() if len({r["seed"] for r in v}) > 1}
     lines = []
@@ -237,11 +239,13 @@ def seed_tables(rows: list[dict], number: dict[str, int]) -> list[str]:
         machine, split, minutes = where
         mine = {k: v for k, v in repeated.items() if k[:3] == where}
         mean = {k: _mean(v, "top1") for k, v in mine.items()}
-        base = min((k for k in mine if k[3] == "vit"), key=lambda k: len(k[5]), default=None)
+        fewest = min((len(k[5]) for k in mine if k[3] == "vit"), default=None)
+        plain = [k for k in mine if k[3] == "vit" and len(k[5]) == fewest]
+        base = max(plain, key=lambda k: max(r.get("date", "") for r in mine[k]), default=None)
         body = []
         for k, v in sorted(mine.items(), key=lambda kv: -mean[kv[0]]):
             body.append([
-                f"{k[3]} (`{v[0]['model_name']}`)", _configs(k[4]), _recipe(v[0]),
+                f"{k[3]} (`{v[0]['model_name']}`, {k[6] / 1e6:.2f}M)", _configs(k[4]), _recipe(v[0]),
                 ", ".join(f"{100 * r['top1']:.2f}" for r in v), _top1(mean[k], _mean(v, "top1_ema")),
                 f"{100 * (max(r['top1'] for r in v) - min(r['top1'] for r in v)):.2f}",
                 _percent(_mean(v, "top1_flip")),
@@ -265,12 +269,13 @@ NOTES_MARK = "<!-- notes: kept when the tables are regenerated -->"
 
 
 def curves(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """(budget, mean top-1 %) points per model and recipe: a recipe change (bf16, another width) is
-    its own curve, never averaged into the config's; seeds are averaged."""
+    """(budget, mean top-1 %) points per model and recipe: a recipe change (bf16, another width, a
+    config that changed its model) is its own curve, never averaged into the config's; seeds are averaged."""
     points: dict[str, dict[float, list[float]]] = {}
     for r in rows:
         recipe = " ".join(o.removeprefix("--") for o in r["overrides"])
-        label = f"{r['name']}, {recipe}" if recipe else r["name"]
+        name = f"{r['name']} ({r['params'] / 1e6:.2f}M)"
+        label = f"{name}, {recipe}" if recipe else name
         points.setdefault(label, {}).setdefault(r["minutes"], []).append(100 * r["top1"])
     return {label: [(m, sum(v) / len(v)) for m, v in sorted(by.items())] for label, by in sorted(points.items())}
 

@@ -150,9 +150,11 @@ def test_budget_report_numbers_each_machine_once_and_plots_each_recipe_as_its_ow
     titles = budget.plot([*rows, row("test", "A")], tmp_path / "p.png", {"A": 1, "B": 2})
     assert titles == ["machine 1: A", "machine 2: B"] and (tmp_path / "p.png").stat().st_size > 1000
     curves = budget.curves(rows)
-    assert curves.keys() == {"vit", "vit, trainer.precision bf16-mixed"}
-    assert [(m, round(t, 6)) for m, t in curves["vit"]] == [(10, 76.0), (30, 82.0)]
-    assert [(m, round(t, 6)) for m, t in curves["vit, trainer.precision bf16-mixed"]] == [(10, 79.0)]
+    assert curves.keys() == {"vit (1.20M)", "vit (1.20M), trainer.precision bf16-mixed"}
+    assert [(m, round(t, 6)) for m, t in curves["vit (1.20M)"]] == [(10, 76.0), (30, 82.0)]
+    assert [(m, round(t, 6)) for m, t in curves["vit (1.20M), trainer.precision bf16-mixed"]] == [(10, 79.0)]
+    # the config changed its model (fewer blocks): its own curve
+    assert budget.curves([*rows, rows[0] | {"params": 0.6e6, "top1": 0.78}]).keys() == curves.keys() | {"vit (0.60M)"}
 
 
 def test_budget_report_puts_seeds_side_by_side_with_each_recipes_difference_from_vit(tmp_path):
@@ -173,11 +175,12 @@ def test_budget_report_puts_seeds_side_by_side_with_each_recipes_difference_from
     five, ten = text.split("## Seeds side by side: 5 minutes, held-out validation, machine 1")[1].split(
         "## Seeds side by side: 10 minutes, held-out validation, machine 1"
     )
-    assert "| vit (`m`) | `c.yaml` | --trainer.precision bf16-mixed | 70.00, 72.00 | 71.00% | 2.00 | 72.00% |" in five
+    row5 = "| vit (`m`, 1.00M) | `c.yaml` | --trainer.precision bf16-mixed | 70.00, 72.00 | 71.00% | 2.00 | 72.00% |"
+    assert row5 in five
     table = [line for line in ten.splitlines() if line.startswith("| vit")]
     assert table == [  # best mean first; the difference of means against the vit baseline
-        "| vit (`m`) | `c.yaml` | --trainer.precision bf16-mixed | 80.00, 79.00 | 79.50% | 1.00 | 80.50% | 10.5 | 1000 "
-        "| - |",
-        "| vit-nodrop (`m`) | `c.yaml` | --trainer.precision bf16-mixed --x 0 | 77.50, 78.50 | 78.00% | 1.00 | 79.00% "
-        "| 10.5 | 1000 | -1.50 |",
+        "| vit (`m`, 1.00M) | `c.yaml` | --trainer.precision bf16-mixed | 80.00, 79.00 | 79.50% | 1.00 | 80.50% | 10.5 "
+        "| 1000 | - |",
+        "| vit-nodrop (`m`, 1.00M) | `c.yaml` | --trainer.precision bf16-mixed --x 0 | 77.50, 78.50 | 78.00% | 1.00 "
+        "| 79.00% | 10.5 | 1000 | -1.50 |",
     ]

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import SHARED
-from vit.tools.benchmark import SECTIONS, main
+from vit.tools.benchmark import SECTIONS, Bench, main, parse_models, section_vit
 
 
 def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
@@ -47,3 +48,26 @@ def test_quick_run_writes_a_complete_report(tmp_path: Path) -> None:
 def test_unknown_section_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown section"):
         main(["--quick", "--sections", "vit,nope", "--out", str(tmp_path)])
+
+
+def test_models_option_and_mfu_against_a_given_peak() -> None:
+    assert parse_models("vit_base_patch16_224:256:128, vit_nano_patch4_16:4:2") == [
+        ("vit_base_patch16_224", 256, 128),
+        ("vit_nano_patch4_16", 4, 2),
+    ]
+    with pytest.raises(SystemExit, match="NAME:INFER_BATCH:TRAIN_BATCH"):
+        parse_models("vit_base_patch16_224:256")
+    # On a GPU the peak is the data sheet's; here a made-up 1 TFLOP/s, so MFU = GFLOP/s / 1000.
+    bench = Bench(
+        device=torch.device("cpu"), dtype=torch.float32, compile=False, quick=True, reps=1, warmup=1,
+        data_root=Path("."), min_sample_s=0.01, matmul_gflops=50.0, peak_gflops=1000.0,
+        vit_cases=[("vit_nano_patch4_16", 4, 2)],
+    )  # fmt: skip
+    section = section_vit(bench)
+    (row,) = section.rows
+    assert (row["model"], row["infer_batch"], row["train_batch"]) == ("vit_nano_patch4_16", 4, 2)
+    for key in ("ours_infer", "ours_train", "timm_train"):
+        assert row[f"{key}_mfu"] == pytest.approx(row[f"{key}_gflop_s"] / 1000.0)
+        assert row[f"{key}_util"] == pytest.approx(row[f"{key}_gflop_s"] / 50.0)
+    assert section.header[-2:] == ["MFU ours inf/train", "timm"]
+    assert section.table[0][-2] == f"{100 * row['ours_infer_mfu']:.1f}% / {100 * row['ours_train_mfu']:.1f}%"

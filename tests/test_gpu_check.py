@@ -80,6 +80,15 @@ def test_cpu_debug_run_measures_every_single_device_check(tmp_path, capsys):
     assert "| nano_patch4_16 fit, eager | ok |" in capsys.readouterr().out
 
 
+def test_checks_option_runs_only_the_named_checks(tmp_path):
+    out = tmp_path / "rows.json"
+    assert main([*CPU_DEBUG, "--checks", "flash,fit", "--json", str(out)]) == 0
+    rows = [r["check"] for r in json.loads(out.read_text())]
+    assert rows[0] == "nano_patch4_16 fit, eager" and rows[1].startswith("flash SDPA") and len(rows) == 2
+    with pytest.raises(SystemExit):
+        main([*CPU_DEBUG, "--checks", "fit,nope"])
+
+
 @pytest.mark.slow
 def test_cpu_debug_run_of_the_sharded_and_ddp_fits(tmp_path):
     out = tmp_path / "rows.json"

@@ -8,7 +8,8 @@ Writes `benchmark.json` and `benchmark.md` (`benchmark_quick.*` with --quick) to
 
 Sections (`--sections`, each one function returning a `Section`; add one to SECTIONS):
   vit        ours vs timm, same configuration and weights: inference and training-step (forward,
-             backward, AdamW) img/s, GFLOP/s and utilisation of a matmul peak measured in the same run
+             backward, AdamW) img/s, GFLOP/s and utilisation of a matmul peak measured in the same run;
+             on CUDA ViT-B/16 and ViT-L/16 at 224 and, in bf16, MFU against the GPU's data-sheet peak
   attention  one attention layer, fused (SDPA) vs explicit, time and peak memory from 65 to 4097 tokens
   resnet     ResNet baselines, NCHW vs channels-last
   profile    where a ViT training step spends its time, by kind of op, ours and timm's
@@ -57,6 +58,8 @@ VIT_CASES = [
     ("vit_micro_patch4_32", 64, 64),
 ]
 VIT_CASES_QUICK = [("vit_nano_patch4_16", 8, 8)]
+# On a GPU: the sizes issue #17 measures (ViT-B/16 and ViT-L/16 at 224), batches that fill one GPU.
+VIT_CASES_CUDA = [("vit_base_patch16_224", 512, 256), ("vit_large_patch16_224", 256, 128)]
 # (label, image size, patch size): sequence length = (img / patch)^2 + 1 CLS token.
 ATTN_CASES = [("32px / 4", 32, 4), ("224px / 16", 224, 16), ("224px / 8", 224, 8), ("224px / 4", 224, 4)]
 ATTN_CASES += [("256px / 4", 256, 4)]
@@ -78,6 +81,8 @@ class Bench:
     data_root: Path
     min_sample_s: float = 0.5  # a timed sample repeats short calls until it lasts this long
     matmul_gflops: float | None = None  # the same-run matmul rate utilisation is measured against
+    peak_gflops: float | None = None  # the GPU's data-sheet bf16 peak (MFU), None on a CPU or unknown GPU
+    vit_cases: list[tuple[str, int, int]] | None = None  # --models; None: the device's default cases
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -180,7 +185,7 @@ def peak_memory(bench: Bench, fn: Callable[[], object]) -> int:
 
 def matmul_peak(bench: Bench) -> dict[str, Any]:
     """GFLOP/s of a large square matmul: the practical compute limit of this machine and dtype."""
-    n = 512 if bench.quick else 2048
+    n = 512 if bench.quick else 8192 if bench.device.type == "cuda" else 2048
     a = torch.randn(n, n, device=bench.device, dtype=bench.dtype)
     b = torch.randn(n, n, device=bench.device, dtype=bench.dtype)
     seconds = interleaved(bench, {"mm": lambda: a @ b}, reps=3 if bench.quick else 10)["mm"]
@@ -246,7 +251,7 @@ def section_vit(bench: Bench) -> Section:
     if bench.matmul_gflops is None:
         bench.matmul_gflops = matmul_peak(bench)["gflops"]["max"]
     rows = []
-    for name, batch, train_batch in VIT_CASES_QUICK if bench.quick else VIT_CASES:
+    for name, batch, train_batch in vit_cases(bench):
         torch.manual_seed(0)
         ours = vit.create_model(name).to(bench.device)
         theirs = timm_twin(ours).to(bench.device)
@@ -281,6 +286,7 @@ def section_vit(bench: Bench) -> Section:
             row[f"{key}_gflop_per_img"] = flops[key] / 1e9
             row[f"{key}_gflop_s"] = flops[key] * row[f"{key}_img_s"]["median"] / 1e9
             row[f"{key}_util"] = row[f"{key}_gflop_s"] / bench.matmul_gflops
+            row[f"{key}_mfu"] = row[f"{key}_gflop_s"] / bench.peak_gflops if bench.peak_gflops else None
         row["ratio_infer"] = paired_ratio(times["ours_infer"], times["timm_infer"])
         row["ratio_train"] = paired_ratio(times["ours_train"], times["timm_train"])
         rows.append(row)
@@ -290,6 +296,8 @@ def section_vit(bench: Bench) -> Section:
         del ours, theirs, fns
     header = ["model", "tokens", "batch inf/train", "inference img/s ours", "timm", "**ours/timm**"]
     header += ["training img/s ours", "timm", "**ours/timm**", "GFLOP/s ours inf/train", "util. inf/train"]
+    if bench.peak_gflops:
+        header += ["MFU ours inf/train", "timm"]
     table = [
         [
             f"`{r['model']}`",
@@ -304,6 +312,14 @@ def section_vit(bench: Bench) -> Section:
             f"{r['ours_infer_gflop_s']:.0f} / {r['ours_train_gflop_s']:.0f}",
             f"{100 * r['ours_infer_util']:.0f}% / {100 * r['ours_train_util']:.0f}%",
         ]
+        + (
+            [
+                f"{100 * r['ours_infer_mfu']:.1f}% / {100 * r['ours_train_mfu']:.1f}%",
+                f"{100 * r['timm_infer_mfu']:.1f}% / {100 * r['timm_train_mfu']:.1f}%",
+            ]
+            if bench.peak_gflops
+            else []
+        )
         for r in rows
     ]
     notes = [
@@ -315,7 +331,33 @@ def section_vit(bench: Bench) -> Section:
         f"utilisation is against {bench.matmul_gflops:.0f} GFLOP/s, the best rate of a large matmul timed in this run. "
         "Ours counts fewer FLOPs than timm (the last block computes the CLS token only; see the JSON).",
     ]
+    if bench.peak_gflops:
+        notes.append(
+            f"MFU (model FLOPs utilisation) = each model's own counted GFLOP/s over the GPU's data-sheet dense "
+            f"bf16 peak, {bench.peak_gflops / 1e3:.1f} TFLOP/s (`vit.tools.gpu_check.PEAK_BF16_TFLOPS`)."
+        )
     return Section("ViT: ours vs timm", header, table, rows, notes)
+
+
+def vit_cases(bench: Bench) -> list[tuple[str, int, int]]:
+    """(model, inference batch, training batch) of the vit section: --models, else the device's default."""
+    if bench.vit_cases is not None:
+        return bench.vit_cases
+    if bench.quick:
+        return VIT_CASES_QUICK
+    return VIT_CASES_CUDA if bench.device.type == "cuda" else VIT_CASES
+
+
+def parse_models(text: str) -> list[tuple[str, int, int]]:
+    """`name:infer_batch:train_batch,...` (e.g. `vit_base_patch16_224:256:128`) into vit cases."""
+    cases = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = item.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            example = "vit_base_patch16_224:256:128"
+            raise SystemExit(f"--models: {item!r} is not NAME:INFER_BATCH:TRAIN_BATCH (e.g. {example})")
+        cases.append((parts[0], int(parts[1]), int(parts[2])))
+    return cases
 
 
 def section_attention(bench: Bench) -> Section:
@@ -758,6 +800,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs this process may use)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up calls (default 1, 2 with --compile)")
+    p.add_argument("--models", default=None, help="vit section cases NAME:INFER_BATCH:TRAIN_BATCH,... (default: "
+                   "ViT-B/16 and ViT-L/16 at 224 on CUDA, small ViTs on the CPU)")  # fmt: skip
     # Relative to the working directory: the defaults suit a run from the checkout, as documented.
     p.add_argument("--data-root", default="../shared/data", help="holds cifar10/, tiny-imagenet-200/")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and markdown")
@@ -780,7 +824,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         warmup=args.warmup if args.warmup is not None else (2 if args.compile else 1),
         data_root=Path(args.data_root),
         min_sample_s=0.02 if args.quick else 0.5,
+        vit_cases=parse_models(args.models) if args.models else None,
     )
+    if bench.device.type == "cuda" and bench.dtype == torch.bfloat16:
+        from vit.tools.gpu_check import peak_tflops
+
+        tflops = peak_tflops(torch.cuda.get_device_name(bench.device))
+        bench.peak_gflops = tflops * 1e3 if tflops else None
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report: dict[str, Any] = {
         "command": command.strip(),

@@ -251,28 +251,33 @@ def check_flash(model_name: str, device: str, batch: int = 8) -> Row:
 # -- the plan ---------------------------------------------------------------------------------
 
 
+CHECKS = ("fit", "compile", "flash", "resnet", "sharded", "ddp")  # --checks, in the order they run
+
+
 def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callable[[], Row]]]:
-    """(name, check) in the order they run; the distributed ones in subprocesses (Lightning starts
-    one process per device by running the command again)."""
+    """(name, check) in the order they run, those --checks names; the distributed ones in
+    subprocesses (Lightning starts one process per device by running the command again)."""
     device, steps, batch = args.device, args.steps, args.batch
     short = re.sub(r"^vit_|_224$", "", args.model)
 
     def fit(check: str, **kw: Any) -> Callable[[], Row]:
         return lambda: run_fit(FitCase(check, steps=steps, batch=batch, device=device, peak=peak, **kw))[0]
 
-    checks = [(f"{short} fit", fit(f"{short} fit, eager", model=args.model))]
+    checks = [("fit", f"{short} fit", fit(f"{short} fit, eager", model=args.model))]
     if device == "cuda" or args.compile_on_cpu:
-        checks.append((f"{short} compile", fit(f"{short} fit, torch.compile", model=args.model, compile=True)))
-    checks.append(("flash", lambda: check_flash(args.model, device)))
+        checks.append(
+            ("compile", f"{short} compile", fit(f"{short} fit, torch.compile", model=args.model, compile=True))
+        )
+    checks.append(("flash", "flash", lambda: check_flash(args.model, device)))
     resnet = fit(
         f"{args.resnet} channels-last fit", model=args.resnet, channels_last=True, img_size=args.resnet_img_size
     )
-    checks.append((args.resnet, resnet))
+    checks.append(("resnet", args.resnet, resnet))
     if args.processes >= 1:
-        checks.append(("sharded", lambda: run_worker(args, "sharded", peak)))
+        checks.append(("sharded", "sharded", lambda: run_worker(args, "sharded", peak)))
     if args.processes >= 2:
-        checks.append(("ddp", lambda: run_worker(args, "ddp", peak)))
-    return checks
+        checks.append(("ddp", "ddp", lambda: run_worker(args, "ddp", peak)))
+    return [(label, check) for key, label, check in checks if key in args.checks]
 
 
 def run_worker(args: argparse.Namespace, strategy: str, peak: float | None) -> Row:
@@ -321,10 +326,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--processes", type=int, default=None, help="for the sharded and DDP fits (default: every GPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per device (default: the GPU table)")
     p.add_argument("--compile-on-cpu", action="store_true", help="also run the torch.compile fit with --device cpu")
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated, from {', '.join(CHECKS)}")
     p.add_argument("--timeout", type=int, default=900, help="seconds for each distributed fit")
     p.add_argument("--json", help="write the rows here (a worker: its row)")
     p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    if unknown := [c for c in args.checks if c not in CHECKS]:
+        p.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-# The two README commands: `make train` (the main job) and `make test`.
+# The two quick-start commands: `make train` (the main job) and `make test`; also gpu-check and format.
 # Both create .venv and install the package into it when it is missing or pyproject.toml changed.
 PYTHON ?= python3
 VENV := .venv

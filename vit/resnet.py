@@ -1,4 +1,4 @@
-"""ResNet baselines: torchvision's ImageNet ResNets and the CIFAR ResNet-20/32/44/56 of He et al. 2016.
+"""ResNet baselines: torchvision's ImageNet ResNets and the CIFAR ResNet-20/32/44/56/110 of He et al. 2016.
 
 The CIFAR family uses option-A (parameter-free, zero-padded) shortcuts and the parameter names of
 akamaster/pytorch_resnet_cifar10, so its published checkpoints load (after `module.` is stripped).

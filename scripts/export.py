@@ -89,6 +89,6 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
 if __name__ == "__main__":
     try:
         main()
-    except (FileNotFoundError, ValueError, TypeError, RuntimeError) as e:
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

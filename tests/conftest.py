@@ -25,6 +25,17 @@ def shared_path(relative: str) -> Path:
     return path
 
 
+@pytest.fixture
+def file_size_limit():
+    """Restores RLIMIT_FSIZE, which a test lowers to fill the disk part-way through a write
+    (tests.faults.DiskFullAfter)."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    yield
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -72,3 +72,40 @@ class InterruptAt(L.Callback):
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step == self.step:
             raise KeyboardInterrupt
+
+
+class InterruptInValidation(L.Callback):
+    """Presses Ctrl-C during the validation of epoch `epoch`: after its first batch, or, with
+    `in_step`, inside its second validation step (by making the step raise)."""
+
+    def __init__(self, epoch: int, in_step: bool = False) -> None:
+        self.epoch, self.in_step = epoch, in_step
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, *args) -> None:
+        if self._now(trainer) and self.in_step and batch_idx == 1:
+            step = pl_module.validation_step
+
+            def interrupted(*args, **kwargs):
+                pl_module.validation_step = step
+                raise KeyboardInterrupt
+
+            pl_module.validation_step = interrupted
+
+    def on_validation_batch_end(self, trainer, *args) -> None:
+        if self._now(trainer) and not self.in_step:
+            raise KeyboardInterrupt
+
+    def _now(self, trainer) -> bool:
+        return trainer.current_epoch == self.epoch and not trainer.sanity_checking
+
+
+class RecordValidations(L.Callback):
+    """(epoch, global step, val/acc1) of each validation that ran to its end, in `validations`."""
+
+    def __init__(self) -> None:
+        self.validations: list[tuple[int, int, float]] = []
+
+    def on_validation_end(self, trainer, *args) -> None:
+        if not trainer.sanity_checking:
+            score = float(trainer.callback_metrics["val/acc1"])
+            self.validations.append((trainer.current_epoch, trainer.global_step, score))

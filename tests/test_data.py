@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import numpy as np
 import pytest
@@ -334,3 +336,28 @@ def test_an_empty_class_folder_or_a_class_missing_from_val_is_named_in_a_warning
         scan_image_folder(tmp_path / "val", classes=classes)
     assert f"{tmp_path / 'train' / 'dog'} has no images: class 'dog'" in caplog.text
     assert f"{tmp_path / 'val'} has no folder for class 'dog'" in caplog.text
+
+
+def test_class_folders_are_read_with_their_sub_folders_and_other_files_are_counted(tmp_path, caplog):
+    """As torchvision's ImageFolder: images in sub-folders of a class belong to it (they were
+    ignored silently, and a class could end with none); files that are not images are named in a
+    warning with their count; hidden files and macOS "._*" forks are neither."""
+    write_image(tmp_path / "cat" / "0.png")
+    write_image(tmp_path / "cat" / "2024" / "a.JPG")
+    write_image(tmp_path / "dog" / "shots" / "deep" / "1.png")
+    (tmp_path / "dog" / "notes.txt").write_text("not an image")
+    (tmp_path / "dog" / "2.heic").write_bytes(b"")
+    (tmp_path / "dog" / "._1.png").write_bytes(b"\0")
+    (tmp_path / "dog" / ".hidden").mkdir()
+    write_image(tmp_path / "dog" / ".hidden" / "3.png")
+    with caplog.at_level("WARNING", logger="vit"):
+        classes, samples = scan_image_folder(tmp_path)
+    assert classes == ["cat", "dog"]
+    assert [(Path(s.path).relative_to(tmp_path).as_posix(), s.label) for s in samples] == [
+        ("cat/0.png", 0),
+        ("cat/2024/a.JPG", 0),
+        ("dog/shots/deep/1.png", 1),
+    ]
+    assert f"{tmp_path}: 2 file(s) without an image extension are not read, e.g. {tmp_path / 'dog' / '2.heic'}" in (
+        caplog.text
+    )

@@ -111,3 +111,39 @@ def test_script_exports_a_timm_format_file_and_checks_two_sizes(tmp_path, capsys
     assert "2x3x24x24: max |onnxruntime - torch| =" in printed and "OK: within 0.0001 at 16, 24 px" in printed
     with pytest.raises(SystemExit, match="1"):
         export_main([str(tmp_path / "w.pth"), "--model", "vit_nano_patch4_16", "--out", str(out), "--atol", "1e-12"])
+
+
+def test_a_bare_onnxruntime_session_takes_other_sizes_as_the_last_whole_patch(vit_onnx):
+    """What README says of the file itself: only OnnxClassifier refuses an 18x18 image; onnxruntime
+    alone runs it as the patchify convolution does, on the 16x16 of whole patches."""
+    import onnxruntime as ort
+
+    model, _, path = vit_onnx
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    images = torch.randn(2, 3, 18, 18)
+    (logits,) = session.run(None, {"images": images.numpy()})
+    with torch.no_grad():
+        expected = model(images[..., :16, :16])
+    torch.testing.assert_close(torch.from_numpy(logits), expected, atol=1e-4, rtol=0)
+
+
+def test_the_script_names_a_file_that_is_no_checkpoint_and_never_leaves_a_partial_onnx(tmp_path, capsys):
+    import resource
+
+    text = tmp_path / "notes.pth"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match=f"{text} is not a PyTorch checkpoint"):
+        export_main([str(text)])
+
+    torch.save(create_model("vit_nano_patch4_16", num_classes=5).state_dict(), tmp_path / "w.pth")
+    out = tmp_path / "nano.onnx"
+    out.write_bytes(b"the previous export")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, limit[1]))  # a disk that fills part-way through the file
+    try:
+        with pytest.raises(OSError, match=f"could not write {out}: File too large"):
+            export_main([str(tmp_path / "w.pth"), "--model", "vit_nano_patch4_16", "--out", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    assert out.read_bytes() == b"the previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nano.onnx", "notes.pth", "w.pth"]

@@ -11,11 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import quiet_trainer
+from tests.conftest import quiet_trainer, write_image_folder
 from tests.faults import InterruptAt
 from vit.data import DigitsDataModule, ImageFiles
 from vit.data.datamodules import ImageFolderDataModule, holdout_indices
-from vit.data.images import Sample
+from vit.data.images import CorruptImageError, Sample
 from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, to_tensor_images
 from vit.data.transforms import train_transform
 from vit.layers import whiten_patch_embed_
@@ -132,6 +132,21 @@ def test_holdout_is_stratified_disjoint_and_fixed():
         holdout_indices(labels, 500)
 
 
+def test_holdout_takes_exactly_what_was_asked_when_classes_outnumber_it(tmp_path):
+    """5 of 10 balanced classes used to round to 0 held-out images: no validation, no warning."""
+    folder = write_image_folder(tmp_path, classes=10, train=3, val=1, size=8)
+    for in_memory in (False, True):
+        dm = ImageFolderDataModule(str(folder), img_size=8, crop="pad_crop", in_memory=in_memory, val_holdout=5)
+        dm.setup("fit")
+        assert len(dm.val_set) == 5 and len(dm.train_set) == 25
+    labels = np.repeat(np.arange(10), 20)
+    train, val = holdout_indices(labels, 5)
+    assert len(val) == 5 and len(set(labels[val])) == 5 and len(train) == 195
+    assert np.bincount(labels[holdout_indices(labels, 13)[1]], minlength=10).tolist() == [2, 2, 2, 1, 1, 1, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match=r"val_holdout=0\.001 holds out 0 of the 200 training images"):
+        holdout_indices(labels, 0.001)
+
+
 def test_decoding_is_cached_by_content(tmp_path, caplog):
     folder = tmp_path / "imgs"
     folder.mkdir()
@@ -145,12 +160,52 @@ def test_decoding_is_cached_by_content(tmp_path, caplog):
     first = to_tensor_images(dataset, img_size=8, cache_dir=tmp_path / "cache")
     assert first.images.shape == (6, 3, 8, 8) and first.labels.tolist() == [0, 1] * 3
     assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
+    caplog.clear()
     with caplog.at_level("INFO", logger="vit"):
         again = to_tensor_images(dataset, img_size=8, cache_dir=tmp_path / "cache")
     assert torch.equal(again.images, first.images) and "decoded" not in caplog.text  # read from the cache
     Image.fromarray(np.zeros((10, 10, 3), np.uint8)).save(folder / "0.png")  # the folder changed
     changed = to_tensor_images(dataset, img_size=8, cache_dir=tmp_path / "cache")
     assert changed.images[0].max() == 0 and len(list((tmp_path / "cache").glob("*.npz"))) == 2
+
+
+def test_a_broken_or_unwritable_cache_costs_only_the_cache_and_strict_runs_never_read_a_skipping_one(
+    tmp_path, caplog, file_size_limit
+):
+    """A truncated cache file gave a raw BadZipFile without its path; a full disk a raw traceback
+    and a `.tmp` per try; a cache built with skip_corrupt was reused silently by a strict run."""
+    import resource
+
+    folder = tmp_path / "imgs"
+    samples = []
+    for i in range(6):
+        path = folder / f"{i}.png"
+        path.parent.mkdir(exist_ok=True)
+        Image.fromarray(np.full((10, 10, 3), 40 * i, np.uint8)).save(path)
+        samples.append(Sample(str(path), i % 2))
+    corrupt = folder / "5.png"
+    corrupt.write_bytes(corrupt.read_bytes()[:30])
+    cache = tmp_path / "cache"
+    skipping = to_tensor_images(ImageFiles(samples, skip_corrupt=True), img_size=8, cache_dir=cache)
+    assert len(skipping) == 5
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {corrupt}"):  # not the 5-image cache
+        to_tensor_images(ImageFiles(samples), img_size=8, cache_dir=cache)
+
+    (cached,) = cache.glob("*.npz")
+    cached.write_bytes(cached.read_bytes()[:100])
+    with caplog.at_level("WARNING", logger="vit"):
+        again = to_tensor_images(ImageFiles(samples, skip_corrupt=True), img_size=8, cache_dir=cache)
+    assert torch.equal(again.images, skipping.images)
+    assert f"the image cache {cached} cannot be read (BadZipFile" in caplog.text
+
+    cached.unlink()
+    (cache / f".{cached.name}.999999999.tmp").write_bytes(b"left by a process killed while writing")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    with caplog.at_level("WARNING", logger="vit"):
+        full = to_tensor_images(ImageFiles(samples, skip_corrupt=True), img_size=8, cache_dir=cache)
+    assert torch.equal(full.images, skipping.images)
+    assert f"could not write the image cache {cached} (File too large); training goes on without it" in caplog.text
+    assert list(cache.iterdir()) == []
 
 
 def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(tmp_path):

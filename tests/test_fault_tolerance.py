@@ -166,16 +166,6 @@ def test_every_shipped_recipe_resumes_mid_epoch_to_the_same_weights(tmp_path, on
 DIGITS = ["--trainer.logger", "false", "--trainer.limit_val_batches", "1"]
 
 
-@pytest.fixture
-def file_size_limit():
-    """Restores RLIMIT_FSIZE, which tests.faults.DiskFullAfter lowers."""
-    import resource
-
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    yield
-    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-
-
 def test_a_full_disk_stops_the_run_loudly_and_keeps_the_previous_checkpoint(tmp_path, capsys, file_size_limit):
     """configs/default.yaml, checkpointing every 5 steps; after step 7 the disk is full: the step-10
     save fails part-way. The run exits 1 naming the file and the OS error; every file under a
@@ -245,7 +235,7 @@ def test_a_checkpoint_file_is_not_resumed_as_another_model_but_takes_a_new_lr(tm
     assert "model.model_name is 'resnet20' here but 'vit_nano_patch4_16' in the checkpoint" in message
     with caplog.at_level("INFO", logger="vit"):
         resumed = main([*args, "--trainer.max_epochs", "2", "--ckpt_path", str(last), "--model.lr", "1e-3"])
-    assert "resuming with lr 0.001 instead of the checkpoint's 0.002" in caplog.text
+    assert "resuming with peak lr 0.001 instead of the checkpoint's 0.002" in caplog.text
     assert resumed.model.hparams.lr == 1e-3 and resumed.trainer.global_step == 6
 
 
@@ -275,19 +265,34 @@ def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_wo
         resumed = main(
             [*args, "--ckpt_path", "last", "--model.lr", "1e-3", "--trainer.callbacks+=tests.faults.RecordLR"]
         )
-    assert "resuming with lr 0.001 instead of the checkpoint's 0.002" in caplog.text
+    assert "resuming with peak lr 0.001 instead of the checkpoint's 0.002" in caplog.text
     lrs = next(cb for cb in resumed.trainer.callbacks if hasattr(cb, "lrs")).lrs
     # the schedule of default.yaml over these 8 steps (warmup cut to 4), peak 1e-3, min_lr 1e-5
     expected = {step: 1e-3 * warmup_cosine_steps(step, 4, 8, 1e-5 / 1e-3) for step in range(4, 8)}
     assert lrs == pytest.approx(expected, rel=1e-9)
 
 
+def test_a_nan_before_any_checkpoint_says_to_start_again_not_to_resume(tmp_path, capsys):
+    args = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            *QUIET, *DIGITS, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--trainer.callbacks+=tests.faults.PoisonAt", "--trainer.callbacks.step=2"])
+    assert exit_info.value.code == 1
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("error: training loss is nan at step 2 ")
+    assert message.endswith(
+        "No checkpoint was saved before it; start again with a lower learning rate (--model.lr <lower>), gradient "
+        "clipping (--trainer.gradient_clip_val 1.0), or check the data."
+    )
+    assert not list((tmp_path / "checkpoints").glob("*.ckpt"))
+
+
 @pytest.mark.slow
 def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
-    """2 processes (gloo), per-sample loading, one truncated image: the rank that reads it fails
+    """2 processes (gloo), per-sample loading, one truncated JPEG: the rank that reads it fails
     with the file's name, the other follows (its collective finds the peer gone): no hang, no save."""
-    data = write_image_folder(tmp_path / "data")
-    corrupt = data / "train" / "class0" / "3.png"
+    data = write_image_folder(tmp_path / "data", ext="jpg")
+    corrupt = data / "train" / "class0" / "3.jpg"
     corrupt.write_bytes(corrupt.read_bytes()[:300])
     stopped = run_script(
         cifar_recipe(data, tmp_path / "run", "--data.in_memory", "false", "--trainer.accelerator", "cpu",
@@ -295,7 +300,7 @@ def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
         env={"MASTER_PORT": str(_free_port())}, timeout=120,  # it hung forever before
     )  # fmt: skip
     assert stopped.returncode != 0
-    assert f"cannot decode image {corrupt}" in stopped.stderr
+    assert f"error: cannot decode image {corrupt}: " in stopped.stderr  # not PIL's bare "Truncated File Read"
     assert not list((tmp_path / "run" / "checkpoints").glob("last-interrupted*.ckpt"))
 
 

@@ -509,3 +509,14 @@ def test_rollout_logger_writes_overlays_to_tensorboard(tmp_path):
     images = events.Images("rollout/overlays")
     assert [e.step for e in images] == [2]  # epoch 2 only (every 2 epochs), not the first
     assert images[0].width == 3 * 32 and images[0].height > 3 * 32  # a column of 3 panels with captions
+
+
+def test_a_batch_size_of_zero_is_a_usage_error_naming_the_option(tmp_path, capsys):
+    """It ended in "range() arg 3 must not be zero" after the model was loaded."""
+    from vit.tools.rollout import main as rollout_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        rollout_main([str(tmp_path), "--checkpoint", "timm:vit_tiny_patch16_224", "--batch-size", "0"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("error: argument --batch-size: must be a whole number of at least 1, got 0")

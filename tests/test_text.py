@@ -297,7 +297,7 @@ def test_a_run_resumed_with_another_lr_trains_at_it(text_file, tmp_path, caplog)
     with caplog.at_level("INFO", logger="vit"):
         cli = fit(tmp_path, text_file, "--trainer.max_steps", "6", "--ckpt_path", "last", "--model.lr", "1.5e-3",
                   "--trainer.callbacks+=tests.faults.RecordLR", *common)  # fmt: skip
-    assert "resuming with lr 0.0015 instead of the checkpoint's 0.003" in caplog.text
+    assert "resuming with peak lr 0.0015 instead of the checkpoint's 0.003" in caplog.text
     lrs = next(cb for cb in cli.trainer.callbacks if hasattr(cb, "lrs")).lrs
     assert lrs == pytest.approx({step: 1.5e-3 * warmup_cosine_steps(step, 2, 6, 0.0) for step in (3, 4, 5)}, rel=1e-9)
 
@@ -310,3 +310,21 @@ def test_a_mixture_of_experts_gpt_trains_with_its_load_balancing_loss(text_file,
     # measured 2.03; train/loss stays the language-modelling loss (3.12 after 3 steps, ln 25 = 3.22).
     assert 1.8 < float(metrics["train/aux_loss"]) < 3.0
     assert float(metrics["train/loss"]) < math.log(25)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--temperature", "nan"], "argument --temperature: must be a finite number of at least 0, got nan"),
+        (["--max_new_tokens", "-5"], "argument --max_new_tokens: must be a whole number of at least 0, got -5"),
+        (["--num_samples", "0"], "argument --num_samples: must be a whole number of at least 1, got 0"),
+    ],
+)
+def test_sampling_options_out_of_range_are_usage_errors(tmp_path, capsys, option, message):
+    """`--temperature nan` ended in a traceback and a negative `--max_new_tokens` was accepted."""
+    from vit.tools.sample import main as sample_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        sample_main([str(tmp_path / "gpt.ckpt"), *option])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")

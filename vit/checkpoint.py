@@ -61,7 +61,19 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return obj
 
 
+class UnreadableCheckpointError(ValueError):
+    """A file that is no checkpoint at all (not a torch archive), or an incomplete one."""
+
+
 def _torch_load(path: Path) -> Any:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # torch.save writes a zip archive ("PK"); files of torch < 1.6 begin with a pickle protocol opcode.
+    if head and not (head.startswith(b"PK") or head.startswith(b"\x80")):
+        raise UnreadableCheckpointError(
+            f"{path} is not a PyTorch checkpoint (it begins {head!r}; torch.save writes a zip archive): expected "
+            "our .ckpt, a .pth/.pt/.bin/.th state dict, or .safetensors"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -72,7 +84,7 @@ def _torch_load(path: Path) -> Any:
             f"`torch.save(sd['state_dict'], 'weights.pth')` or safetensors. ({e})"
         ) from e
     except (RuntimeError, EOFError) as e:  # PytorchStreamReader on a truncated zip; EOFError on an empty file
-        raise ValueError(
+        raise UnreadableCheckpointError(
             f"cannot read {path} ({path.stat().st_size} bytes): the file is incomplete (empty or truncated, "
             f"e.g. by a full disk or a kill while it was written). ({type(e).__name__})"
         ) from e
@@ -143,6 +155,8 @@ def load_model(
     if model_name is None:
         try:
             return load_checkpoint(path, use_ema)[0]
+        except UnreadableCheckpointError:
+            raise
         except ValueError as e:
             raise ValueError(f"{e}. For a timm-format state dict, give the architecture (model_name)") from e
     state_dict = read_weights(path) if path.suffix != ".npz" else {}  # an .npz is read for a built model

@@ -6,6 +6,7 @@ import difflib
 import importlib
 import inspect
 import logging
+import pkgutil
 import re
 import sys
 import time
@@ -16,8 +17,10 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from vit.data.images import CorruptImageError
 from vit.fault_tolerance import (
     EXIT_CODES,
+    CheckpointConflictError,
     CheckpointWriteError,
     IncompleteCheckpointError,
     NonFiniteLossError,
@@ -26,10 +29,17 @@ from vit.fault_tolerance import (
     checkpoint_dir,
     destroy_process_group,
     interruptible,
+    remove_stale_temporaries,
+    resume_checkpoint,
     stop_message,
     stop_signal,
 )
-from vit.sharding import newest_resumable
+
+log = logging.getLogger(__name__)
+
+
+class ConflictingOptionsError(ValueError):
+    """Two options that must agree (a value set on the data and given to the model too) do not."""
 
 
 def _checkpoint_dirpath(default_root_dir: str | None) -> str:
@@ -43,10 +53,6 @@ LINKED_FROM_DATA = ("img_size", "num_classes")
 RESUMABLE_MODEL_OPTIONS = ("lr",)
 
 
-class CheckpointConflictError(ValueError):
-    """`--ckpt_path FILE` with model options that differ from the ones the checkpoint was trained with."""
-
-
 def _plain(value: Any) -> Any:
     """Config values as comparable plain data (tuples and lists alike, namespaces as dicts)."""
     if hasattr(value, "as_dict"):
@@ -56,6 +62,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def _differs(given: Any, saved: Any) -> bool:
+    """A dict option (model_kwargs) differs when a key given has another value in the checkpoint; keys
+    only the checkpoint has were filled in by the run (a language model's vocab_size, from its data)."""
+    if isinstance(given, dict) and isinstance(saved, dict):
+        return any(key not in saved or _differs(value, saved[key]) for key, value in given.items())
+    return given != saved
 
 
 class TrainArgumentParser(LightningArgumentParser):
@@ -87,7 +101,14 @@ def _suggest(name: str, choices: list[str]) -> str:
 
 
 def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | None:
-    """One line for an unknown option (with a suggestion), or None to keep jsonargparse's message."""
+    """One line for an unknown option or class (with a suggestion) or a config file that is not
+    valid YAML (with its name), or None to keep jsonargparse's message."""
+    if message.startswith("Problems parsing config") and "<unicode string>" in message:
+        return _yaml_error() or None
+    missing = re.search(r"Problem with given class_path '([\w.]+)':\s*(module '[\w.]+' has no|No module)", message)
+    group = re.search(r'Parser key "([\w.]+)"', message)
+    if missing and group:
+        return f"--{group[1]} {missing[1]}: {_no_such_class(missing[1])}"
     unknown = re.search(r"Problem with given class_path '([\w.]+)':\s*(?:Option|Key) '([\w.]+)' is not", message)
     group = re.search(r'Parser key "([\w.]+)"', message)
     if unknown and group:
@@ -114,6 +135,45 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
             option = options[0].split("=")[0]
             return f"unknown option {option}{_suggest(option, choices)} (run with --help for the options)"
     return None
+
+
+def _no_such_class(class_path: str) -> str:
+    """Why `class_path` names no class, with the closest class or module of the nearest one that imports."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        package = module.rpartition(".")[0]
+        try:
+            parent = importlib.import_module(package) if package else None
+        except ImportError:
+            parent = None
+        siblings = [f"{package}.{m.name}" for m in pkgutil.iter_modules(getattr(parent, "__path__", []))]
+        return f"there is no module {module}{_suggest(module, siblings)}"
+    classes = [f"{module}.{n}" for n, v in vars(found).items() if inspect.isclass(v) and not n.startswith("_")]
+    return f"there is no {name} in {module}{_suggest(class_path, classes)}"
+
+
+def _yaml_error() -> str:
+    """The first --config file of the command line that is not valid YAML, named with the parser's
+    message (jsonargparse's names `<unicode string>`); empty if each one parses."""
+    import yaml
+
+    args = TrainCLI.argv
+    files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
+    files += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    for file in files:
+        try:
+            yaml.safe_load(Path(file).read_text())
+        except yaml.MarkedYAMLError as e:
+            where = f", line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
+            context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
+            return f"{file} is not valid YAML{where}: {e.problem}{context}"
+        except yaml.YAMLError as e:
+            return f"{file} is not valid YAML: {e}"
+        except OSError:
+            continue
+    return ""
 
 
 class TrainCLI(LightningCLI):
@@ -171,22 +231,22 @@ class TrainCLI(LightningCLI):
         for name, given in getattr(self, "_given_to_model", {}).items():
             data_value = getattr(self.datamodule, name, None)
             if given is not None and data_value is not None and given != data_value:
-                raise ValueError(
+                raise ConflictingOptionsError(
                     f"model.{name} is {given} but data.{name} is {data_value}; set it once, on the data "
                     "(the model follows it)"
                 )
 
     def before_fit(self) -> None:
-        """Resume from a complete checkpoint (`last`: the newest complete one). A fresh run must
-        not mix its checkpoints with an earlier run's in the same directory: move those aside
-        (never delete them), so `last` and `best` are unambiguous."""
-        ckpt_path = self.config.fit.get("ckpt_path")
-        if ckpt_path is not None:
-            self.config_init.fit.ckpt_path = self._complete_checkpoint(ckpt_path)
-            return
+        """A fresh run must not mix its checkpoints with an earlier run's in the same directory:
+        move those aside (never delete them), so `last` and `best` are unambiguous. Temporary files
+        that a kill during a write left behind are removed (a resumed run's too)."""
         if not self.trainer.is_global_zero:
             return
         ckpt_dir = Path(self.trainer.checkpoint_callback.dirpath)
+        for tmp in remove_stale_temporaries(ckpt_dir):
+            log.info("removed %s, left by a write that was interrupted", tmp)
+        if self.config.fit.get("ckpt_path") is not None:
+            return
         old = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
         if old:
             archive = ckpt_dir / "earlier" / time.strftime("%Y%m%d-%H%M%S")
@@ -196,14 +256,26 @@ class TrainCLI(LightningCLI):
             print(f"Moved {len(old)} checkpoint(s) of an earlier run to {archive} (resume it with --ckpt_path PATH)")
 
     def _parse_ckpt_path(self) -> None:
-        """Refuse an incomplete checkpoint file by name, before Lightning reads its hyperparameters.
+        """`--ckpt_path last` becomes the newest complete `last*.ckpt` of the run's checkpoint
+        folder (by saved step; incomplete ones skipped with a warning); a named file that is
+        incomplete is refused by name. Both before Lightning reads the hyperparameters.
 
         Lightning then replaces the model options with the checkpoint's. Options the user set (in
         the config or on the command line: values other than the model class's defaults) that
-        differ from the checkpoint's would be dropped silently: refuse them, naming both values,
-        except RESUMABLE_MODEL_OPTIONS, which keep the user's value."""
+        differ from the checkpoint's would be dropped silently, or fail half-way through restoring
+        (another optimizer): refuse them, naming both values, except RESUMABLE_MODEL_OPTIONS, which
+        keep the user's value. The values set on the data (LINKED_FROM_DATA) come from the data;
+        the checkpoint's are checked against them when it is loaded (vit.lit.ImageClassifier)."""
         subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not subcommand:
+            return super()._parse_ckpt_path()
+        config = self.config[subcommand]
+        ckpt_path, named = config.get("ckpt_path"), config.get("ckpt_path")
+        if ckpt_path == "last":
+            ckpt_path = self._resolve_last(config)
+            if ckpt_path is None:
+                return None  # nothing saved yet: Lightning warns and starts from scratch
+            config.ckpt_path, named = str(ckpt_path), f"last ({ckpt_path})"
         if not (ckpt_path and Path(ckpt_path).is_file()):
             return super()._parse_ckpt_path()
         if not checkpoint_complete(ckpt_path):
@@ -212,23 +284,37 @@ class TrainCLI(LightningCLI):
                 "truncated, e.g. by a full disk or a kill while it was written); resume from another one"
             )
         given = self._model_options_given(subcommand)
-        saved = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        saved = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters", {})
         conflicts = [
             f"model.{name} is {value!r} here but {_plain(saved[name])!r} in the checkpoint"
             for name, value in given.items()
-            if name in saved and name not in RESUMABLE_MODEL_OPTIONS and value != _plain(saved[name])
+            if name in saved and name not in RESUMABLE_MODEL_OPTIONS and _differs(value, _plain(saved[name]))
         ]
         if conflicts:
             raise CheckpointConflictError(
-                f"--ckpt_path {ckpt_path} resumes the run it was saved from, but " + "; ".join(conflicts)
+                f"--ckpt_path {named} resumes the run it was saved from, but " + "; ".join(conflicts)
                 + ". Drop these options to resume as it was, or start a new run from its weights with "
                 f"--model.init_from {ckpt_path}"
             )  # fmt: skip
-        super()._parse_ckpt_path()
+        super()._parse_ckpt_path()  # a new self.config, with the checkpoint's model options
         init_args = self.config[subcommand].model.init_args
         for name in RESUMABLE_MODEL_OPTIONS:
             if name in given:
                 init_args[name] = given[name]
+        for name in LINKED_FROM_DATA:
+            init_args.pop(name, None)
+        return None
+
+    def _resolve_last(self, config: Any) -> Path | None:
+        checkpoint = config.get("checkpoint")
+        directory = checkpoint.get("dirpath") if checkpoint is not None else None
+        directory = directory or checkpoint_dir(config.get("trainer", {}).get("default_root_dir"))
+        newest, candidates = resume_checkpoint(directory)
+        if newest is None and candidates:
+            raise IncompleteCheckpointError(
+                f"--ckpt_path last: none of {', '.join(map(str, candidates))} is a complete checkpoint"
+            )
+        return newest
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self._cli_args = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else []
@@ -257,19 +343,6 @@ class TrainCLI(LightningCLI):
             for k, v in values.items()
             if k in defaults and (v != defaults[k] or k in named) and k not in LINKED_FROM_DATA
         }
-
-    def _complete_checkpoint(self, ckpt_path: str) -> str:
-        """`last` -> the newest complete `last*.ckpt` (a file, or a directory of vit.sharding.ShardedStrategy),
-        skipping (with a warning) empty or truncated ones."""
-        candidates = list(Path(self.trainer.checkpoint_callback.dirpath).glob("last*.ckpt"))
-        if ckpt_path != "last" or not candidates:
-            return ckpt_path  # no checkpoint yet: Lightning warns and starts from scratch
-        newest = newest_resumable(candidates)
-        if newest is None:
-            raise IncompleteCheckpointError(
-                f"--ckpt_path last: none of {', '.join(map(str, candidates))} is a complete checkpoint"
-            )
-        return str(newest)
 
     def fit(self, model: Any, **kwargs: Any) -> None:
         """`trainer.fit`, stopped honestly: after a signal, one line naming the checkpoint and the
@@ -313,19 +386,37 @@ def main(args: list[str] | None = None) -> Any:
             args=args,
             save_config_kwargs={"overwrite": True},
         )
-    except (NonFiniteLossError, CheckpointWriteError, IncompleteCheckpointError, CheckpointConflictError) as e:
-        print(f"\nerror: {e}", file=sys.stderr)
+    except (
+        NonFiniteLossError,
+        CheckpointWriteError,
+        IncompleteCheckpointError,
+        CheckpointConflictError,
+        CorruptImageError,
+        ConflictingOptionsError,
+    ) as e:
+        print(f"\nerror: {_message(e)}", file=sys.stderr)
         sys.exit(1)
     except ValueError as e:
         cause = _root_cause(e)
-        if cause is e or not isinstance(cause, OSError):
+        if cause is e or not (isinstance(cause, OSError) or "Does not validate against any" in str(e)):
             raise
-        # A class that could not be built from the config (e.g. a data root that does not exist):
-        # jsonargparse wraps the reason in a dump of every subtype tried; say the reason alone.
+        # A class that could not be built from the config (e.g. a data root that does not exist, an
+        # option its constructor refuses): jsonargparse wraps the reason in a dump of every subtype
+        # tried; say the reason alone.
         print(f"\nerror: {cause}", file=sys.stderr)
         sys.exit(1)
     destroy_process_group()  # a finished DDP or sharded run exits 0, not a teardown abort
     return cli
+
+
+def _message(e: BaseException) -> str:
+    """The exception's own message; for one re-raised from a DataLoader worker ("Caught X in
+    DataLoader worker process 0. Original Traceback ..."), the original's last line."""
+    text = str(e)
+    if "Original Traceback" in text:
+        last = text.strip().splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return text
 
 
 def _root_cause(e: BaseException) -> BaseException:

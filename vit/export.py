@@ -23,8 +23,10 @@ import copy
 import dataclasses
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -165,9 +167,25 @@ def export_onnx(
         except Exception as e:  # the exporter wraps torch.export's and the translator's errors
             raise RuntimeError(f"ONNX export of {type(model).__name__} failed: {e}") from e
     program.model.metadata_props.update(spec.metadata())
-    path = Path(path)
+    return _save_atomically(program, Path(path))
+
+
+def _save_atomically(program: Any, path: Path) -> Path:
+    """Save into a temporary folder beside `path`, then move the file (and the weights file that
+    models over protobuf's 2 GB get beside it, named after it) into place: a full disk or a kill
+    leaves the previous file, never a truncated one, under the requested name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    program.save(path)  # weights inside the file, unless they exceed protobuf's 2 GB
+    tmp = path.parent / f".{path.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        program.save(tmp / path.name)  # weights inside the file, unless they exceed protobuf's 2 GB
+        for written in sorted(tmp.iterdir(), key=lambda p: p.name == path.name):  # the .onnx last
+            os.replace(written, path.parent / written.name)
+    except OSError as e:
+        raise OSError(e.errno, f"could not write {path}: {e.strerror or e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

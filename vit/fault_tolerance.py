@@ -6,8 +6,11 @@
 - Checkpoints are written atomically (a temporary file in the same directory, fsync, rename): a
   full disk or a kill mid-write leaves the previous file intact, never a partial one under a
   checkpoint's name, and a failed write stops the run with the path and the OS error.
-- `--ckpt_path last` takes the newest `last*.ckpt` that is a complete file, warning about any it
-  skips, in the run's checkpoint folder (`checkpoint_dir`).
+- `--ckpt_path last` takes the complete `last*.ckpt` (file or sharded directory) saved at the
+  latest step, warning about any it skips, in the run's checkpoint folder (`checkpoint_dir`).
+- `best-*.ckpt` are chosen at validations only, from the state validated (RunCheckpoint);
+  evaluation never touches a run's checkpoints, and a resume that fails while restoring writes
+  none (InterruptCheckpoint).
 - A distributed run that finished destroys its process group itself (`destroy_process_group`),
   rather than leaving it to interpreter teardown, where gloo's worker threads can abort the finished
   process (SIGABRT, "terminate called without an active exception"). A failed run does not: its
@@ -21,7 +24,9 @@ import io
 import logging
 import os
 import shlex
+import shutil
 import signal
+import time
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,6 +36,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,10 @@ class IncompleteCheckpointError(ValueError):
     """A checkpoint file that is empty or truncated (not a complete archive)."""
 
 
+class CheckpointConflictError(ValueError):
+    """A run resumed with options or data other than those its checkpoint was trained with."""
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """torch.save into `.<name>.tmp` beside the target, fsync, then rename over it: the name only
     ever points at a complete file. A failure removes the temporary file and raises
@@ -74,7 +84,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if bad:
             raise NonFiniteLossError(
                 f"the weights are not finite after step {checkpoint.get('global_step')} ({', '.join(bad[:3])}); "
-                f"not saving {path}. {NAN_ADVICE.format(checkpoint=last_good(path.parent))}"
+                f"not saving {path}. {nan_advice(path.parent)}"
             )
         tmp = path.with_name(f".{path.name}.tmp")
         buffer = io.BytesIO()  # serialised first, as Lightning does: a failed write then raises the OS error itself
@@ -93,11 +103,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         _fsync_dir(path.parent)
 
 
-NAN_ADVICE = (
-    "The last good checkpoint is {checkpoint} (every checkpoint written holds finite weights). Resume from it "
-    "with a lower learning rate (--ckpt_path last --model.lr <lower>, which takes effect on resume), gradient "
-    "clipping (--trainer.gradient_clip_val 1.0), or check the data."
-)
+def nan_advice(directory: str | Path) -> str:
+    """What to do after a NaN: resume from the last good checkpoint in `directory`, if there is one
+    (every checkpoint written holds finite weights), with a lower learning rate or clipping."""
+    remedies = (
+        "a lower learning rate ({how}--model.lr <lower>{note}), gradient clipping "
+        "(--trainer.gradient_clip_val 1.0), or check the data."
+    )
+    checkpoint = last_good(directory)
+    if checkpoint is None:
+        return "No checkpoint was saved before it; start again with " + remedies.format(how="", note="")
+    return (
+        f"The last good checkpoint is {checkpoint} (every checkpoint written holds finite weights). Resume from it "
+        "with " + remedies.format(how="--ckpt_path last ", note=", which takes effect on resume")
+    )
 
 
 def non_finite(state_dict: dict[str, Any]) -> list[str]:
@@ -119,10 +138,10 @@ def trainer_checkpoint_dir(trainer: L.Trainer) -> Path:
     return checkpoint_dir(trainer.default_root_dir)
 
 
-def last_good(directory: str | Path) -> str:
-    """The checkpoint `--ckpt_path last` resumes from in `directory`, or a note that there is none."""
-    newest = newest_complete(list(Path(directory).glob("last*.ckpt")))
-    return str(newest) if newest is not None else "(none saved yet)"
+def last_good(directory: str | Path) -> str | None:
+    """The checkpoint `--ckpt_path last` resumes from in `directory`, if there is one."""
+    newest, _ = resume_checkpoint(directory)
+    return str(newest) if newest is not None else None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -144,13 +163,16 @@ class SafeCheckpoints(Callback):
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint whose `last.ckpt` is always the newest state.
+    """ModelCheckpoint whose `last.ckpt` is always the newest state and whose `best-*.ckpt` always
+    holds the weights that had its score.
 
-    - Step checkpoints (`every_n_train_steps`) start with the first steps: until the monitored metric
-      exists (after the first validation) Lightning writes nothing, not even `last.ckpt`, so a crash
-      in the first epoch lost all of it. Here `last.ckpt` is written then.
-    - Lightning (2.6) refreshes `last.ckpt` at a validation only when a top-k checkpoint was written
-      at that step, so after an epoch that is not the best it kept an older state and a resume
+    - Step (and time) checkpoints write `last.ckpt` only, from the first steps on; the top k by the
+      monitored metric are chosen at each validation, from the state just validated. Lightning
+      (2.6) ranks a step checkpoint by the last validation's score, so `best-*.ckpt` held weights
+      trained for steps after the one that scored, and wrote nothing, not even `last.ckpt`, until
+      the first validation (a crash in the first epoch lost all of it).
+    - Lightning refreshes `last.ckpt` at a validation only when a top-k checkpoint was written at
+      that step, so after an epoch that is not the best it kept an older state and a resume
       repeated the epochs since. Here it is written at every epoch's (or validation's) save point.
     - A run that stops between save points (a `WallClockBudget` running out in an epoch without a
       validation, `max_steps` mid-epoch, a stop request) ended with `last.ckpt` at the previous save
@@ -168,37 +190,103 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
+        if self._ranks_at_validation() and self._fitting(trainer):
+            candidates = self._monitor_candidates(trainer)
+            if self.monitor in candidates:
+                self._save_topk_checkpoint(trainer, candidates)
+                self._save_last_checkpoint(trainer, candidates)
         if not self._should_save_on_train_epoch_end(trainer):
             self._refresh_last(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not (self._ranks_at_validation() and pl_module.automatic_optimization):
+            super().on_train_batch_end(trainer, pl_module, *args)  # no score to rank by: the newest k are kept
+            return
+        if self._step_save_due(trainer) and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _ranks_at_validation(self) -> bool:
+        """Checkpoints by steps or time with a monitored metric: Lightning would rank them at step saves."""
+        by_steps = self._every_n_train_steps >= 1 or self._train_time_interval is not None
+        return self.monitor is not None and by_steps and self._every_n_epochs < 1
+
+    def _step_save_due(self, trainer: L.Trainer) -> bool:
+        """Lightning's trigger: every `every_n_train_steps` steps, or `train_time_interval` (rank 0's clock)."""
+        if self._every_n_train_steps >= 1:
+            return trainer.global_step % self._every_n_train_steps == 0
+        now = time.monotonic()
+        due = self._last_time_checked is not None and now - self._last_time_checked >= (
+            self._train_time_interval.total_seconds()
+        )
+        if trainer.strategy.broadcast(due):
+            self._last_time_checked = now
+            return True
+        return False
+
+    @staticmethod
+    def _fitting(trainer: L.Trainer) -> bool:
+        return trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and not trainer.fast_dev_run
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A run folder that was moved or copied keeps its best-k tracking and its `last.ckpt`: the
+        saved paths are taken as names in this folder (Lightning dropped them, then wrote
+        `last-v1.ckpt` beside the stale `last.ckpt` and forgot which checkpoints were best)."""
+        old = state_dict.get("dirpath")
+        if old is not None and self.dirpath is not None and Path(old) != Path(self.dirpath):
+            here = Path(self.dirpath)
+
+            def moved(path: str) -> str:
+                return str(here / Path(path).name) if path and Path(path).parent == Path(old) else path
+
+            state_dict = {
+                **state_dict,
+                "dirpath": self.dirpath,
+                "best_model_path": moved(state_dict.get("best_model_path", "")),
+                "kth_best_model_path": moved(state_dict.get("kth_best_model_path", "")),
+                "last_model_path": moved(state_dict.get("last_model_path", "")),
+                "best_k_models": {moved(k): v for k, v in state_dict.get("best_k_models", {}).items()},
+            }
+            log.info("this run's checkpoints were in %s; they are followed here, in %s", old, here)
+        super().load_state_dict(state_dict)
 
     def _refresh_last(self, trainer: L.Trainer) -> None:
         saved_now = self._last_global_step_saved == trainer.global_step
         if self.save_last and not saved_now and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        super().on_train_batch_end(trainer, pl_module, *args)
-        n = self._every_n_train_steps
-        if not self.save_last or n < 1 or trainer.global_step % n or self._should_skip_saving_checkpoint(trainer):
-            return
-        candidates = self._monitor_candidates(trainer)
-        if self.monitor is not None and self.monitor not in candidates:  # Lightning deferred this save
-            self._save_last_checkpoint(trainer, candidates)
-
 
 class InterruptCheckpoint(OnExceptionCheckpoint):
-    """Saves `last-interrupted.ckpt` when a run is stopped (Ctrl-C, SIGTERM, a crash) so no work is
-    lost. Lightning's `ckpt_path="last"` takes the newest `last*.ckpt`, so resuming picks it up;
-    a run that completes removes it. Not written when the weights are not finite (that state is
-    bad), nor before the first optimizer step (nothing to save), nor under DDP after an error on one
-    rank (saving needs every rank). `saved` is the path written, if any."""
+    """Saves `last-interrupted.ckpt` when a training run is stopped (Ctrl-C, SIGTERM, a crash) so no
+    work is lost; `--ckpt_path last` resumes from it. A `fit` that completes removes it (its
+    `last.ckpt` is newer); `validate`, `test` and `predict` never touch it (Lightning's callback
+    deletes it at the end of every stage, so evaluating it lost it).
+
+    Not written when the weights are not finite (that state is bad), before the first optimizer
+    step (nothing to save), under DDP after an error on one rank (saving needs every rank), nor by
+    a resumed run that has not finished restoring (a resume that fails on a changed option would
+    save its half-restored state, an empty optimizer among it, as the newest checkpoint, and every
+    later resume would pick it). `saved` is the path written, if any."""
 
     def __init__(self, dirpath: str | Path) -> None:
         super().__init__(dirpath, filename="last-interrupted")
         self.saved: Path | None = None
+        self._training = False  # set once the run is restored and its fit loop has started
+        self._in_validation = False  # while saving a run stopped during its validation
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._training = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._training = True  # Lightning restores the checkpoint (weights, optimizer, loops) before this
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # called after a stage that succeeded only
+            super().teardown(trainer, pl_module, stage)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, (NonFiniteLossError, CheckpointWriteError)) or trainer.global_step == 0:
+        if not self._training or isinstance(exception, (NonFiniteLossError, CheckpointWriteError)):
+            return
+        if trainer.global_step == 0:
             return
         if trainer.world_size > 1 and stop_signal(exception) is None:
             # One rank failed (a corrupt image, say): the others are not here to save with, and
@@ -207,8 +295,22 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
             return
         if not all(torch.isfinite(p).all() for p in pl_module.parameters()):
             return
-        super().on_exception(trainer, pl_module, exception)
+        self._in_validation = trainer.validating
+        try:
+            super().on_exception(trainer, pl_module, exception)
+        finally:
+            self._in_validation = False
         self.saved = Path(self.ckpt_path)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Stopped during a validation: saved as stopped at its first batch, so the resumed run
+        validates that epoch again from the start (Lightning resumes mid-validation only when the stop
+        fell inside a validation step, and would then score the remaining batches alone; otherwise
+        it skipped the epoch's validation, and its best checkpoint)."""
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress")
+        if getattr(self, "_in_validation", False) and progress is not None:
+            restart = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+            progress.update(total=dict(restart), current=dict(restart), is_last_batch=False)
 
 
 class SynchronizedStop(Callback):
@@ -304,8 +406,18 @@ def interruptible() -> Iterator[None]:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
+METADATA = "meta.pt"  # a sharded checkpoint's file of everything but the weights and optimizer states (Lightning)
+DCP_METADATA = ".metadata"  # its index of the shards (torch.distributed.checkpoint), written after all of them
+
+
 def checkpoint_complete(path: str | Path) -> bool:
-    """A torch zip archive with its central directory (written last, so a truncated file lacks it)."""
+    """A file: a torch zip archive with its central directory (written last, so a truncated file
+    lacks it). A directory (a sharded checkpoint of vit.sharding.ShardedStrategy): its index and
+    metadata exist, and every shard file is as long as the index says (a truncated shard would
+    stop every rank with EOFError when it is read)."""
+    path = Path(path)
+    if path.is_dir():
+        return _sharded_complete(path)
     try:
         with zipfile.ZipFile(path) as archive:
             return bool(archive.namelist())
@@ -313,11 +425,62 @@ def checkpoint_complete(path: str | Path) -> bool:
         return False
 
 
+def _sharded_complete(path: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not ((path / DCP_METADATA).is_file() and (path / METADATA).is_file() and checkpoint_complete(path / METADATA)):
+        return False
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception:  # an index that cannot be read, whatever pickle raises for it
+        return False
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    try:
+        return all((path / name).stat().st_size >= size for name, size in needed.items())
+    except OSError:
+        return False
+
+
+def saved_step(path: str | Path) -> int:
+    """The optimizer step a complete checkpoint (file or sharded directory) was saved at, read
+    without loading its tensors (memory-mapped)."""
+    path = Path(path)
+    source = path / METADATA if path.is_dir() else path
+    return int(torch.load(source, map_location="cpu", weights_only=True, mmap=True).get("global_step", 0))
+
+
 def newest_complete(candidates: Sequence[str | Path]) -> Path | None:
-    """The newest (by modification time) complete checkpoint of `candidates`; a warning for each
-    newer one skipped."""
-    for path in sorted(map(Path, candidates), key=lambda p: p.stat().st_mtime_ns, reverse=True):
+    """The complete checkpoint (file or sharded directory) of `candidates` saved at the latest
+    step, the newest file among equals; a warning for each incomplete one skipped. By step, not by
+    file time: a copy or a restore from backup reorders the times."""
+    ranked = []
+    for path in map(Path, candidates):
         if checkpoint_complete(path):
-            return path
-        log.warning("skipping %s: it is not a complete checkpoint (empty or truncated)", path)
-    return None
+            ranked.append((saved_step(path), path.stat().st_mtime_ns, path))
+        else:
+            log.warning("skipping %s: it is not a complete checkpoint (empty or truncated)", path)
+    return max(ranked)[2] if ranked else None
+
+
+def resume_checkpoint(directory: str | Path) -> tuple[Path | None, list[Path]]:
+    """What `--ckpt_path last` resumes from in `directory`: (the newest complete `last*.ckpt`, or
+    None, and every candidate looked at)."""
+    candidates = sorted(Path(directory).glob("last*.ckpt"))
+    return newest_complete(candidates), candidates
+
+
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete the temporary files (`.<name>.tmp`, up to a checkpoint's size) that a kill or Ctrl-C
+    during a write left in `directory`; a new run's first save would otherwise find the disk
+    fuller by that much. Returns what it removed."""
+    removed = []
+    for tmp in Path(directory).glob(".*.ckpt.tmp") if Path(directory).is_dir() else []:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        removed.append(tmp)
+    return removed

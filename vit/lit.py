@@ -21,6 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
 from vit.data.images import MISSING
+from vit.fault_tolerance import CheckpointConflictError
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model, model_config
@@ -445,6 +446,31 @@ class ImageClassifier(TrainingTask):
         return self.eval_logits(x).softmax(dim=-1)
 
     # -- checkpoints ----------------------------------------------------------------------------
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A run resumed on data with other classes, or other class names in another order (a
+        renamed folder sorts elsewhere), would shift every label under the trained head: refuse it,
+        with both lists, before the weights are loaded."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if datamodule is not None:
+            path = self._trainer.ckpt_path or "the checkpoint"
+            saved_names = checkpoint.get("vit", {}).get("class_names")
+            names = getattr(datamodule, "class_names", None)
+            saved_count = checkpoint.get("hyper_parameters", {}).get("num_classes")
+            count = getattr(datamodule, "num_classes", None)
+            if saved_names is not None and names is not None and list(saved_names) != list(names):
+                trained, now = f"the classes {list(saved_names)}", f"the data has {list(names)}"
+            elif saved_count is not None and count is not None and saved_count != count:
+                trained, now = f"{saved_count} classes", f"the data has {count}"
+            else:
+                trained = None
+            if trained is not None:
+                raise CheckpointConflictError(
+                    f"{path} was trained on {trained}, but {now}: a resumed run must see the same classes in the "
+                    "same order (each output of the head is one class). Put the class folders back as they were, "
+                    f"or train on these classes from its weights with --model.init_from {path}"
+                )
+        super().on_load_checkpoint(checkpoint)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -6,12 +6,15 @@ model warms up and decays over exactly its budget, whatever its speed.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+
+log = logging.getLogger(__name__)
 
 
 class WallClockBudget(Callback):
@@ -39,7 +42,15 @@ class WallClockBudget(Callback):
         return self._progress
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A run resumed after its budget was used up is complete: it stops before training a step."""
         self._sync(trainer)
+        if self._progress >= 1.0:
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                log.info(
+                    f"The run's budget of {self.seconds / 60:g} minutes was used up at step {trainer.global_step}, "
+                    "when its checkpoint was saved: the run is complete, nothing more to train."
+                )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._sync(trainer)

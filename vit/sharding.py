@@ -26,6 +26,7 @@ import argparse
 import logging
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,17 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from vit.fault_tolerance import NAN_ADVICE, AtomicCheckpointIO, NonFiniteLossError, last_good, newest_complete
+from vit.fault_tolerance import (
+    DCP_METADATA,
+    METADATA,
+    AtomicCheckpointIO,
+    NonFiniteLossError,
+    checkpoint_complete,
+    nan_advice,
+)
 from vit.layers import Block
 
 log = logging.getLogger(__name__)
-
-METADATA = "meta.pt"  # Lightning's file of everything but the weights and optimizer states
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written when every shard is
 
 
 class ShardedStrategy(ModelParallelStrategy):
@@ -98,7 +103,7 @@ class ShardedStrategy(ModelParallelStrategy):
         if self.reduce_boolean_decision(bool(bad), all=False):
             raise NonFiniteLossError(
                 f"the weights are not finite after step {checkpoint.get('global_step')} ({', '.join(bad[:3])}); "
-                f"not saving {path}. {NAN_ADVICE.format(checkpoint=last_good(path.parent))}"
+                f"not saving {path}. {nan_advice(path.parent)}"
             )
         tmp = path.with_name(f".{path.name}.tmp")
         if self.global_rank == 0 and tmp.exists():
@@ -179,24 +184,10 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 def sharded_checkpoint_complete(path: str | Path) -> bool:
-    """Every shard was written: torch.distributed.checkpoint writes its index after all of them and
-    Lightning its metadata file after that (ShardedStrategy renames the directory in place only then)."""
-    path = Path(path)
-    return (path / DCP_METADATA).is_file() and (path / METADATA).is_file()
-
-
-def newest_resumable(candidates: list[Path]) -> Path | None:
-    """The newest complete checkpoint among files (vit.fault_tolerance.newest_complete) and sharded
-    checkpoint directories; incomplete directories are skipped with a warning."""
-    found = [newest_complete([p for p in candidates if not p.is_dir()])]
-    for path in candidates:
-        if path.is_dir():
-            if sharded_checkpoint_complete(path):
-                found.append(path)
-            else:
-                log.warning("skipping %s: it is not a complete sharded checkpoint", path)
-    found = [p for p in found if p is not None]
-    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+    """Every shard was written in full: torch.distributed.checkpoint writes its index after all of
+    them and Lightning its metadata file after that (ShardedStrategy renames the directory in place
+    only then); vit.fault_tolerance.checkpoint_complete also checks each shard's length."""
+    return Path(path).is_dir() and checkpoint_complete(path)
 
 
 def consolidate(folder: str | Path, out: str | Path) -> Path:
@@ -212,8 +203,18 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
     folder, out = Path(folder), Path(out)
+    if not folder.exists():
+        raise FileNotFoundError(f"{folder} does not exist; expected a sharded checkpoint directory")
+    if not folder.is_dir():
+        raise ValueError(
+            f"{folder} is a file, not a sharded checkpoint directory: it is one checkpoint already "
+            "(vit.checkpoint.load_model and --model.init_from read it as it is)"
+        )
     if not sharded_checkpoint_complete(folder):
-        raise ValueError(f"{folder} is not a complete sharded checkpoint (no {DCP_METADATA} and {METADATA} in it)")
+        raise ValueError(
+            f"{folder} is not a complete sharded checkpoint: its index ({DCP_METADATA}) or {METADATA} is missing, "
+            "or a shard is shorter than the index says (a kill or a full disk while it was written)"
+        )
     checkpoint = _load_distributed_checkpoint(folder)
     if "model" in checkpoint:  # FSDPStrategy's layout
         checkpoint["state_dict"] = checkpoint.pop("model")
@@ -232,7 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folder", type=Path, help="the sharded checkpoint, e.g. runs/x/checkpoints/last.ckpt")
     parser.add_argument("out", type=Path, help="the file to write, e.g. vit_h14.ckpt")
     args = parser.parse_args(argv)
-    print(f"wrote {consolidate(args.folder, args.out)}")
+    try:
+        written = consolidate(args.folder, args.out)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

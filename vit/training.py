@@ -22,14 +22,13 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from torch import nn
 
 from vit.checkpoint import is_head
-from vit.data.sampling import mix_seed
+from vit.data.sampling import carry_position, data_position, mix_seed
 from vit.fault_tolerance import (
-    NAN_ADVICE,
     InterruptCheckpoint,
     NonFiniteLossError,
     SafeCheckpoints,
     SynchronizedStop,
-    last_good,
+    nan_advice,
     non_finite,
     trainer_checkpoint_dir,
 )
@@ -104,7 +103,7 @@ class TrainingTask(L.LightningModule):
         raise NonFiniteLossError(
             f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
             f"batch {self._batch_idx}); {state}. "
-            f"{NAN_ADVICE.format(checkpoint=last_good(trainer_checkpoint_dir(trainer)))}"
+            f"{nan_advice(trainer_checkpoint_dir(trainer))}"
         )
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -131,10 +130,24 @@ class TrainingTask(L.LightningModule):
         # Enough to rebuild the bare model without Lightning: vit.checkpoint.load_model(path).
         checkpoint["vit"] = {"model_name": self.hparams.model_name, "model_kwargs": dict(self.model_kwargs)}
         checkpoint["vit_seed"] = self.seed
+        if self._trainer is not None:  # what a resume with another batch or process count adapts
+            checkpoint["vit_data"] = data_position(self._trainer)
+            checkpoint["vit_peak_lr"] = self.peak_lr()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.seed = checkpoint.get("vit_seed", self.seed)
-        rescale_lr(checkpoint, self.hparams.lr)
+        if self._trainer is None:
+            return
+        if "vit_data" in checkpoint:
+            carry_position(checkpoint, checkpoint["vit_data"], data_position(self._trainer))
+        saved_peak = checkpoint.get("vit_peak_lr")
+        if saved_peak is not None:  # the peak rate follows lr and, with lr_base_batch_size, the global batch
+            rescale_lr(checkpoint, self.peak_lr() / saved_peak, f"peak lr {self.peak_lr():g}", f"{saved_peak:g}")
+        else:  # a checkpoint from before vit_peak_lr was saved: the lr option alone
+            old = checkpoint.get("hyper_parameters", {}).get("lr")
+            if old:
+                rescale_lr(checkpoint, self.hparams.lr / old, f"lr {self.hparams.lr:g}", f"{old:g}")
+        checkpoint.setdefault("hyper_parameters", {})["lr"] = self.hparams.lr
 
     def configure_callbacks(self) -> list[Callback]:
         return default_callbacks(self.trainer)
@@ -153,14 +166,13 @@ def default_callbacks(trainer: L.Trainer) -> list[Callback]:
     return callbacks
 
 
-def rescale_lr(checkpoint: dict[str, Any], lr: float) -> None:
-    """A run resumed with another `lr` (e.g. after a NaN loss) uses it: the optimizer's and the
-    schedule's saved rates, which would otherwise win, are scaled by new / old, so warmup, cosine,
-    layer decay and the head's rate keep their shape. Said in the log."""
-    old = checkpoint.get("hyper_parameters", {}).get("lr")
-    if not old or old == lr:
+def rescale_lr(checkpoint: dict[str, Any], ratio: float, now: str, saved: str) -> None:
+    """A run resumed with another `lr` (e.g. after a NaN loss), or, with lr_base_batch_size, another
+    global batch, trains at its own peak rate: the optimizer's and the schedule's saved rates, which
+    would otherwise win, are scaled by new / old, so warmup, cosine, layer decay and the head's rate
+    keep their shape. Said in the log."""
+    if ratio == 1:
         return
-    ratio = lr / old
     for state in checkpoint.get("optimizer_states", []):
         for group in state["param_groups"]:
             for key in ("lr", "initial_lr"):
@@ -170,8 +182,7 @@ def rescale_lr(checkpoint: dict[str, Any], lr: float) -> None:
         for key in ("base_lrs", "_last_lr"):
             if key in state:
                 state[key] = [v * ratio for v in state[key]]
-    checkpoint["hyper_parameters"]["lr"] = lr
-    log.info("resuming with lr %g instead of the checkpoint's %g: the saved rates are scaled by %g", lr, old, ratio)
+    log.info("resuming with %s instead of the checkpoint's %s: the saved rates are scaled by %g", now, saved, ratio)
 
 
 class Throughput(Callback):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import numpy as np
@@ -113,7 +113,8 @@ class ImageDataModule(L.LightningDataModule):
         )
         self.val_holdout = val_holdout
         self.in_memory, self.cache_dir = in_memory, cache_dir
-        self.crop, self.crop_scale, self.crop_padding, self.hflip, self.cutout = crop, crop_scale, crop_padding, hflip, cutout
+        self.crop, self.crop_scale, self.crop_padding = crop, crop_scale, crop_padding
+        self.hflip, self.cutout = hflip, cutout
         self.randaugment = (randaugment_ops, randaugment_magnitude)
         self.eval_crop_pct, self.mean, self.std = eval_crop_pct, mean, std
         self.train_sizes = sorted((float(p), int(size)) for p, size in train_sizes) if train_sizes else None
@@ -299,8 +300,8 @@ class CIFARDataModule(ImageDataModule):
     """CIFAR-10 / CIFAR-100 through torchvision: downloaded into `root` when online, otherwise read
     from `root/cifar-10-batches-py` (or `cifar-100-python`). Val is the official test split."""
 
-    _FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
-    _URLS = {
+    _FOLDERS: ClassVar[dict[str, str]] = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+    _URLS: ClassVar[dict[str, str]] = {
         "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
         "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
     }
@@ -382,6 +383,12 @@ class ImageFolderDataModule(ImageDataModule):
     ) -> None:
         if crop is None:
             crop = "pad_crop" if img_size <= SMALL_IMAGE else "rrc"
+            if crop == "rrc" and kwargs.get("in_memory"):
+                raise ValueError(
+                    f"data.img_size {img_size} is above {SMALL_IMAGE}, where the image folder trains with random "
+                    "resized crops by default, which in_memory=True does not do (it augments whole batches): set "
+                    "--data.crop pad_crop (or resize) to keep in_memory, or --data.in_memory false"
+                )
         if crop_padding is None:
             crop_padding = max(1, img_size // 8)
         if eval_crop_pct is None:
@@ -428,17 +435,24 @@ class TinyImageNetDataModule(ImageDataModule):
 
 
 def holdout_indices(labels: np.ndarray, holdout: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) indices: `holdout` images (a fraction if below 1) taken from every class in
-    proportion, at random with a fixed seed, so every run and model tunes on the same images."""
+    """(train, val) indices: exactly `holdout` images (a fraction if below 1) taken from every class
+    in proportion (largest remainders get the images left over from rounding down, so 5 of 10
+    balanced classes hold out 5 images, not 0), at random with a fixed seed, so every run and model
+    tunes on the same images."""
     labels = np.asarray(labels)
     n_val = round(holdout * len(labels)) if holdout < 1 else int(holdout)
     if not 0 < n_val < len(labels):
-        raise ValueError(f"val_holdout={holdout} must leave images for both splits (there are {len(labels)})")
+        raise ValueError(
+            f"val_holdout={holdout} holds out {n_val} of the {len(labels)} training images; it must leave at least "
+            "one for each split"
+        )
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = n_val * counts / len(labels)
+    take = np.floor(quota).astype(int)
+    extra = np.argsort(-(quota - take), kind="stable")[: n_val - take.sum()]
+    take[extra] += 1
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(labels))
-    val = []
-    for c in np.unique(labels):
-        members = order[labels[order] == c]
-        val.append(members[: round(n_val * len(members) / len(labels))])
+    val = [order[labels[order] == c][:k] for c, k in zip(classes, take, strict=True)]
     val_idx = np.sort(np.concatenate(val))
     return np.setdiff1d(np.arange(len(labels)), val_idx), val_idx

@@ -23,7 +23,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".
 
 
 class CorruptImageError(ValueError):
-    """An image file that exists but cannot be decoded."""
+    """An image file that cannot be read or decoded (truncated, not an image, a decompression bomb,
+    a broken symlink): `skip_corrupt` skips it."""
 
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16-bit greyscale (PNG, TIFF)
@@ -40,9 +41,12 @@ def read_rgb(path: str | Path) -> np.ndarray:
                 return np.repeat(grey[..., None], 3, axis=-1)
             if image.mode != "F":
                 return np.asarray(image.convert("RGB"))
-    except FileNotFoundError:
-        raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+    except FileNotFoundError as e:
+        if not os.path.islink(path):
+            raise
+        target = os.readlink(path)
+        raise CorruptImageError(f"cannot read image {path}: it is a broken symlink (to {target})") from e
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as e:
         raise CorruptImageError(f"cannot decode image {path}: {e}") from e
     raise ValueError(f"{path} is a 32-bit float image, which has no standard range: convert it to 8 or 16 bits")
 
@@ -69,19 +73,38 @@ def scan_image_folder(root: str | Path, classes: Sequence[str] | None = None) ->
         raise ValueError(f"{root} has class folders that the training split does not: {', '.join(missing[:10])}")
     if not classes:
         raise FileNotFoundError(f"{root} has no class sub-folders; expected {root}/<class name>/<image files>")
-    samples = []
+    samples, ignored = [], []
     for label, name in enumerate(classes):
         folder = root / name
         if not folder.is_dir():
             log.warning("%s has no folder for class %r: it is not evaluated", root, name)
             continue
-        files = sorted(e.name for e in os.scandir(folder) if e.name.lower().endswith(IMAGE_EXTENSIONS))
+        files, others = _class_files(folder)
+        ignored += others
         if not files:
             log.warning("%s has no images: class %r gets none (an empty folder still counts as a class)", folder, name)
-        samples += [Sample(str(folder / f), label) for f in files]
+        samples += [Sample(f, label) for f in files]
+    if ignored:
+        log.warning(
+            "%s: %d file(s) without an image extension are not read, e.g. %s (images are %s)",
+            root, len(ignored), ignored[0], ", ".join(IMAGE_EXTENSIONS),
+        )  # fmt: skip
     if not samples:
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}/<class name>/")
     return list(classes), samples
+
+
+def _class_files(folder: Path) -> tuple[list[str], list[str]]:
+    """A class folder's image files, sub-folders included (as torchvision's ImageFolder reads them),
+    and its other files; hidden files and folders (".*", macOS "._*" resource forks) are neither."""
+    images, others = [], []
+    for directory, subdirs, names in os.walk(folder, followlinks=True):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        for name in sorted(names):
+            if not name.startswith("."):
+                path = os.path.join(directory, name)
+                (images if name.lower().endswith(IMAGE_EXTENSIONS) else others).append(path)
+    return images, others
 
 
 def readable_class_names(classes: Sequence[str], root: str | Path) -> list[str]:
@@ -245,4 +268,3 @@ class ImageArrays(_SeededTransform):
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
         return self.images[index], int(self.labels[index])
-

@@ -9,11 +9,13 @@ Randomness is a function of (seed, epoch, batch, rank), so resumed runs see the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import time
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -170,26 +172,64 @@ def to_tensor_images(
     """Decode a dataset into memory at img_size x img_size (shorter side resized to
     img_size / crop_pct, centre crop: the eval geometry), caching the result in cache_dir.
 
-    The cache file's name is a hash of what determines its content (the source files' paths,
-    sizes and modification times, or the array bytes, and the geometry), so a changed folder is
-    decoded again. With skip_corrupt, undecodable files are left out and counted.
+    The cache file's name is a hash of what determines its content: the source files' paths,
+    labels, sizes and modification times (or the array bytes), the geometry, and skip_corrupt (a
+    cache that left corrupt files out is not one a strict run may use). A changed folder is
+    decoded again; a file rewritten with the same size and modification time is not (delete the
+    cache, `<default_root_dir>/cache` by default, after such a change). A cache file that cannot be
+    read is decoded again, with a warning; one that cannot be written (a full disk) is skipped,
+    with a warning naming it. With skip_corrupt, undecodable files are left out and counted.
     """
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / f"images-{_content_key(dataset, img_size, crop_pct)}.npz"
+        _remove_orphaned_temporaries(path)
         if path.is_file():
-            with np.load(path) as cached:
-                return _tensor_images(cached["images"], cached["labels"])
+            try:
+                with np.load(path) as cached:
+                    return _tensor_images(cached["images"], cached["labels"])
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+                log.warning("the image cache %s cannot be read (%s: %s); decoding the images again", path,
+                            type(e).__name__, e)  # fmt: skip
     start = time.perf_counter()
     images, labels = _decode(dataset, img_size, crop_pct)
     log.info("decoded %d images into memory in %.1f s", len(images), time.perf_counter() - start)
     if path is not None:
+        _write_cache(path, images, labels)
+    return _tensor_images(images, labels)
+
+
+def _write_cache(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
+    """Write the cache atomically (a reader never sees a partial file); a failure only costs the cache."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             np.savez(f, images=images, labels=labels)
-        os.replace(tmp, path)  # atomic: a reader never sees a partial cache file
-    return _tensor_images(images, labels)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        log.warning("could not write the image cache %s (%s); training goes on without it", path, e.strerror or e)
+
+
+def _remove_orphaned_temporaries(path: Path) -> None:
+    """Temporary cache files of processes that were killed while writing (`.<name>.<pid>.tmp`)."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp") if path.parent.is_dir() else []:
+        pid = tmp.name.removeprefix(f".{path.name}.").removesuffix(".tmp")
+        if pid.isdigit() and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _tensor_images(images: np.ndarray, labels: np.ndarray) -> TensorImages:
@@ -244,5 +284,5 @@ def _content_key(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: flo
     else:
         h.update(np.ascontiguousarray(dataset.images).tobytes())
         h.update(dataset.labels.tobytes())
-    h.update(json.dumps([img_size, crop_pct]).encode())
+    h.update(json.dumps([img_size, crop_pct, bool(getattr(dataset, "skip_corrupt", False))]).encode())
     return h.hexdigest()[:16]

@@ -29,9 +29,7 @@ class MixupCutmix:
         self.prob = prob
         self.switch_prob = switch_prob
 
-    def __call__(
-        self, x: torch.Tensor, y: torch.Tensor, rng: np.random.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Images (B, C, H, W) and int labels (B,) -> mixed images and soft targets (B, classes)."""
         target = F.one_hot(y, self.num_classes).to(x.dtype)
         if rng.random() >= self.prob:

@@ -8,6 +8,7 @@ batches and augmentations an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +16,8 @@ import lightning as L
 import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+log = logging.getLogger(__name__)
 
 
 def mix_seed(*values: int) -> int:
@@ -92,3 +95,53 @@ def resumable_loader(
     if trainer is not None:
         loader.batches_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed
     return loader
+
+
+# -- a position carried across runs with other batch sizes or process counts ----------------------
+
+
+def data_position(trainer: L.Trainer) -> dict[str, int | None]:
+    """What a mid-epoch position is counted in (images per batch and process, processes) and the
+    training set's size: saved with each checkpoint (vit.training.TrainingTask)."""
+    datamodule = trainer.datamodule
+    train = getattr(datamodule, "train_set", None)
+    return {
+        "batch_size": getattr(datamodule, "batch_size", None),
+        "world_size": trainer.world_size,
+        "train_images": len(train) if train is not None else None,
+    }
+
+
+def carry_position(checkpoint: dict[str, Any], saved: dict[str, int | None], now: dict[str, int | None]) -> None:
+    """Adapt a checkpoint's place in its epoch to this run before Lightning restores it.
+
+    The epoch's order is one permutation of the training set by (seed, epoch); each of W
+    processes takes every W-th image of it, B at a time, so after k batches the first k * B * W
+    images are seen, whatever B and W. A run resumed with another batch size or process count
+    continues after those: its position, counted in its own batches, is k * B * W // (B' * W')
+    (at most one global batch is seen twice, none skipped). Lightning would otherwise count the
+    saved k batches in the new size and skip or repeat part of the epoch. A training set with
+    more or fewer images than when the checkpoint was saved is said, with both counts."""
+    if None not in (saved.get("train_images"), now["train_images"]) and saved["train_images"] != now["train_images"]:
+        log.warning(
+            "the training set had %d images when the checkpoint was saved and has %d now: the resumed epoch's "
+            "order is a permutation of the new set, so some images of it may be seen twice or not at all",
+            saved["train_images"], now["train_images"],
+        )  # fmt: skip
+    if None in (saved.get("batch_size"), saved.get("world_size"), now["batch_size"]):
+        return
+    per_batch, per_batch_now = saved["batch_size"] * saved["world_size"], now["batch_size"] * now["world_size"]
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if per_batch == per_batch_now or not progress or progress.get("is_last_batch"):
+        return
+    current = progress["current"]
+    seen = current["processed"] * per_batch
+    shift = current["processed"] - seen // per_batch_now
+    if shift:
+        for key in current:
+            current[key] = max(0, current[key] - shift)
+        log.info(
+            "resuming mid-epoch with %d images a step (batch_size %d x %d processes) instead of %d: the epoch goes on "
+            "after the %d images already seen (%d of them again)",
+            per_batch_now, now["batch_size"], now["world_size"], per_batch, seen, seen % per_batch_now,
+        )  # fmt: skip

@@ -77,18 +77,22 @@ def eval_transform(
     """Resize the shorter side to img_size / crop_pct, then take the centre img_size crop
     (crop_pct 0.875 is the ImageNet convention; 1.0 keeps the whole image)."""
     resize = round(img_size / crop_pct)
-    return A.Compose([
-        A.SmallestMaxSize(max_size=resize, interpolation=cv2.INTER_CUBIC),
-        A.CenterCrop(img_size, img_size),
-        A.Normalize(mean=mean, std=std),
-        ToTensorV2(),
-    ])
+    return A.Compose(
+        [
+            A.SmallestMaxSize(max_size=resize, interpolation=cv2.INTER_CUBIC),
+            A.CenterCrop(img_size, img_size),
+            A.Normalize(mean=mean, std=std),
+            ToTensorV2(),
+        ]
+    )
 
 
 def resize_transform(img_size: int, crop_pct: float = 1.0) -> A.Compose:
     """The eval transform's geometry without normalisation: uint8 in, uint8 (img_size, img_size, 3)
     out. Decodes images into memory at the size the model sees (vit.data.memory)."""
-    return A.Compose([
-        A.SmallestMaxSize(max_size=round(img_size / crop_pct), interpolation=cv2.INTER_CUBIC),
-        A.CenterCrop(img_size, img_size),
-    ])
+    return A.Compose(
+        [
+            A.SmallestMaxSize(max_size=round(img_size / crop_pct), interpolation=cv2.INTER_CUBIC),
+            A.CenterCrop(img_size, img_size),
+        ]
+    )

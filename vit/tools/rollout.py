@@ -39,6 +39,7 @@ from vit.checkpoint import load_checkpoint, load_model
 from vit.data.images import IMAGE_EXTENSIONS, ImageArrays, ImageFiles, read_rgb
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
 from vit.rollout import METHODS, check_vit, contact_sheet, render_panel, rollout_maps
+from vit.tools.args import positive_int
 from vit.vision_transformer import VisionTransformer
 
 METHOD_NAMES = {
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--config", help="a training config whose datamodule supplies the images")
     parser.add_argument("--split", default="val", choices=["train", "val"])
     parser.add_argument("--data-root", help="override the config's data.root")
-    parser.add_argument("--limit", type=int, help="only the first N images")
+    parser.add_argument("--limit", type=positive_int, help="only the first N images")
     parser.add_argument("--out", default="runs/rollout/export", help="output folder")
     parser.add_argument(
         "--method",
@@ -288,16 +289,16 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--discard-ratio", type=float, default=0.0)
     parser.add_argument("--start-layer", type=int, default=0)
     parser.add_argument("--target", type=int, help="class for gradient and gradcam (default: the predicted one)")
-    parser.add_argument("--topk", type=int, default=3, help="predicted classes shown per image")
+    parser.add_argument("--topk", type=positive_int, default=3, help="predicted classes shown per image")
     parser.add_argument("--class-names", help="a text file with one class name per line")
     parser.add_argument("--crop-pct", type=float, default=1.0, help="eval centre crop (0.875 for ImageNet models)")
     parser.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN)
     parser.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD)
-    parser.add_argument("--panel-size", type=int, default=224, help="pixels per panel in the PNGs")
+    parser.add_argument("--panel-size", type=positive_int, default=224, help="pixels per panel in the PNGs")
     parser.add_argument(
         "--sheet-size", type=int, default=96, help="pixels per cell of gallery.png (every image x method on one page)"
     )
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=positive_int, default=32)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:

@@ -17,6 +17,7 @@ import torch
 
 from vit.checkpoint import load_checkpoint
 from vit.data.text import CharTokenizer
+from vit.tools.args import non_negative_float, non_negative_int, positive_int
 
 
 def sample(
@@ -49,11 +50,15 @@ def main(args: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", help="a .ckpt written by scripts/train.py with a LanguageModel")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    parser.add_argument("--max_new_tokens", type=int, default=500)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy; above 1 is more random")
-    parser.add_argument("--top_k", type=int, default=200, help="sample from the k likeliest characters; 0 = all")
+    parser.add_argument("--max_new_tokens", type=non_negative_int, default=500)
+    parser.add_argument(
+        "--temperature", type=non_negative_float, default=0.8, help="0 is greedy; above 1 is more random"
+    )
+    parser.add_argument(
+        "--top_k", type=non_negative_int, default=200, help="sample from the k likeliest characters; 0 = all"
+    )
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--num_samples", type=positive_int, default=1)
     parser.add_argument("--no_cache", action="store_true", help="recompute the whole context every step")
     opts = parser.parse_args(args)
     texts = sample(

@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 from tests.conftest import ROOT
 from vit.registry import create_model
@@ -107,3 +109,69 @@ def test_cpu_debug_run_of_the_sharded_and_ddp_fits(tmp_path):
     rows = {r["check"]: r for r in json.loads(out.read_text())}
     for name in ("nano_patch4_16 ShardedStrategy (FSDP2) x 2", "nano_patch4_16 DDP x 2"):
         assert rows[name]["ok"] and rows[name]["img_per_s"] > 0 and "2 processes, gloo" in rows[name]["note"]
+
+
+def test_the_synthetic_imagenet_is_imagenet_like(tmp_path):
+    """About 500x375 (within 20%), about 4 bits a pixel at JPEG quality 90 (ImageNet's photos: 3.7,
+    110 KB), one image in 20 greyscale and one in 20 a PNG."""
+    from PIL import Image
+
+    from vit.tools.data_check import write_synthetic_imagenet
+
+    made = write_synthetic_imagenet(tmp_path, train=40, val=4, classes=4, workers=1)
+    files = sorted((tmp_path / "train").rglob("*.*"))
+    assert made["images"] == 44 and len(files) == 40 and len(list((tmp_path / "train").iterdir())) == 4
+    modes, bits = [], []
+    for path in files:
+        with Image.open(path) as image:
+            assert 400 <= image.width <= 600 and 300 <= image.height <= 450
+            modes.append((image.format, image.mode))
+            if image.format == "JPEG" and image.mode == "RGB":
+                bits.append(8 * path.stat().st_size / (image.width * image.height))
+    assert modes.count(("PNG", "RGB")) == 2 and modes.count(("JPEG", "L")) == 2 and len(bits) == 36
+    assert 3.0 < float(np.mean(bits)) < 5.0
+
+
+def test_the_step_timer_counts_the_images_after_the_warmup_steps(tmp_path):
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from vit.tools.data_check import StepTimer
+
+    class Linear(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    timer = StepTimer(warmup=2)
+    trainer = L.Trainer(max_steps=7, callbacks=[timer], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Linear(), DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=5))
+    assert timer.images == (7 - 2) * 5 and timer.images_per_second == pytest.approx(25 / timer.seconds)
+
+
+@pytest.mark.slow
+def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
+    """`--checks data` on the CPU: the recipes as scripts/train.py builds them (random resized crops,
+    RandAugment, Mixup/CutMix for the ViT), at 96 px, on a written tree; each end-to-end row states
+    its share of the model alone, computed from the two rows."""
+    out = tmp_path / "rows.json"
+    assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), "--json", str(out)]) == 0
+    rows = {r["check"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == [f"{name}: {what}" for name in ("vit b16", "resnet50")
+                          for what in ("train loader alone", "model alone, eager", "end to end, eager")]  # fmt: skip
+    assert all(r["ok"] for r in rows.values()) and len(list((tmp_path / "tree" / "train").rglob("*.*"))) == 48
+    assert "RandAugment 2 ops at magnitude 9" in rows["vit b16: train loader alone"]["note"]
+    assert "Mixup 0.8 / CutMix 1" in rows["vit b16: train loader alone"]["note"]
+    assert "RandAugment" not in rows["resnet50: train loader alone"]["note"]
+    for name in ("vit b16", "resnet50"):
+        share = round(
+            100 * rows[f"{name}: end to end, eager"]["img_per_s"] / rows[f"{name}: model alone, eager"]["img_per_s"]
+        )
+        assert rows[f"{name}: end to end, eager"]["note"].endswith(f"; {share}% of the model alone")

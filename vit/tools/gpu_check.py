@@ -5,8 +5,10 @@ On a machine with CUDA GPUs, in a few minutes: a bf16-mixed fit of ViT-S/16 on s
 eager and under torch.compile; our attention under `sdpa_kernel([SDPBackend.FLASH_ATTENTION])`
 (forward and backward; the flash kernel must be the one that ran); a channels-last ResNet-50
 bf16-mixed fit; vit.sharding.ShardedStrategy (FSDP2) over every visible GPU; NCCL DDP when there
-are two or more. It prints a table (what ran, img/s, peak memory, model FLOPs utilisation against
-the GPU's dense bf16 peak) and exits 1 if anything failed. Without a CUDA GPU it says so and exits 0.
+are two or more. `--checks data` adds the data check (vit.tools.data_check): the ImageNet recipes'
+loader, model and end-to-end speeds on a synthetic JPEG tree. It prints a table (what ran, img/s,
+peak memory, model FLOPs utilisation against the GPU's dense bf16 peak) and exits 1 if anything
+failed. Without a CUDA GPU it says so and exits 0.
 
 `--device cpu` runs the same code on the CPU in float32 (a debug path: `--steps 3 --model
 vit_nano_patch4_16`); the tests use it, so the table, the FLOP count and the MFU arithmetic are
@@ -104,7 +106,8 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         speed = f"{r.img_per_s:,.0f}" if r.img_per_s is not None else "-"
         memory = f"{r.peak_memory / 2**30:.2f} GiB" if r.peak_memory is not None else "-"
-        util = f"{100 * r.mfu:.1f}%" if r.mfu is not None else ("unknown" if r.img_per_s is not None else "-")
+        fit = r.img_per_s is not None and "loader" not in r.check  # a loader has no FLOPs
+        util = f"{100 * r.mfu:.1f}%" if r.mfu is not None else ("unknown" if fit else "-")
         lines.append(f"| {r.check} | {'ok' if r.ok else 'FAILED'} | {speed} | {memory} | {util} | {r.note} |")
     return "\n".join(lines)
 
@@ -251,10 +254,11 @@ def check_flash(model_name: str, device: str, batch: int = 8) -> Row:
 # -- the plan ---------------------------------------------------------------------------------
 
 
-CHECKS = ("fit", "compile", "flash", "resnet", "sharded", "ddp")  # --checks, in the order they run
+CHECKS = ("fit", "compile", "flash", "resnet", "sharded", "ddp", "data")  # --checks, in the order they run
+DEFAULT_CHECKS = CHECKS[:-1]  # the data check (vit.tools.data_check) writes a tree and runs 4 fits a recipe: on request
 
 
-def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callable[[], Row]]]:
+def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callable[[], Row | list[Row]]]]:
     """(name, check) in the order they run, those --checks names; the distributed ones in
     subprocesses (Lightning starts one process per device by running the command again)."""
     device, steps, batch = args.device, args.steps, args.batch
@@ -277,7 +281,31 @@ def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callab
         checks.append(("sharded", "sharded", lambda: run_worker(args, "sharded", peak)))
     if args.processes >= 2:
         checks.append(("ddp", "ddp", lambda: run_worker(args, "ddp", peak)))
+    for recipe in args.data_recipes:
+        checks.append(("data", f"data: {recipe}", lambda recipe=recipe: run_data_check(args, recipe, peak)))
     return [(label, check) for key, label, check in checks if key in args.checks]
+
+
+def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) -> list[Row]:
+    """vit.tools.data_check for one recipe, on the synthetic tree (written once, on first use)."""
+    from vit.tools.data_check import DataCase, check_recipe, write_synthetic_imagenet
+
+    cuda = args.device == "cuda"
+    if args.data_root is None:
+        args.data_root = tempfile.mkdtemp(prefix="vit-data-check-")
+    root = Path(args.data_root)
+    if not (root / "train").is_dir():
+        images = args.data_images or (4000 if cuda else 48)
+        size, classes = ((500, 375), 100) if cuda else ((120, 90), 4)
+        made = write_synthetic_imagenet(root, train=images, val=max(classes, images // 10), classes=classes, size=size)
+        print(f"[gpu-check] wrote {made['images']} images of ~{size[0]}x{size[1]} ({made['mean_kb']:.0f} KB mean) "
+              f"in {root}", flush=True)  # fmt: skip
+    steps, warmup = args.data_steps or (60 if cuda else 3), args.data_warmup or (20 if cuda else 1)
+    small = [] if cuda else ["--data.img_size", "96", "--data.batch_size", "8", "--data.num_workers", "1"]
+    case = DataCase(recipe, root, args.device, steps + warmup, warmup, small)
+    rows = check_recipe(case, compiled=cuda or args.compile_on_cpu)
+    return [Row(check, True, speed, note=note, mfu=None if "loader" in check else mfu(speed, flops, peak))
+            for check, speed, note, flops in rows]  # fmt: skip
 
 
 def run_worker(args: argparse.Namespace, strategy: str, peak: float | None) -> Row:
@@ -326,12 +354,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--processes", type=int, default=None, help="for the sharded and DDP fits (default: every GPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per device (default: the GPU table)")
     p.add_argument("--compile-on-cpu", action="store_true", help="also run the torch.compile fit with --device cpu")
-    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated, from {', '.join(CHECKS)}")
+    p.add_argument("--checks", default=",".join(DEFAULT_CHECKS),
+                   help=f"comma-separated, from {', '.join(CHECKS)} (default: all but data)")  # fmt: skip
     p.add_argument("--timeout", type=int, default=900, help="seconds for each distributed fit")
+    p.add_argument("--data-recipes", default="configs/imagenet_vit_b16.yaml,configs/imagenet_resnet50.yaml",
+                   help="the data check's configs, comma-separated")  # fmt: skip
+    p.add_argument("--data-root", help="the data check's image tree (default: a synthetic one, written to a temp dir)")
+    p.add_argument("--data-images", type=int, help="synthetic training images (default 4000; 48 on the CPU)")
+    p.add_argument("--data-steps", type=int, help="timed steps per data measurement (default 60; 3 on the CPU)")
+    p.add_argument("--data-warmup", type=int, help="untimed steps before them (default 20; 1 on the CPU)")
     p.add_argument("--json", help="write the rows here (a worker: its row)")
     p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    args.data_recipes = [c.strip() for c in args.data_recipes.split(",") if c.strip()]
     if unknown := [c for c in args.checks if c not in CHECKS]:
         p.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     return args
@@ -361,14 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     for label, check in plan(args, peak):
         print(f"[gpu-check] {label} ...", flush=True)
         try:
-            row = check()
+            done = check()
         except Exception as e:  # every failure is a row; the run goes on to the next check
             traceback.print_exc()
-            row = Row(label, False, note=f"{type(e).__name__}: {e}".replace("\n", " ")[:300])
+            done = Row(label, False, note=f"{type(e).__name__}: {e}".replace("\n", " ")[:300])
         finally:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        rows.append(row)
+        rows += done if isinstance(done, list) else [done]
     print()
     print(format_table(rows))
     if args.json:

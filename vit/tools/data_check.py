@@ -1,0 +1,228 @@
+"""The data check (`scripts/gpu_check.py --checks data`): does the shipped ImageNet recipes' data
+keep up with their models?
+
+It writes a synthetic ImageNet-like JPEG tree (about 500x375 pixels, about 95 KB at quality 90, as
+ImageNet's photos are; one image in 20 greyscale and one in 20 a PNG, which decoders treat apart),
+then, for each recipe (`configs/imagenet_vit_b16.yaml`, `configs/imagenet_resnet50.yaml`, as
+`scripts/train.py` builds them, on one device):
+
+- the train loader alone: images per second out of `train_dataloader()`, its workers and
+  augmentation as configured;
+- the model alone: a Lightning fit on synthetic tensors already on the device (vit.tools.gpu_check);
+- end to end: `scripts/train.py fit` on the tree, eager and (on a GPU) compiled, and its share of
+  the model's own speed, the number the data path has to bring to 100%.
+
+Each speed is taken after the first `warmup` steps. On a CPU the same code runs at a small image
+size and few steps (the tests use it); the numbers that matter come from a GPU node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from PIL import Image
+
+RECIPES = ("configs/imagenet_vit_b16.yaml", "configs/imagenet_resnet50.yaml")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- a synthetic ImageNet ------------------------------------------------------------------------
+
+
+def synthetic_photo(rng: np.random.Generator, width: int, height: int) -> Image.Image:
+    """Smooth colour regions, mid-frequency texture and grain: JPEG-encodes at quality 90 to about
+    4 bits a pixel (95 KB at 500x375), as ImageNet's photos do; random pixels would be 3x that."""
+    low = rng.integers(0, 256, (height // 25 + 2, width // 25 + 2, 3), dtype=np.uint8)
+    mid = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
+    base = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), dtype=np.float32)
+    texture = np.asarray(Image.fromarray(mid).resize((width, height), Image.BILINEAR), dtype=np.float32) - 128
+    pixels = base + 0.35 * texture + rng.normal(0, 14, (height, width, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def _write_one(job: tuple[Path, int, tuple[int, int]]) -> int:
+    path, seed, (width, height) = job
+    rng = np.random.default_rng(seed)
+    w, h = (
+        int(rng.integers(width * 4 // 5, width * 6 // 5 + 1)),
+        int(rng.integers(height * 4 // 5, height * 6 // 5 + 1)),
+    )
+    image = synthetic_photo(rng, w, h)
+    buffer = io.BytesIO()
+    if path.suffix == ".png":
+        image.save(buffer, "PNG")
+    else:
+        (image.convert("L") if seed % 20 == 1 else image).save(buffer, "JPEG", quality=90)
+    path.write_bytes(buffer.getvalue())
+    return len(buffer.getvalue())
+
+
+def write_synthetic_imagenet(
+    root: str | Path, train: int, val: int, classes: int = 100, size: tuple[int, int] = (500, 375),
+    workers: int | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """`root/{train,val}/n<class>/<i>.JPEG` (every 20th a greyscale JPEG, every 20th from the 10th a
+    PNG), sizes within 20% of `size`; returns the image count and mean file size in KB."""
+    root = Path(root)
+    jobs = []
+    for split, count in (("train", train), ("val", val)):
+        for i in range(count):
+            folder = root / split / f"n{i % classes:08d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            seed = i if split == "train" else 10**6 + i
+            jobs.append((folder / f"{i}.{'png' if i % 20 == 10 else 'JPEG'}", seed, size))
+    workers = workers or max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+    if workers > 1:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            sizes = pool.map(_write_one, jobs, chunksize=16)
+    else:
+        sizes = [_write_one(job) for job in jobs]
+    return {"images": len(sizes), "mean_kb": float(np.mean(sizes)) / 1e3}
+
+
+# -- the three speeds ----------------------------------------------------------------------------
+
+
+class StepTimer(L.Callback):
+    """Images per second over the optimizer steps after the first `warmup` (compilation, autotuning,
+    loader start-up), data loading included; on CUDA each step is synchronised before it is timed."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.images, self.start, self.seconds = 0, 0.0, 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, i) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        if trainer.global_step == self.warmup:
+            self.start = time.perf_counter()
+        elif trainer.global_step > self.warmup:
+            self.seconds = time.perf_counter() - self.start
+            self.images += len(batch[0]) * trainer.world_size
+
+    @property
+    def images_per_second(self) -> float | None:
+        return self.images / self.seconds if self.seconds else None
+
+
+@dataclass
+class DataCase:
+    """One recipe on one device: `overrides` are extra `scripts/train.py` options (the CPU's small sizes)."""
+
+    config: str
+    root: Path
+    device: str  # "cuda" or "cpu"
+    steps: int
+    warmup: int
+    overrides: list[str] = field(default_factory=list)
+
+    def args(self, workdir: str, *extra: str) -> list[str]:
+        """The recipe's `scripts/train.py fit` options, on one device, training only, nothing saved."""
+        device = ["--trainer.accelerator", "gpu"] if self.device == "cuda" else [
+            "--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]  # fmt: skip
+        return [
+            "--config", str(ROOT / self.config), "--data.root", str(self.root), "--trainer.devices", "1",
+            "--trainer.strategy", "auto", *device, "--trainer.default_root_dir", workdir,
+            "--trainer.max_steps", str(self.steps), "--trainer.limit_val_batches", "0",
+            "--trainer.num_sanity_val_steps", "0", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--checkpoint.save_last", "false", "--checkpoint.save_top_k", "0", *self.overrides, *extra,
+        ]  # fmt: skip
+
+
+def build(case: DataCase, workdir: str) -> Any:
+    """The recipe's model and datamodule as `scripts/train.py` builds them, not run."""
+    from vit.cli import TrainCLI
+
+    with _quiet():
+        return TrainCLI(args=case.args(workdir), run=False)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Lightning warns when a CLI is given args while the process has its own command line: ours."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        yield
+
+
+def loader_speed(case: DataCase) -> tuple[float, str]:
+    """Images per second out of the recipe's train loader (after `warmup` batches), and what it does."""
+    with tempfile.TemporaryDirectory() as workdir:
+        data = build(case, workdir).datamodule
+        data.setup("fit")
+        loader = data.train_dataloader()
+        images, start = 0, 0.0
+        for i, (x, _) in enumerate(loader):
+            if i == case.warmup:
+                start = time.perf_counter()
+            elif i > case.warmup:
+                images += len(x)
+            if i == case.warmup + case.steps:
+                break
+        seconds = time.perf_counter() - start
+    return images / seconds, f"{data.num_workers} workers: {data.describe_transforms()[0]}"
+
+
+def model_speed(case: DataCase, compile: bool) -> tuple[float, str]:
+    """The recipe's model and batch on synthetic tensors already on the device (vit.tools.gpu_check)."""
+    from vit.tools.gpu_check import FitCase, run_fit
+
+    with tempfile.TemporaryDirectory() as workdir:
+        cli = build(case, workdir)
+    hp, batch = cli.model.hparams, cli.datamodule.batch_size
+    fit = FitCase("model", hp.model_name, case.steps + case.warmup, batch, case.device, compile=compile,
+                  channels_last=hp.channels_last, img_size=cli.datamodule.img_size)  # fmt: skip
+    row, _ = run_fit(fit)
+    return row.img_per_s, f"batch {batch}, synthetic tensors on the device"
+
+
+def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
+    """`scripts/train.py fit` on the tree: images per second after `warmup` steps."""
+    from vit.cli import main
+
+    with tempfile.TemporaryDirectory() as workdir:
+        timer = ["--trainer.callbacks+=vit.tools.data_check.StepTimer", f"--trainer.callbacks.warmup={case.warmup}"]
+        with _quiet():
+            cli = main(["fit", *case.args(workdir, "--model.compile", str(compile).lower(), *timer)])
+    timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
+    if cli.trainer.global_step != case.steps:
+        raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")
+    return timer.images_per_second, f"batch {cli.datamodule.batch_size}, {case.steps - case.warmup} steps timed"
+
+
+def recipe_name(config: str) -> str:
+    return Path(config).stem.removeprefix("imagenet_").replace("_", " ")
+
+
+def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, int]]:
+    """(what ran, img/s, note, training FLOPs per image) for the loader, the model and the whole fit,
+    eager and, with `compiled`, compiled; the fits' notes give end to end as a share of the model alone."""
+    from vit.tools.gpu_check import forward_flops
+
+    name = recipe_name(case.config)
+    with tempfile.TemporaryDirectory() as workdir:
+        cli = build(case, workdir)
+    flops = 3 * forward_flops(cli.model.model, cli.datamodule.img_size)
+    speed, note = loader_speed(case)
+    rows = [(f"{name}: train loader alone", speed, note, 0)]
+    for mode in ("eager", "compiled") if compiled else ("eager",):
+        model, model_note = model_speed(case, compile=mode == "compiled")
+        rows.append((f"{name}: model alone, {mode}", model, model_note, flops))
+        fit, fit_note = end_to_end_speed(case, compile=mode == "compiled")
+        share = f"{fit_note}; {100 * fit / model:.0f}% of the model alone"
+        rows.append((f"{name}: end to end, {mode}", fit, share, flops))
+    return rows

@@ -164,14 +164,16 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     out = tmp_path / "rows.json"
     assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), "--json", str(out)]) == 0
     rows = {r["check"]: r for r in json.loads(out.read_text())}
-    assert list(rows) == [f"{name}: {what}" for name in ("vit b16", "resnet50")
-                          for what in ("train loader alone", "model alone, eager", "end to end, eager")]  # fmt: skip
+    assert list(rows) == [
+        "vit b16: model alone, eager", "vit b16: data path alone", "vit b16: end to end, eager",
+        "resnet50: model alone, eager", "resnet50: data path alone", "resnet50: end to end, eager",
+        "resnet50 (device_decode): data path alone", "resnet50 (device_decode): end to end, eager",
+    ]  # fmt: skip
     assert all(r["ok"] for r in rows.values()) and len(list((tmp_path / "tree" / "train").rglob("*.*"))) == 48
-    assert "RandAugment 2 ops at magnitude 9" in rows["vit b16: train loader alone"]["note"]
-    assert "Mixup 0.8 / CutMix 1" in rows["vit b16: train loader alone"]["note"]
-    assert "RandAugment" not in rows["resnet50: train loader alone"]["note"]
-    for name in ("vit b16", "resnet50"):
-        share = round(
-            100 * rows[f"{name}: end to end, eager"]["img_per_s"] / rows[f"{name}: model alone, eager"]["img_per_s"]
-        )
-        assert rows[f"{name}: end to end, eager"]["note"].endswith(f"; {share}% of the model alone")
+    assert "RandAugment 2 ops at magnitude 9" in rows["vit b16: data path alone"]["note"]
+    assert "Mixup 0.8 / CutMix 1" in rows["vit b16: data path alone"]["note"]
+    assert "RandAugment" not in rows["resnet50: data path alone"]["note"]
+    assert "decode on the training device" in rows["resnet50 (device_decode): data path alone"]["note"]
+    for name, model in (("vit b16", "vit b16"), ("resnet50", "resnet50"), ("resnet50 (device_decode)", "resnet50")):
+        fit, alone = rows[f"{name}: end to end, eager"]["img_per_s"], rows[f"{model}: model alone, eager"]["img_per_s"]
+        assert rows[f"{name}: end to end, eager"]["note"].endswith(f"; {round(100 * fit / alone)}% of the model alone")

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from vit.data.device import DEVICE_CROPS, EncodedFiles, collate_encoded, decode_and_augment
 from vit.data.images import ImageArrays, ImageFiles, readable_class_names, scan_image_folder, scan_tiny_imagenet
 from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, resize_batch, to_tensor_images
 from vit.data.mixup import MixupCutmix
@@ -63,6 +64,9 @@ class ImageDataModule(L.LightningDataModule):
         train_sizes: progressive resizing, in_memory only: [[progress, size], ...] trains at `size`
             from that fraction of the run on (e.g. [[0, 16], [0.5, 24], [0.75, 32]]); validation
             stays at img_size. The model must accept other sizes (rope/sincos2d, or dynamic_img_size).
+        device_decode: image files only: loader workers read the encoded bytes, and the batch is
+            decoded, cropped (crop "rrc" or "resize"), flipped and normalised on the training
+            device (vit.data.device); no RandAugment yet.
     """
 
     num_classes: int
@@ -96,6 +100,7 @@ class ImageDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         cutout: int = 0,
         train_sizes: list[tuple[float, int]] | None = None,
+        device_decode: bool = False,
     ) -> None:
         super().__init__()
         self.img_size = img_size
@@ -125,6 +130,12 @@ class ImageDataModule(L.LightningDataModule):
                 f"in_memory=True augments batches with crop 'pad_crop' or 'resize', flip, cutout and Mixup/CutMix; "
                 f"got crop={crop!r}, randaugment_ops={randaugment_ops} (use in_memory=False for these)"
             )
+        self.device_decode = device_decode
+        if device_decode and (in_memory or crop not in DEVICE_CROPS or randaugment_ops > 0):
+            raise ValueError(
+                f"device_decode decodes image files on the training device and crops with {' or '.join(DEVICE_CROPS)}, "
+                f"without RandAugment; got in_memory={in_memory}, crop={crop!r}, randaugment_ops={randaugment_ops}"
+            )
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -150,15 +161,16 @@ class ImageDataModule(L.LightningDataModule):
     def describe_transforms(self) -> tuple[str, str]:
         """One line each for what training and evaluation do to an image (logged at setup)."""
         size, padding = self.img_size, self.crop_padding
+        device = ["decode on the training device"] if self.device_decode else []
         if self.in_memory:  # decoded once at the eval geometry, then augmented in batches
             train = [f"decode once at {size} (shorter side, centre crop)"]
             train += [f"pad {padding} + random crop {size}"] if self.crop == "pad_crop" else []
         elif self.crop == "rrc":
-            train = [f"random resized crop {size} (scale {self.crop_scale[0]:g}-{self.crop_scale[1]:g})"]
+            train = [*device, f"random resized crop {size} (scale {self.crop_scale[0]:g}-{self.crop_scale[1]:g})"]
         elif self.crop == "pad_crop":
             train = [f"resize {size}x{size}, pad {padding} + random crop {size}"]
         else:
-            train = [f"resize {size}x{size}"]
+            train = [*device, f"resize {size}x{size}"]
         train += ["flip"] if self.hflip else []
         ops, magnitude = self.randaugment
         train += [f"RandAugment {ops} ops at magnitude {magnitude:g}"] if ops > 0 else []
@@ -174,6 +186,8 @@ class ImageDataModule(L.LightningDataModule):
         if self.train_sizes:
             train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.train_sizes))
         evaluation = f"resize shorter side to {round(size / self.eval_crop_pct)}, centre crop {size}, normalise"
+        if self.device_decode:
+            evaluation = f"decode on the training device, {evaluation}"
         return ", ".join(train), evaluation
 
     def _in_memory(self, dataset: Dataset, train: bool) -> Dataset:
@@ -186,8 +200,19 @@ class ImageDataModule(L.LightningDataModule):
             cache = Path(self.trainer.default_root_dir) / "cache"
         return to_tensor_images(dataset, self.img_size, 1.0 if train else self.eval_crop_pct, cache)
 
+    def _encoded(self, dataset: Dataset, train: bool) -> EncodedFiles:
+        """device_decode: the split's files as bytes with each image's crop parameters."""
+        if isinstance(dataset, EncodedFiles):
+            return dataset
+        if not isinstance(dataset, ImageFiles):
+            raise ValueError(f"device_decode reads image files; {type(self).__name__} holds decoded arrays")
+        return EncodedFiles(dataset.samples, train, self.crop, self.crop_scale, self.hflip, self.eval_crop_pct,
+                            self.skip_corrupt)  # fmt: skip
+
     def train_dataloader(self) -> DataLoader:
         seed = run_seed(self.trainer)
+        if self.device_decode:
+            self.train_set = self._encoded(self.train_set, train=True)
         if self.in_memory:  # whole batches gathered from one tensor, in this process
             self.train_set = self._in_memory(self.train_set, train=True)
             sampler = BatchSampler(self.train_set, self.batch_size, shuffle=True, seed=seed, drop_last=True)
@@ -199,15 +224,20 @@ class ImageDataModule(L.LightningDataModule):
             self.trainer,
             batch_size=self.batch_size,
             drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
+            collate_fn=collate_encoded if self.device_decode else None,
             **self._loader_options(),
         )
 
     def val_dataloader(self) -> DataLoader:
         self.val_set = self._in_memory(self.val_set, train=False)
+        if self.device_decode:
+            self.val_set = self._encoded(self.val_set, train=False)
         return self._eval_loader(self.val_set)
 
     def test_dataloader(self) -> DataLoader:
         self.test_set = self._in_memory(self.test_set, train=False)
+        if self.device_decode:
+            self.test_set = self._encoded(self.test_set, train=False)
         return self._eval_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
@@ -219,7 +249,10 @@ class ImageDataModule(L.LightningDataModule):
             return DataLoader(dataset, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
         if isinstance(dataset, ImageFiles):  # score each readable image once; corrupt ones are left out
             dataset.substitute = False
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, **self._loader_options())
+        collate = collate_encoded if isinstance(dataset, EncodedFiles) else None
+        return DataLoader(
+            dataset, batch_size=self.batch_size, shuffle=False, collate_fn=collate, **self._loader_options()
+        )
 
     def _loader_options(self) -> dict[str, Any]:
         return dict(
@@ -228,10 +261,25 @@ class ImageDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
         )
 
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """device_decode: the encoded bytes stay on the CPU, where the device decoder reads them."""
+        if self.device_decode and isinstance(batch[0], list):
+            data, labels, params = batch
+            return data, labels.to(device, non_blocking=True), params
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """On the device: in-memory batches are augmented (training) and normalised; then
-        Mixup/CutMix, training batches only. All randomness is a function of (seed, step, rank),
-        so resumed runs augment and mix exactly like uninterrupted ones."""
+        """On the device: encoded batches are decoded and cropped, in-memory batches augmented
+        (training), both normalised; then Mixup/CutMix, training batches only. All randomness is a
+        function of (seed, step, rank) or (seed, epoch, index), so resumed runs augment and mix
+        exactly like uninterrupted ones."""
+        if self.device_decode and isinstance(batch[0], list):
+            labels = batch[1]
+            trainer = self.trainer
+            training = trainer is not None and trainer.training
+            source = self.train_set if training else (self.test_set if trainer and trainer.testing else self.val_set)
+            x, y = decode_and_augment(batch, labels.device, self.img_size, source.samples)
+            batch = normalize(x, self.mean, self.std), y
         if self.in_memory:
             batch = self._augment_in_memory(batch)
         trainer = self.trainer

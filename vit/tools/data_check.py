@@ -6,11 +6,14 @@ ImageNet's photos are; one image in 20 greyscale and one in 20 a PNG, which deco
 then, for each recipe (`configs/imagenet_vit_b16.yaml`, `configs/imagenet_resnet50.yaml`, as
 `scripts/train.py` builds them, on one device):
 
-- the train loader alone: images per second out of `train_dataloader()`, its workers and
-  augmentation as configured;
+- the data path alone: images per second out of `train_dataloader()` (its workers and
+  augmentation as configured) through the datamodule's work on the device;
 - the model alone: a Lightning fit on synthetic tensors already on the device (vit.tools.gpu_check);
 - end to end: `scripts/train.py fit` on the tree, eager and (on a GPU) compiled, and its share of
   the model's own speed, the number the data path has to bring to 100%.
+
+Recipes without RandAugment (ResNet-50's) are also measured with `--data.device_decode true`
+(vit.data.device: decoding and cropping on the training device).
 
 Each speed is taken after the first `warmup` steps. On a CPU the same code runs at a small image
 size and few steps (the tests use it); the numbers that matter come from a GPU node.
@@ -160,13 +163,19 @@ def _quiet() -> Iterator[None]:
 
 
 def loader_speed(case: DataCase) -> tuple[float, str]:
-    """Images per second out of the recipe's train loader (after `warmup` batches), and what it does."""
+    """Images per second out of the recipe's train loader (after `warmup` batches), each batch moved
+    to the device and through the datamodule's device-side work (decoding and cropping, with
+    device_decode; normalising): the data path alone. And what it does."""
+    device = torch.device("cuda" if case.device == "cuda" else "cpu")
     with tempfile.TemporaryDirectory() as workdir:
         data = build(case, workdir).datamodule
         data.setup("fit")
         loader = data.train_dataloader()
         images, start = 0, 0.0
-        for i, (x, _) in enumerate(loader):
+        for i, batch in enumerate(loader):
+            x, _ = data.on_after_batch_transfer(data.transfer_batch_to_device(batch, device, 0), 0)
+            if case.device == "cuda":
+                torch.cuda.synchronize()
             if i == case.warmup:
                 start = time.perf_counter()
             elif i > case.warmup:
@@ -209,20 +218,29 @@ def recipe_name(config: str) -> str:
 
 
 def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, int]]:
-    """(what ran, img/s, note, training FLOPs per image) for the loader, the model and the whole fit,
-    eager and, with `compiled`, compiled; the fits' notes give end to end as a share of the model alone."""
+    """(what ran, img/s, note, training FLOPs per image) for the data path alone, the model alone and
+    the whole fit, eager and, with `compiled`, compiled; the fits' notes give end to end as a share
+    of the model alone. Recipes without RandAugment are measured with `device_decode` too."""
     from vit.tools.gpu_check import forward_flops
 
     name = recipe_name(case.config)
     with tempfile.TemporaryDirectory() as workdir:
         cli = build(case, workdir)
     flops = 3 * forward_flops(cli.model.model, cli.datamodule.img_size)
-    speed, note = loader_speed(case)
-    rows = [(f"{name}: train loader alone", speed, note, 0)]
+    paths = [("", case)]
+    if cli.datamodule.randaugment[0] == 0:
+        device = DataCase(case.config, case.root, case.device, case.steps, case.warmup,
+                          [*case.overrides, "--data.device_decode", "true"])  # fmt: skip
+        paths.append((" (device_decode)", device))
+    rows, models = [], {}
     for mode in ("eager", "compiled") if compiled else ("eager",):
-        model, model_note = model_speed(case, compile=mode == "compiled")
-        rows.append((f"{name}: model alone, {mode}", model, model_note, flops))
-        fit, fit_note = end_to_end_speed(case, compile=mode == "compiled")
-        share = f"{fit_note}; {100 * fit / model:.0f}% of the model alone"
-        rows.append((f"{name}: end to end, {mode}", fit, share, flops))
+        models[mode], model_note = model_speed(case, compile=mode == "compiled")
+        rows.append((f"{name}: model alone, {mode}", models[mode], model_note, flops))
+    for label, variant in paths:
+        speed, note = loader_speed(variant)
+        rows.append((f"{name}{label}: data path alone", speed, note, 0))
+        for mode in models:
+            fit, fit_note = end_to_end_speed(variant, compile=mode == "compiled")
+            share = f"{fit_note}; {100 * fit / models[mode]:.0f}% of the model alone"
+            rows.append((f"{name}{label}: end to end, {mode}", fit, share, flops))
     return rows

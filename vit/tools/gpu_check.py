@@ -106,7 +106,7 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         speed = f"{r.img_per_s:,.0f}" if r.img_per_s is not None else "-"
         memory = f"{r.peak_memory / 2**30:.2f} GiB" if r.peak_memory is not None else "-"
-        fit = r.img_per_s is not None and "loader" not in r.check  # a loader has no FLOPs
+        fit = r.img_per_s is not None and "data path" not in r.check  # a data path has no FLOPs
         util = f"{100 * r.mfu:.1f}%" if r.mfu is not None else ("unknown" if fit else "-")
         lines.append(f"| {r.check} | {'ok' if r.ok else 'FAILED'} | {speed} | {memory} | {util} | {r.note} |")
     return "\n".join(lines)
@@ -304,7 +304,7 @@ def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) ->
     small = [] if cuda else ["--data.img_size", "96", "--data.batch_size", "8", "--data.num_workers", "1"]
     case = DataCase(recipe, root, args.device, steps + warmup, warmup, small)
     rows = check_recipe(case, compiled=cuda or args.compile_on_cpu)
-    return [Row(check, True, speed, note=note, mfu=None if "loader" in check else mfu(speed, flops, peak))
+    return [Row(check, True, speed, note=note, mfu=mfu(speed, flops, peak) if flops else None)
             for check, speed, note, flops in rows]  # fmt: skip
 
 

@@ -1,0 +1,179 @@
+"""Image files decoded and augmented on the training device (`data.device_decode`, vit.data.device):
+the same pixels as the per-sample path's decoder, the same crop distribution, corrupt files named,
+and runs that resume bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from scipy import stats
+
+from tests.conftest import ROOT, SHARED, write_image_folder
+from tests.test_fault_tolerance import QUIET, assert_bit_identical, signal_at, weights
+from vit.cli import main
+from vit.data.device import (
+    EncodedFiles,
+    center_crop_box,
+    collate_encoded,
+    decode_and_augment,
+    decode_batch,
+    random_resized_crop_box,
+)
+from vit.data.images import CorruptImageError, Sample, read_rgb
+from vit.data.transforms import resize_transform
+from vit.tools.data_check import synthetic_photo
+
+
+def _bytes(path: Path) -> torch.Tensor:
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+
+
+def _photos(folder: Path) -> list[Path]:
+    """Synthetic photos in each format the decoder meets: RGB and greyscale JPEG, PNG, RGBA PNG."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (fmt, mode) in enumerate([("JPEG", "RGB"), ("JPEG", "L"), ("PNG", "RGB"), ("PNG", "RGBA")]):
+        path = folder / f"{i}.{fmt.lower()}"
+        synthetic_photo(rng, 120 + 10 * i, 90).convert(mode).save(
+            path, fmt, **({"quality": 90} if fmt == "JPEG" else {})
+        )
+        paths.append(path)
+    return paths
+
+
+def test_device_decoding_gives_the_per_sample_decoders_pixels(tmp_path):
+    """decode_jpeg (libjpeg on the CPU) and the CPU fallback for PNG give what PIL gives, on real
+    CIFAR-10 and Tiny-ImageNet JPEGs where ../shared has them and on each format's synthetic photo."""
+    files = _photos(tmp_path)
+    for pattern in ("cifar10/test/cat/*.jpg", "tiny-imagenet-200/val/images/*.JPEG"):
+        files += sorted((SHARED / "data").glob(pattern))[:50]
+    decoded = decode_batch([_bytes(p) for p in files], "cpu")
+    for path, image in zip(files, decoded, strict=True):
+        reference = torch.from_numpy(read_rgb(path)).permute(2, 0, 1)
+        assert image.dtype == torch.uint8 and image.shape == reference.shape, path
+        assert (image.int() - reference.int()).abs().max() <= 1, path  # 0 here; JPEG decoders may round apart
+
+
+def test_random_resized_crop_boxes_follow_the_per_sample_paths_distribution():
+    """Area fraction and aspect ratio of 3000 boxes against albumentations' RandomResizedCrop (the
+    per-sample path) on a 500x375 photo and a square one: the same distributions (KS test)."""
+    import albumentations as A
+
+    for height, width in ((375, 500), (64, 64)):
+        reference = A.RandomResizedCrop(size=(32, 32), scale=(0.08, 1.0), p=1.0)
+        image = np.zeros((height, width, 3), np.uint8)
+        theirs = []
+        for _ in range(3000):
+            x0, y0, x1, y1 = reference.get_params_dependent_on_data({"shape": image.shape}, {"image": image})[
+                "crop_coords"
+            ]
+            theirs.append(((x1 - x0) * (y1 - y0) / (height * width), (x1 - x0) / (y1 - y0)))
+        rng = np.random.default_rng(0)
+        ours = []
+        for _ in range(3000):
+            top, left, h, w = random_resized_crop_box(rng, height, width)
+            assert top >= 0 and top + h <= height and left >= 0 and left + w <= width
+            ours.append((h * w / (height * width), w / h))
+        for column in (0, 1):
+            a, b = [x[column] for x in ours], [x[column] for x in theirs]
+            assert stats.ks_2samp(a, b).pvalue > 0.001, (height, width, column)
+
+
+def test_evaluation_crops_the_region_resize_and_centre_crop_keep(tmp_path):
+    """The centred square of crop_pct x the shorter side, resized: on a smooth image whose colour
+    gives the position (red: x, green: y), the per-sample path's resize of the shorter side to
+    size / crop_pct and centre crop (bicubic) gives the same pixels within interpolation (0.84 levels
+    in the mean; a box 2 pixels off is 4.9 out, one 2 pixels smaller 1.8)."""
+    yy, xx = np.mgrid[0:90, 0:120]
+    pixels = np.stack([255 * xx / 119, 255 * yy / 89, 128 + 60 * np.sin(xx / 15)], axis=-1).astype(np.uint8)
+    path = tmp_path / "smooth.png"
+    Image.fromarray(pixels).save(path)
+    assert center_crop_box(90, 120, 0.875) == (5, 20, 79, 79)
+    dataset = EncodedFiles([Sample(str(path), 3)], train=False, crop_pct=0.875)
+    x, y = decode_and_augment(collate_encoded([dataset[0]]), "cpu", 48, dataset.samples)
+    expected = torch.from_numpy(resize_transform(48, 0.875)(image=read_rgb(path))["image"]).permute(2, 0, 1).float()
+    assert y.tolist() == [3] and x.shape == (1, 3, 48, 48)
+    assert (x[0] - expected).abs().mean() < 1.5
+
+
+def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
+    (path,) = _photos(tmp_path)[:1]
+    dataset = EncodedFiles([Sample(str(path), 0)], train=True, scale=(0.3, 1.0))
+    a, b, c = dataset[(0, 7)][2], dataset[(0, 7)][2], dataset[(0, 8)][2]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    flips = [int(dataset[(0, seed)][2][4]) for seed in range(400)]
+    assert 160 < sum(flips) < 240  # a flip with probability 1/2
+    x, _ = decode_and_augment(collate_encoded([dataset[(0, 7)]]), "cpu", 32, dataset.samples)
+    top, left, h, w, flip, _ = a.tolist()
+    crop = torch.from_numpy(read_rgb(path)).permute(2, 0, 1)[None, :, top : top + h, left : left + w].float()
+    expected = torch.nn.functional.interpolate(crop, size=(32, 32), mode="bilinear", antialias=True)
+    torch.testing.assert_close(x, expected.flip(-1) if flip else expected)
+
+
+def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog):
+    """A truncated JPEG (libjpeg would decode it, grey below the cut, where PIL refuses it) and a
+    file that is not an image: named; with skip_corrupt replaced (training) or left out (evaluation)."""
+    good, truncated, text = tmp_path / "good.jpg", tmp_path / "cut.jpg", tmp_path / "notes.jpg"
+    synthetic_photo(np.random.default_rng(0), 200, 150).save(good, quality=90)
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    text.write_text("not an image")
+    samples = [Sample(str(p), i) for i, p in enumerate((truncated, text, good))]
+    for index, path in ((0, truncated), (1, text)):
+        with pytest.raises(CorruptImageError, match=f"cannot decode image {path}: "):
+            EncodedFiles(samples, train=True)[(index, 0)]
+    with caplog.at_level("WARNING", logger="vit"):
+        assert EncodedFiles(samples, train=True, skip_corrupt=True)[(0, 0)][1] == 2  # the next readable one
+        assert EncodedFiles(samples, train=False, skip_corrupt=True)[1][1] == -1  # MISSING: not scored
+    assert f"skipped cannot decode image {truncated}" in caplog.text
+
+
+def _recipe(data: Path, run: Path, *extra: str) -> list[str]:
+    """configs/imagenet_resnet50.yaml (random resized crops, 0.875 eval crop, SGD, label smoothing) with
+    a ResNet-18 at 72 px on a small JPEG folder, device_decode on: 3 epochs of 4 steps."""
+    return [
+        "fit", "--config", str(ROOT / "configs/imagenet_resnet50.yaml"), *QUIET,
+        "--trainer.default_root_dir", str(run), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.strategy", "auto", "--trainer.precision", "32-true", "--trainer.max_epochs", "3",
+        "--trainer.logger", "false", "--model.model_name", "resnet18", "--data.root", str(data),
+        "--data.img_size", "72", "--data.batch_size", "8", "--data.num_workers", "0",
+        "--data.device_decode", "true", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_resnet50_recipe_with_device_decoding_resumes_mid_epoch_to_the_same_weights(tmp_path, one_thread):
+    """SIGTERM after step 6 (epoch 1, batch 2 of 4), resumed with --ckpt_path last: the model and
+    optimizer equal an uninterrupted run's, bit for bit; a PNG among the JPEGs takes the CPU decoder."""
+    data = write_image_folder(tmp_path / "data", train=8, val=2, size=96, ext="jpg")
+    Image.open(data / "train" / "class1" / "3.jpg").save(data / "train" / "class1" / "3.png")
+    (data / "train" / "class1" / "3.jpg").unlink()
+    (data / "train" / "class1" / "9.jpg").write_bytes((data / "train" / "class1" / "0.jpg").read_bytes())
+    with pytest.raises(SystemExit) as stopped:
+        main(_recipe(data, tmp_path / "run", *signal_at(6, "SIGTERM")))
+    assert stopped.value.code == 143
+    resumed = main(_recipe(data, tmp_path / "run", "--ckpt_path", "last"))
+    straight = main(_recipe(data, tmp_path / "straight"))
+    assert resumed.trainer.global_step == straight.trainer.global_step == 12
+    assert_bit_identical(weights(resumed), weights(straight))
+    assert straight.datamodule.describe_transforms()[0].startswith("decode on the training device, random resized")
+    assert float(straight.trainer.callback_metrics["val/acc1"]) > 0.25  # 4 classes by grey level: it learns
+
+
+def test_device_decoding_refuses_what_it_does_not_do():
+    from vit.data import ImageFolderDataModule
+
+    with pytest.raises(ValueError, match="device_decode decodes image files on the training device"):
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, randaugment_ops=2)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

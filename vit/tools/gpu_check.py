@@ -286,6 +286,16 @@ def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callab
     return [(label, check) for key, label, check in checks if key in args.checks]
 
 
+def _small_model(recipe: str) -> str:
+    """The CPU's stand-in for a recipe's model: the smallest of its family (ViT-Ti/16, ResNet-18)."""
+    import yaml
+
+    from vit.tools.data_check import ROOT
+
+    name = yaml.safe_load((ROOT / recipe).read_text())["model"]["init_args"]["model_name"]
+    return "resnet18" if name.startswith("resnet") else "vit_tiny_patch16_224"
+
+
 def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) -> list[Row]:
     """vit.tools.data_check for one recipe, on the synthetic tree (written once, on first use)."""
     from vit.tools.data_check import DataCase, check_recipe, write_synthetic_imagenet
@@ -301,7 +311,10 @@ def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) ->
         print(f"[gpu-check] wrote {made['images']} images of ~{size[0]}x{size[1]} ({made['mean_kb']:.0f} KB mean) "
               f"in {root}", flush=True)  # fmt: skip
     steps, warmup = args.data_steps or (60 if cuda else 3), args.data_warmup or (20 if cuda else 1)
-    small = [] if cuda else ["--data.img_size", "96", "--data.batch_size", "8", "--data.num_workers", "1"]
+    small = [] if cuda else [
+        "--data.img_size", "96", "--data.batch_size", "8", "--data.num_workers", "1",
+        "--model.model_name", _small_model(recipe),
+    ]  # fmt: skip
     case = DataCase(recipe, root, args.device, steps + warmup, warmup, small)
     rows = check_recipe(case, compiled=cuda or args.compile_on_cpu)
     return [Row(check, True, speed, note=note, mfu=mfu(speed, flops, peak) if flops else None)

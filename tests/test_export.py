@@ -10,9 +10,9 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")  # torch's dynamo exporter translates with it
 
-from scripts.export import main as export_main  # noqa: E402
 from vit import create_model  # noqa: E402
 from vit.export import ImageSpec, OnnxClassifier, export_onnx, max_abs_diff  # noqa: E402
+from vit.tools.export import main as export_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -196,7 +196,7 @@ def model_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     fit = FitCase("model", hp.model_name, case.steps + case.warmup, batch, case.device, compile=compile,
                   channels_last=hp.channels_last, img_size=cli.datamodule.img_size)  # fmt: skip
     row, _ = run_fit(fit)
-    return row.img_per_s, f"batch {batch}, synthetic tensors on the device"
+    return row.img_per_s, f"{hp.model_name}, batch {batch}, synthetic tensors on the device"
 
 
 def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:

@@ -1,0 +1,51 @@
+"""The data path on this machine against the source images' size: PIL decode alone (one core) and
+the ResNet-50 recipe's data path alone (vit.tools.data_check.loader_speed: per-sample, and with
+device_decode), on a synthetic ImageNet-like tree and on copies with the longer side capped
+(vit.tools.resize_folder). Run it alone: `flock /tmp/vit-bench.lock python benchmarks/data_caps.py`."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    from vit.data.images import read_rgb
+    from vit.tools.data_check import DataCase, loader_speed, write_synthetic_imagenet
+    from vit.tools.resize_folder import resize_folder
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, help="the tree (default: 400 synthetic images in a temp dir)")
+    parser.add_argument("--caps", type=int, nargs="+", default=[384, 256])
+    parser.add_argument("--workers", type=int, default=1, help="loader workers")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vit-data-caps-"))
+    root = args.root or work / "original"
+    if not (root / "train").is_dir():
+        write_synthetic_imagenet(root, train=400, val=40, classes=10)
+    trees = {"original": root}
+    for cap in args.caps:
+        resize_folder(root, work / f"max{cap}", cap, workers=2)
+        trees[f"longer side <= {cap}"] = work / f"max{cap}"
+    print("| images | PIL decode, 1 core (img/s) | data path, per-sample (img/s) | data path, device_decode (img/s) |")
+    print("|---|---:|---:|---:|")
+    for name, tree in trees.items():
+        files = sorted((tree / "train").rglob("*.*"))
+        start = time.perf_counter()
+        for path in files:
+            read_rgb(path)
+        speeds = [len(files) / (time.perf_counter() - start)]
+        for extra in ([], ["--data.device_decode", "true"]):
+            options = ["--data.batch_size", str(args.batch), "--data.num_workers", str(args.workers), *extra]
+            speeds.append(
+                loader_speed(DataCase("configs/imagenet_resnet50.yaml", tree, args.device, 10, 2, options))[0]
+            )
+        print(f"| {name} | " + " | ".join(f"{s:,.0f}" for s in speeds) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -169,9 +169,7 @@ def test_decoding_is_cached_by_content(tmp_path, caplog):
     assert changed.images[0].max() == 0 and len(list((tmp_path / "cache").glob("*.npz"))) == 2
 
 
-def test_a_broken_or_unwritable_cache_costs_only_the_cache_and_strict_runs_never_read_a_skipping_one(
-    tmp_path, caplog, file_size_limit
-):
+def test_a_broken_or_unwritable_cache_costs_only_the_cache_and_strict_runs_never_read_a_skipping_one(tmp_path, caplog):
     """A truncated cache file gave a raw BadZipFile without its path; a full disk a raw traceback
     and a `.tmp` per try; a cache built with skip_corrupt was reused silently by a strict run."""
     import resource
@@ -200,9 +198,13 @@ def test_a_broken_or_unwritable_cache_costs_only_the_cache_and_strict_runs_never
 
     cached.unlink()
     (cache / f".{cached.name}.999999999.tmp").write_bytes(b"left by a process killed while writing")
-    resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    with caplog.at_level("WARNING", logger="vit"):
-        full = to_tensor_images(ImageFiles(samples, skip_corrupt=True), img_size=8, cache_dir=cache)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, limit[1]))  # back before pytest writes its report
+    try:
+        with caplog.at_level("WARNING", logger="vit"):
+            full = to_tensor_images(ImageFiles(samples, skip_corrupt=True), img_size=8, cache_dir=cache)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     assert torch.equal(full.images, skipping.images)
     assert f"could not write the image cache {cached} (File too large); training goes on without it" in caplog.text
     assert list(cache.iterdir()) == []

@@ -63,8 +63,8 @@ def _project_scripts() -> dict[str, str]:
 SCRIPTS = _project_scripts()
 
 
-def test_the_commands_are_train_rollout_sample_and_bench():
-    assert sorted(SCRIPTS) == ["vit-bench", "vit-rollout", "vit-sample", "vit-train"]
+def test_the_installed_commands():
+    assert sorted(SCRIPTS) == ["vit-bench", "vit-export", "vit-resize-folder", "vit-rollout", "vit-sample", "vit-train"]
 
 
 @pytest.mark.parametrize("command", sorted(SCRIPTS))

@@ -36,6 +36,15 @@ def file_size_limit():
     resource.setrlimit(resource.RLIMIT_FSIZE, limit)
 
 
+@pytest.fixture
+def one_thread():
+    """Bit-identical comparisons across processes need the same number of threads in each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -169,11 +169,3 @@ def test_device_decoding_refuses_what_it_does_not_do():
 
     with pytest.raises(ValueError, match="device_decode decodes image files on the training device"):
         ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, randaugment_ops=2)
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

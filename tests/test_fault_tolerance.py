@@ -58,15 +58,6 @@ def run_script(args: list[str], env: dict | None = None, timeout: float = TIMEOU
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-@pytest.fixture
-def one_thread():
-    """Bit-identical comparisons across processes need the same number of threads in each."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def weights(cli_or_path) -> dict[str, torch.Tensor]:
     if isinstance(cli_or_path, Path):
         return torch.load(cli_or_path, weights_only=True)["state_dict"]

@@ -27,10 +27,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from vit.data.images import MISSING, CorruptImageError, Sample
+from vit.data.images import MISSING, CorruptImageError, ImageFiles, Sample
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +86,10 @@ def image_size(data: bytes) -> tuple[int, int]:
         return image.height, image.width
 
 
-class EncodedFiles(Dataset):
+class EncodedFiles(ImageFiles):
     """Image files as (bytes, label, crop parameters), indexed by (index, sample seed) as the
-    ResumableSampler yields them (by index alone in evaluation).
+    ResumableSampler yields them (by index alone in evaluation); corrupt files are handled as
+    ImageFiles handles them (`substitute` in training, a stand-in that is not scored in evaluation).
 
     `train`: a random resized crop (`crop` "rrc", area fraction in `scale`) or the whole image
     (`crop` "resize") and, with `hflip`, a flip with probability 1/2, drawn from the sample seed;
@@ -108,39 +108,19 @@ class EncodedFiles(Dataset):
     ) -> None:
         if crop not in DEVICE_CROPS:
             raise ValueError(f"device_decode crops with {' or '.join(DEVICE_CROPS)}, not {crop!r}")
-        self.samples = list(samples)
+        super().__init__(samples, skip_corrupt=skip_corrupt, substitute=train)
         self.train, self.crop, self.scale, self.hflip, self.crop_pct = train, crop, tuple(scale), hflip, crop_pct
-        self.skip_corrupt = skip_corrupt
-        self.num_skipped = 0
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    @property
-    def labels(self) -> np.ndarray:
-        return np.array([s.label for s in self.samples], dtype=np.int64)
 
     def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int, torch.Tensor]:
         index, seed = item if isinstance(item, tuple) else (item, None)
-        for offset in range(len(self.samples) if self.train else 1):
-            read = (index + offset) % len(self.samples)
-            sample = self.samples[read]
-            try:
-                data = Path(sample.path).read_bytes()
-                height, width = image_size(data)
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-                reason = f"cannot decode image {sample.path}: {e}"
-                if not self.skip_corrupt:
-                    raise CorruptImageError(reason) from e
-                self.num_skipped += 1
-                log.warning("skipped %s (%d corrupt images skipped so far in this process)", reason, self.num_skipped)
-                continue
-            params = self._params(seed, height, width)
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), sample.label, torch.tensor([*params, read])
-        if not self.train:  # a stand-in the evaluation steps leave out of the scores
+        found = self.first_readable(index, _read_encoded)
+        if found is None:  # evaluation: a stand-in the evaluation steps leave out of the scores
             stand_in = torch.frombuffer(bytearray(_BLACK_PNG), dtype=torch.uint8)
             return stand_in, MISSING, torch.tensor([0, 0, 1, 1, 0, index])
-        raise CorruptImageError(f"none of the {len(self.samples)} images could be decoded")
+        position, (data, height, width) = found
+        params = self._params(seed, height, width)
+        label = self.samples[position].label
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, torch.tensor([*params, position])
 
     def _params(self, seed: int | None, height: int, width: int) -> tuple[int, ...]:
         if not self.train:
@@ -148,6 +128,15 @@ class EncodedFiles(Dataset):
         rng = np.random.default_rng(seed)
         box = random_resized_crop_box(rng, height, width, self.scale) if self.crop == "rrc" else (0, 0, height, width)
         return (*box, int(self.hflip and rng.random() < 0.5))
+
+
+def _read_encoded(sample: Sample) -> tuple[bytes, int, int]:
+    """A file's bytes and (height, width) from its header; CorruptImageError naming it if unreadable."""
+    try:
+        data = Path(sample.path).read_bytes()
+        return (data, *image_size(data))
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise CorruptImageError(f"cannot decode image {sample.path}: {e}") from e
 
 
 def _black_png() -> bytes:

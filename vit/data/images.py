@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -230,17 +231,27 @@ class ImageFiles(_SeededTransform):
         return ImageFiles([self.samples[i] for i in indices], transform, self.skip_corrupt)
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
+        found = self.first_readable(index, lambda sample: read_rgb(sample.path))
+        if found is None:
+            return np.zeros((32, 32, 3), dtype=np.uint8), MISSING
+        position, image = found
+        return image, self.samples[position].label
+
+    def first_readable(self, index: int, read: Callable[[Sample], Any]) -> tuple[int, Any] | None:
+        """(position, read(sample)) for the sample at `index`; with skip_corrupt, a sample whose read
+        raises CorruptImageError is logged, counted and replaced by the next readable one
+        (`substitute`), or gives None (evaluation: the caller's stand-in is not scored)."""
         for offset in range(len(self.samples) if self.substitute else 1):
-            sample = self.samples[(index + offset) % len(self.samples)]
+            position = (index + offset) % len(self.samples)
             try:
-                return read_rgb(sample.path), sample.label
+                return position, read(self.samples[position])
             except CorruptImageError as e:
                 if not self.skip_corrupt:
                     raise
                 self.num_skipped += 1
                 log.warning("skipped %s (%d corrupt images skipped so far in this process)", e, self.num_skipped)
         if not self.substitute:
-            return np.zeros((32, 32, 3), dtype=np.uint8), MISSING
+            return None
         raise CorruptImageError(f"none of the {len(self.samples)} images could be decoded")
 
 

@@ -1,7 +1,7 @@
 """The data check (`scripts/gpu_check.py --checks data`): does the shipped ImageNet recipes' data
 keep up with their models?
 
-It writes a synthetic ImageNet-like JPEG tree (about 500x375 pixels, about 95 KB at quality 90, as
+It writes a synthetic ImageNet-like JPEG tree (about 500x375 pixels, about 98 KB at quality 90, as
 ImageNet's photos are; one image in 20 greyscale and one in 20 a PNG, which decoders treat apart),
 then, for each recipe (`configs/imagenet_vit_b16.yaml`, `configs/imagenet_resnet50.yaml`, as
 `scripts/train.py` builds them, on one device):
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def synthetic_photo(rng: np.random.Generator, width: int, height: int) -> Image.Image:
     """Smooth colour regions, mid-frequency texture and grain: JPEG-encodes at quality 90 to about
-    4 bits a pixel (95 KB at 500x375), as ImageNet's photos do; random pixels would be 3x that."""
+    4 bits a pixel (98 KB at 500x375), as ImageNet's photos do."""
     low = rng.integers(0, 256, (height // 25 + 2, width // 25 + 2, 3), dtype=np.uint8)
     mid = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
     base = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), dtype=np.float32)

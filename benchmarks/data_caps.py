@@ -39,7 +39,7 @@ def main() -> None:
         for path in files:
             read_rgb(path)
         speeds = [len(files) / (time.perf_counter() - start)]
-        for extra in ([], ["--data.device_decode", "true"]):
+        for extra in (["--data.device_decode", "false"], ["--data.device_decode", "true"]):
             options = ["--data.batch_size", str(args.batch), "--data.num_workers", str(args.workers), *extra]
             speeds.append(
                 loader_speed(DataCase("configs/imagenet_resnet50.yaml", tree, args.device, 10, 2, options))[0]

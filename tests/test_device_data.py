@@ -15,14 +15,8 @@ from scipy import stats
 from tests.conftest import ROOT, SHARED, write_image_folder
 from tests.test_fault_tolerance import QUIET, assert_bit_identical, signal_at, weights
 from vit.cli import main
-from vit.data.device import (
-    EncodedFiles,
-    center_crop_box,
-    collate_encoded,
-    decode_and_augment,
-    decode_batch,
-    random_resized_crop_box,
-)
+from vit.data.augment import RA_OPS, RA_START, center_crop_box, rand_augment, random_resized_crop_box
+from vit.data.device import EncodedFiles, collate_encoded, decode_and_augment, decode_batch
 from vit.data.images import CorruptImageError, Sample, read_rgb
 from vit.data.transforms import resize_transform
 from vit.tools.data_check import synthetic_photo
@@ -104,15 +98,25 @@ def test_evaluation_crops_the_region_resize_and_centre_crop_keep(tmp_path):
 def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     (path,) = _photos(tmp_path)[:1]
     dataset = EncodedFiles([Sample(str(path), 0)], train=True, scale=(0.3, 1.0))
-    a, b, c = dataset[(0, 7)][2], dataset[(0, 7)][2], dataset[(0, 8)][2]
+    a, b, c = (dataset[item][2].nan_to_num(-1) for item in [(0, 7), (0, 7), (0, 8)])  # NaN: no RandAugment
     assert torch.equal(a, b) and not torch.equal(a, c)
     flips = [int(dataset[(0, seed)][2][4]) for seed in range(400)]
     assert 160 < sum(flips) < 240  # a flip with probability 1/2
     x, _ = decode_and_augment(collate_encoded([dataset[(0, 7)]]), "cpu", 32, dataset.samples)
-    top, left, h, w, flip, _ = a.tolist()
+    top, left, h, w, flip = (int(v) for v in a[:5])
     crop = torch.from_numpy(read_rgb(path)).permute(2, 0, 1)[None, :, top : top + h, left : left + w].float()
     expected = torch.nn.functional.interpolate(crop, size=(32, 32), mode="bilinear", antialias=True)
-    torch.testing.assert_close(x, expected.flip(-1) if flip else expected)
+    expected = expected.flip(-1) if flip else expected
+    torch.testing.assert_close(x, expected)
+
+    # RandAugment: two ops drawn from the same seed, applied to the cropped image
+    augmented = EncodedFiles([Sample(str(path), 0)], train=True, scale=(0.3, 1.0), randaugment=(2, 9.0))
+    params = augmented[(0, 7)][2]
+    assert torch.equal(params[:5], a[:5]) and torch.equal(params.nan_to_num(-1), augmented[(0, 7)][2].nan_to_num(-1))
+    assert params[RA_START : RA_START + len(RA_OPS)].isfinite().sum() == 2
+    x, _ = decode_and_augment(collate_encoded([augmented[(0, 7)]]), "cpu", 32, dataset.samples)
+    torch.testing.assert_close(x, rand_augment(expected, params[None, RA_START:-1]))
+    assert (x - expected.round()).abs().mean() > 1
 
 
 def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog):
@@ -134,14 +138,14 @@ def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog)
 
 def _recipe(data: Path, run: Path, *extra: str) -> list[str]:
     """configs/imagenet_resnet50.yaml (random resized crops, 0.875 eval crop, SGD, label smoothing) with
-    a ResNet-18 at 72 px on a small JPEG folder, device_decode on: 3 epochs of 4 steps."""
+    a ResNet-18 at 72 px on a small JPEG folder, device_decode and RandAugment on: 3 epochs of 4 steps."""
     return [
         "fit", "--config", str(ROOT / "configs/imagenet_resnet50.yaml"), *QUIET,
         "--trainer.default_root_dir", str(run), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
         "--trainer.strategy", "auto", "--trainer.precision", "32-true", "--trainer.max_epochs", "3",
         "--trainer.logger", "false", "--model.model_name", "resnet18", "--data.root", str(data),
         "--data.img_size", "72", "--data.batch_size", "8", "--data.num_workers", "0",
-        "--data.device_decode", "true", *extra,
+        "--data.device_decode", "true", "--data.randaugment_ops", "2", *extra,
     ]  # fmt: skip
 
 
@@ -160,7 +164,8 @@ def test_the_resnet50_recipe_with_device_decoding_resumes_mid_epoch_to_the_same_
     straight = main(_recipe(data, tmp_path / "straight"))
     assert resumed.trainer.global_step == straight.trainer.global_step == 12
     assert_bit_identical(weights(resumed), weights(straight))
-    assert straight.datamodule.describe_transforms()[0].startswith("decode on the training device, random resized")
+    train_line = straight.datamodule.describe_transforms()[0]
+    assert train_line.startswith("decode on the training device, random resized") and "RandAugment 2 ops" in train_line
     assert float(straight.trainer.callback_metrics["val/acc1"]) > 0.25  # 4 classes by grey level: it learns
 
 
@@ -168,4 +173,6 @@ def test_device_decoding_refuses_what_it_does_not_do():
     from vit.data import ImageFolderDataModule
 
     with pytest.raises(ValueError, match="device_decode decodes image files on the training device"):
-        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, randaugment_ops=2)
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, crop="pad_crop")
+    with pytest.raises(ValueError, match="default, which device_decode does not do"):  # small images' default crop
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=32, device_decode=True)

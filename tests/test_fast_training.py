@@ -14,9 +14,10 @@ from PIL import Image
 from tests.conftest import quiet_trainer, write_image_folder
 from tests.faults import InterruptAt
 from vit.data import DigitsDataModule, ImageFiles
+from vit.data.augment import batch_augment, normalize
 from vit.data.datamodules import ImageFolderDataModule, holdout_indices
 from vit.data.images import CorruptImageError, Sample
-from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, to_tensor_images
+from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
 from vit.data.transforms import train_transform
 from vit.layers import whiten_patch_embed_
 from vit.lit import ImageClassifier
@@ -229,8 +230,8 @@ def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(t
 def test_batch_options_need_the_in_memory_path():
     with pytest.raises(ValueError, match="in_memory"):
         DigitsDataModule(cutout=4)
-    with pytest.raises(ValueError, match="randaugment_ops=2"):
-        DigitsDataModule(in_memory=True, randaugment_ops=2)
+    with pytest.raises(ValueError, match="crop='rrc'"):
+        DigitsDataModule(in_memory=True, crop="rrc")
 
 
 def _memory_recipe() -> tuple[ImageClassifier, DigitsDataModule]:
@@ -238,7 +239,9 @@ def _memory_recipe() -> tuple[ImageClassifier, DigitsDataModule]:
         "vit_nano_patch4_16", {"drop_path_rate": 0.2}, num_classes=10, lr=2e-3, warmup_fraction=0.1,
         label_smoothing=0.1,
     )  # fmt: skip
-    data = DigitsDataModule(batch_size=64, in_memory=True, cutout=4, mixup_alpha=0.8, cutmix_alpha=1.0)
+    data = DigitsDataModule(
+        batch_size=64, in_memory=True, cutout=4, mixup_alpha=0.8, cutmix_alpha=1.0, randaugment_ops=2
+    )
     return module, data
 
 

@@ -117,8 +117,8 @@ RECIPES = {
     "cifar10_resnet.yaml": [],
     "cifar100_vit.yaml": [],
     "tiny_imagenet_vit.yaml": ["--model.model_kwargs", "{drop_path_rate: 0.1, img_size: 32}"],
-    "imagenet_vit_b16.yaml": ["--model.model_name", "vit_tiny_patch4_32"],
-    "imagenet_resnet50.yaml": ["--model.model_name", "resnet18"],
+    "imagenet_vit_b16.yaml": ["--model.model_name", "vit_tiny_patch4_32", "--data.crop", "rrc"],  # device_decode
+    "imagenet_resnet50.yaml": ["--model.model_name", "resnet18", "--data.crop", "rrc"],
 }
 
 

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from vit.data.augment import batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
 from vit.data.device import DEVICE_CROPS, EncodedFiles, collate_encoded, decode_and_augment
 from vit.data.images import ImageArrays, ImageFiles, readable_class_names, scan_image_folder, scan_tiny_imagenet
-from vit.data.memory import BatchSampler, TensorImages, batch_augment, normalize, resize_batch, to_tensor_images
+from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
 from vit.data.mixup import MixupCutmix
 from vit.data.sampling import ResumableSampler, mix_seed, resumable_loader, run_seed
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
@@ -59,14 +60,14 @@ class ImageDataModule(L.LightningDataModule):
             set (`trainer.test`). 0: validation is the original split, as is the test set.
         in_memory: decode every image once into a uint8 tensor (cached in cache_dir) and augment
             whole batches on the training device (vit.data.memory): crop "pad_crop" or "resize",
-            hflip, cutout and Mixup/CutMix; no RandAugment. cache_dir None: `<default_root_dir>/cache`.
+            hflip, RandAugment, cutout and Mixup/CutMix. cache_dir None: `<default_root_dir>/cache`.
         cutout: side of a square zeroed at a random place in each training image (in_memory only).
         train_sizes: progressive resizing, in_memory only: [[progress, size], ...] trains at `size`
             from that fraction of the run on (e.g. [[0, 16], [0.5, 24], [0.75, 32]]); validation
             stays at img_size. The model must accept other sizes (rope/sincos2d, or dynamic_img_size).
         device_decode: image files only: loader workers read the encoded bytes, and the batch is
-            decoded, cropped (crop "rrc" or "resize"), flipped and normalised on the training
-            device (vit.data.device); no RandAugment yet.
+            decoded, cropped (crop "rrc" or "resize"), flipped, RandAugmented and normalised on the
+            training device (vit.data.device).
     """
 
     num_classes: int
@@ -125,16 +126,16 @@ class ImageDataModule(L.LightningDataModule):
         self.train_sizes = sorted((float(p), int(size)) for p, size in train_sizes) if train_sizes else None
         if not in_memory and (cutout or train_sizes):
             raise ValueError("cutout and train_sizes are batch augmentations: they need in_memory=True")
-        if in_memory and (crop not in ("pad_crop", "resize") or randaugment_ops > 0):
+        if in_memory and crop not in ("pad_crop", "resize"):
             raise ValueError(
-                f"in_memory=True augments batches with crop 'pad_crop' or 'resize', flip, cutout and Mixup/CutMix; "
-                f"got crop={crop!r}, randaugment_ops={randaugment_ops} (use in_memory=False for these)"
+                f"in_memory=True augments batches with crop 'pad_crop' or 'resize'; got crop={crop!r} "
+                "(use in_memory=False for it)"
             )
         self.device_decode = device_decode
-        if device_decode and (in_memory or crop not in DEVICE_CROPS or randaugment_ops > 0):
+        if device_decode and (in_memory or crop not in DEVICE_CROPS):
             raise ValueError(
-                f"device_decode decodes image files on the training device and crops with {' or '.join(DEVICE_CROPS)}, "
-                f"without RandAugment; got in_memory={in_memory}, crop={crop!r}, randaugment_ops={randaugment_ops}"
+                f"device_decode decodes image files on the training device and crops with {' or '.join(DEVICE_CROPS)}; "
+                f"got in_memory={in_memory}, crop={crop!r}"
             )
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
@@ -206,8 +207,8 @@ class ImageDataModule(L.LightningDataModule):
             return dataset
         if not isinstance(dataset, ImageFiles):
             raise ValueError(f"device_decode reads image files; {type(self).__name__} holds decoded arrays")
-        return EncodedFiles(dataset.samples, train, self.crop, self.crop_scale, self.hflip, self.eval_crop_pct,
-                            self.skip_corrupt)  # fmt: skip
+        return EncodedFiles(dataset, train, self.crop, self.crop_scale, self.hflip, self.eval_crop_pct,
+                            self.skip_corrupt, self.randaugment)  # fmt: skip
 
     def train_dataloader(self) -> DataLoader:
         seed = run_seed(self.trainer)
@@ -295,7 +296,11 @@ class ImageDataModule(L.LightningDataModule):
         x, y, seed = batch  # training, with the batch's augmentation seed
         generator = torch.Generator(device=x.device).manual_seed(int(seed))
         padding = self.crop_padding if self.crop == "pad_crop" else 0
-        x = batch_augment(x, generator, padding, self.hflip, self.cutout)
+        x = batch_augment(x, generator, padding, self.hflip)
+        if self.randaugment[0] > 0:  # before cutout, as RandAugment precedes random erasing in timm
+            params = draw_rand_augment(np.random.default_rng(mix_seed(int(seed), 2)), *self.randaugment, count=len(x))
+            x = rand_augment(x, torch.from_numpy(params))
+        x = batch_augment(x, generator, cutout=self.cutout)  # the generator's draws in the order of one call
         x = normalize(x, self.mean, self.std)
         return resize_batch(x, self.train_size()), y
 
@@ -431,6 +436,12 @@ class ImageFolderDataModule(ImageDataModule):
     ) -> None:
         if crop is None:
             crop = "pad_crop" if img_size <= SMALL_IMAGE else "rrc"
+            if crop == "pad_crop" and kwargs.get("device_decode"):
+                raise ValueError(
+                    f"data.img_size {img_size} is at most {SMALL_IMAGE}, where the image folder trains with pad + "
+                    "random crops by default, which device_decode does not do: set --data.crop rrc (or resize) to keep "
+                    "device_decode, or --data.device_decode false"
+                )
             if crop == "rrc" and kwargs.get("in_memory"):
                 raise ValueError(
                     f"data.img_size {img_size} is above {SMALL_IMAGE}, where the image folder trains with random "

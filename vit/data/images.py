@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -31,10 +31,12 @@ class CorruptImageError(ValueError):
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16-bit greyscale (PNG, TIFF)
 
 
-def read_rgb(path: str | Path) -> np.ndarray:
-    """Decode an image file into an RGB uint8 array (H, W, 3). 16-bit greyscale is scaled to 8
-    bits (PIL's own conversion clips it, turning most images white); float images have no
-    standard range and are refused."""
+def read_rgb(path: str | Path | BinaryIO, name: str | None = None) -> np.ndarray:
+    """Decode an image file (or an open binary file, named `name` in errors) into an RGB uint8
+    array (H, W, 3). 16-bit greyscale is scaled to 8 bits (PIL's own conversion clips it, turning
+    most images white); float images have no standard range and are refused."""
+    if name is None:
+        name = str(path)
     try:
         with Image.open(path) as image:
             if image.mode in SIXTEEN_BIT_MODES:
@@ -43,13 +45,13 @@ def read_rgb(path: str | Path) -> np.ndarray:
             if image.mode != "F":
                 return np.asarray(image.convert("RGB"))
     except FileNotFoundError as e:
-        if not os.path.islink(path):
+        if not isinstance(path, str | Path) or not os.path.islink(path):
             raise
         target = os.readlink(path)
-        raise CorruptImageError(f"cannot read image {path}: it is a broken symlink (to {target})") from e
+        raise CorruptImageError(f"cannot read image {name}: it is a broken symlink (to {target})") from e
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as e:
-        raise CorruptImageError(f"cannot decode image {path}: {e}") from e
-    raise ValueError(f"{path} is a 32-bit float image, which has no standard range: convert it to 8 or 16 bits")
+        raise CorruptImageError(f"cannot decode image {name}: {e}") from e
+    raise ValueError(f"{name} is a 32-bit float image, which has no standard range: convert it to 8 or 16 bits")
 
 
 @dataclass(frozen=True)
@@ -231,20 +233,28 @@ class ImageFiles(_SeededTransform):
         return ImageFiles([self.samples[i] for i in indices], transform, self.skip_corrupt)
 
     def load(self, index: int) -> tuple[np.ndarray, int]:
-        found = self.first_readable(index, lambda sample: read_rgb(sample.path))
+        found = self.first_readable(index, self.read_image)
         if found is None:
             return np.zeros((32, 32, 3), dtype=np.uint8), MISSING
         position, image = found
         return image, self.samples[position].label
 
-    def first_readable(self, index: int, read: Callable[[Sample], Any]) -> tuple[int, Any] | None:
-        """(position, read(sample)) for the sample at `index`; with skip_corrupt, a sample whose read
-        raises CorruptImageError is logged, counted and replaced by the next readable one
+    def read_image(self, position: int) -> np.ndarray:
+        """The decoded RGB image of sample `position`; CorruptImageError naming it if it does not decode."""
+        return read_rgb(self.samples[position].path)
+
+    def read_bytes(self, position: int) -> bytes:
+        """The encoded file of sample `position`, as stored."""
+        return Path(self.samples[position].path).read_bytes()
+
+    def first_readable(self, index: int, read: Callable[[int], Any]) -> tuple[int, Any] | None:
+        """(position, read(position)) for the sample at `index`; with skip_corrupt, a sample whose
+        read raises CorruptImageError is logged, counted and replaced by the next readable one
         (`substitute`), or gives None (evaluation: the caller's stand-in is not scored)."""
         for offset in range(len(self.samples) if self.substitute else 1):
             position = (index + offset) % len(self.samples)
             try:
-                return position, read(self.samples[position])
+                return position, read(position)
             except CorruptImageError as e:
                 if not self.skip_corrupt:
                     raise

@@ -2,8 +2,8 @@
 
 The per-sample path (a DataLoader worker decoding and augmenting one image at a time) costs a CPU
 core on a laptop and starves a GPU at CIFAR scale. Here the images are decoded once (and cached on
-disk, keyed by the source files), batches are gathered by index from one tensor, and random crop,
-flip, cutout and resizing run on whole batches where the model runs, with no per-sample Python.
+disk, keyed by the source files), batches are gathered by index from one tensor, and augmented
+whole where the model runs (vit.data.augment), with no per-sample Python.
 Randomness is a function of (seed, epoch, batch, rank), so resumed runs see the same batches.
 """
 
@@ -16,13 +16,12 @@ import logging
 import os
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import Dataset, DistributedSampler
 
 from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
@@ -109,58 +108,6 @@ class BatchSampler(DistributedSampler):
         batches = self._batches()
         for b in range(start, len(batches)):
             yield (batches[b], mix_seed(self.seed, self.epoch, b, self.rank)) if self.seeded else batches[b]
-
-
-def batch_augment(
-    images: torch.Tensor,
-    generator: torch.Generator,
-    crop_padding: int = 0,
-    hflip: bool = False,
-    cutout: int = 0,
-) -> torch.Tensor:
-    """Random crop after zero padding, horizontal flip and cutout on a uint8 batch (B, C, H, W).
-
-    Same distribution as the per-sample path's pad + random crop + flip: offsets uniform in
-    [0, 2 * crop_padding] per image, each image flipped with probability 1/2. Cutout zeroes one
-    cutout x cutout square per image, centred uniformly (clipped at the border, DeVries & Taylor 2017).
-    """
-    b, c, h, w = images.shape
-    device = images.device
-    if crop_padding > 0:
-        p = crop_padding
-        padded = F.pad(images, (p, p, p, p))
-        dy = torch.randint(0, 2 * p + 1, (b,), generator=generator, device=device)
-        dx = torch.randint(0, 2 * p + 1, (b,), generator=generator, device=device)
-        rows = (dy[:, None] + torch.arange(h, device=device))[:, None, :, None]
-        cols = (dx[:, None] + torch.arange(w, device=device))[:, None, None, :]
-        batch = torch.arange(b, device=device)[:, None, None, None]
-        channel = torch.arange(c, device=device)[None, :, None, None]
-        images = padded[batch, channel, rows, cols]
-    if hflip:
-        flip = torch.rand(b, generator=generator, device=device) < 0.5
-        images = torch.where(flip[:, None, None, None], images.flip(-1), images)
-    if cutout > 0:
-        cy = torch.randint(0, h, (b, 1, 1), generator=generator, device=device)
-        cx = torch.randint(0, w, (b, 1, 1), generator=generator, device=device)
-        ys, xs = torch.arange(h, device=device)[None, :, None], torch.arange(w, device=device)[None, None, :]
-        top, left = cy - cutout // 2, cx - cutout // 2
-        inside = (ys >= top) & (ys < top + cutout) & (xs >= left) & (xs < left + cutout)
-        images = images.masked_fill(inside[:, None], 0)
-    return images
-
-
-def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """uint8 (B, C, H, W) -> float, (x / 255 - mean) / std, as albumentations' Normalize."""
-    mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1) * 255.0
-    std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1) * 255.0
-    return (images.float() - mean_t) / std_t
-
-
-def resize_batch(images: torch.Tensor, size: int) -> torch.Tensor:
-    """Float images to size x size (bilinear, antialiased when shrinking); identity at the same size."""
-    if images.shape[-1] == size and images.shape[-2] == size:
-        return images
-    return F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
 
 
 # -- decoding once, with a cache -------------------------------------------------------------------

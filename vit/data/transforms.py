@@ -7,6 +7,8 @@ import albumentations as A
 import cv2
 from albumentations.pytorch import ToTensorV2
 
+from vit.data.augment import SHARPEN_LIGHTNESS, rand_augment_ranges
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -14,23 +16,26 @@ CROPS = ("rrc", "pad_crop", "resize")
 
 
 def rand_augment_ops(magnitude: float) -> list[A.BasicTransform]:
-    """RandAugment's operations (Cubuk et al. 2020) with strength set by magnitude in [0, 10].
+    """RandAugment's operations (Cubuk et al. 2020) with strength set by magnitude in [0, 10],
+    in vit.data.augment.RA_OPS order with its ranges (the device path applies the same ops).
 
     Each op draws its strength uniformly up to the magnitude, like timm's `mstd` variant.
     """
-    m = max(0.0, min(magnitude, 10.0)) / 10.0
+    r = rand_augment_ranges(magnitude)
+    border = cv2.BORDER_CONSTANT
+    colour = dict(brightness=0, contrast=0, saturation=0, hue=0, p=1.0)
     return [
-        A.Affine(rotate=(-30 * m, 30 * m), border_mode=cv2.BORDER_CONSTANT, p=1.0),
-        A.Affine(shear={"x": (-17 * m, 17 * m), "y": (0, 0)}, border_mode=cv2.BORDER_CONSTANT, p=1.0),
-        A.Affine(shear={"x": (0, 0), "y": (-17 * m, 17 * m)}, border_mode=cv2.BORDER_CONSTANT, p=1.0),
-        A.Affine(translate_percent={"x": (-0.45 * m, 0.45 * m), "y": (0, 0)}, border_mode=cv2.BORDER_CONSTANT, p=1.0),
-        A.Affine(translate_percent={"x": (0, 0), "y": (-0.45 * m, 0.45 * m)}, border_mode=cv2.BORDER_CONSTANT, p=1.0),
-        A.ColorJitter(brightness=0.9 * m, contrast=0, saturation=0, hue=0, p=1.0),
-        A.ColorJitter(brightness=0, contrast=0.9 * m, saturation=0, hue=0, p=1.0),
-        A.ColorJitter(brightness=0, contrast=0, saturation=0.9 * m, hue=0, p=1.0),
-        A.Sharpen(alpha=(0.0, 0.9 * m), p=1.0),
-        A.Posterize(num_bits=(max(1, round(8 - 4 * m)), 8), p=1.0),
-        A.Solarize(threshold_range=(1.0 - m, 1.0), p=1.0),
+        A.Affine(rotate=r["rotate"], border_mode=border, p=1.0),
+        A.Affine(shear={"x": r["shear_x"], "y": (0, 0)}, border_mode=border, p=1.0),
+        A.Affine(shear={"x": (0, 0), "y": r["shear_y"]}, border_mode=border, p=1.0),
+        A.Affine(translate_percent={"x": r["translate_x"], "y": (0, 0)}, border_mode=border, p=1.0),
+        A.Affine(translate_percent={"x": (0, 0), "y": r["translate_y"]}, border_mode=border, p=1.0),
+        A.ColorJitter(**{**colour, "brightness": r["brightness"]}),
+        A.ColorJitter(**{**colour, "contrast": r["contrast"]}),
+        A.ColorJitter(**{**colour, "saturation": r["saturation"]}),
+        A.Sharpen(alpha=r["sharpen"], lightness=SHARPEN_LIGHTNESS, p=1.0),
+        A.Posterize(num_bits=tuple(int(b) for b in r["posterize"]), p=1.0),
+        A.Solarize(threshold_range=r["solarize"], p=1.0),
         A.AutoContrast(p=1.0),
         A.Equalize(p=1.0),
     ]

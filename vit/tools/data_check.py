@@ -12,8 +12,9 @@ then, for each recipe (`configs/imagenet_vit_b16.yaml`, `configs/imagenet_resnet
 - end to end: `scripts/train.py fit` on the tree, eager and (on a GPU) compiled, and its share of
   the model's own speed, the number the data path has to bring to 100%.
 
-Recipes without RandAugment (ResNet-50's) are also measured with `--data.device_decode true`
-(vit.data.device: decoding and cropping on the training device).
+Each recipe is measured as its config sets `data.device_decode` (on in the shipped ImageNet configs:
+decoding and augmentation on the training device, vit.data.device) and with the other path, so one
+run compares the two.
 
 Each speed is taken after the first `warmup` steps. On a CPU the same code runs at a small image
 size and few steps (the tests use it); the numbers that matter come from a GPU node.
@@ -220,18 +221,17 @@ def recipe_name(config: str) -> str:
 def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, int]]:
     """(what ran, img/s, note, training FLOPs per image) for the data path alone, the model alone and
     the whole fit, eager and, with `compiled`, compiled; the fits' notes give end to end as a share
-    of the model alone. Recipes without RandAugment are measured with `device_decode` too."""
+    of the model alone. Each recipe also with `device_decode` the other way (labelled)."""
     from vit.tools.gpu_check import forward_flops
 
     name = recipe_name(case.config)
     with tempfile.TemporaryDirectory() as workdir:
         cli = build(case, workdir)
     flops = 3 * forward_flops(cli.model.model, cli.datamodule.img_size)
-    paths = [("", case)]
-    if cli.datamodule.randaugment[0] == 0:
-        device = DataCase(case.config, case.root, case.device, case.steps, case.warmup,
-                          [*case.overrides, "--data.device_decode", "true"])  # fmt: skip
-        paths.append((" (device_decode)", device))
+    configured = cli.datamodule.device_decode
+    other = DataCase(case.config, case.root, case.device, case.steps, case.warmup,
+                     [*case.overrides, "--data.device_decode", str(not configured).lower()])  # fmt: skip
+    paths = [("", case), (" (per-sample)" if configured else " (device_decode)", other)]
     rows, models = [], {}
     for mode in ("eager", "compiled") if compiled else ("eager",):
         models[mode], model_note = model_speed(case, compile=mode == "compiled")

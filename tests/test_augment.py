@@ -1,0 +1,89 @@
+"""Batched augmentation on the training device (vit.data.augment): RandAugment's ops equal the
+per-sample path's (albumentations) at the same strength, and draw ops and strengths with the same
+distribution."""
+
+from __future__ import annotations
+
+import albumentations as A
+import cv2
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from vit.data.augment import LIGHTNESS, RA_COLUMNS, RA_OPS, draw_rand_augment, rand_augment
+from vit.data.transforms import rand_augment_ops
+from vit.tools.data_check import synthetic_photo
+
+IMAGE = np.asarray(synthetic_photo(np.random.default_rng(0), 64, 64))
+BORDER = cv2.BORDER_CONSTANT
+GREY_ONLY = dict(brightness=0, contrast=0, saturation=0, hue=0, p=1)
+
+# Each op at a fixed strength, and albumentations' op fixed at that strength.
+FIXED = {
+    "rotate": (20.0, A.Affine(rotate=(20, 20), border_mode=BORDER, p=1)),
+    "shear_x": (15.0, A.Affine(shear={"x": (15, 15), "y": (0, 0)}, border_mode=BORDER, p=1)),
+    "shear_y": (-15.0, A.Affine(shear={"x": (0, 0), "y": (-15, -15)}, border_mode=BORDER, p=1)),
+    "translate_x": (0.3, A.Affine(translate_percent={"x": (0.3, 0.3), "y": (0, 0)}, border_mode=BORDER, p=1)),
+    "translate_y": (-0.3, A.Affine(translate_percent={"x": (0, 0), "y": (-0.3, -0.3)}, border_mode=BORDER, p=1)),
+    "brightness": (1.5, A.ColorJitter(**{**GREY_ONLY, "brightness": (1.5, 1.5)})),
+    "contrast": (0.4, A.ColorJitter(**{**GREY_ONLY, "contrast": (0.4, 0.4)})),
+    "saturation": (1.7, A.ColorJitter(**{**GREY_ONLY, "saturation": (1.7, 1.7)})),
+    "sharpen": (0.6, A.Sharpen(alpha=(0.6, 0.6), lightness=(0.75, 0.75), p=1)),
+    "posterize": (3.0, A.Posterize(num_bits=(3, 3), p=1)),
+    "solarize": (0.4, A.Solarize(threshold_range=(0.4, 0.4), p=1)),
+    "autocontrast": (0.0, A.AutoContrast(p=1)),
+    "equalize": (0.0, A.Equalize(p=1)),
+}
+
+
+def _on_device(image: np.ndarray, params: np.ndarray) -> np.ndarray:
+    x = torch.from_numpy(image.copy()).permute(2, 0, 1)[None].float().expand(len(params), -1, -1, -1)
+    return rand_augment(x, torch.from_numpy(params)).permute(0, 2, 3, 1).numpy()
+
+
+@pytest.mark.parametrize("op", RA_OPS)
+def test_each_randaugment_op_equals_the_per_sample_op_at_the_same_strength(op):
+    strength, per_sample = FIXED[op]
+    params = np.full((1, RA_COLUMNS), np.nan)
+    params[0, RA_OPS.index(op)], params[0, LIGHTNESS] = strength, 0.75
+    ours = _on_device(IMAGE, params)[0]
+    theirs = per_sample(image=IMAGE)["image"].astype(np.float32)
+    difference = np.abs(ours - theirs)
+    assert np.abs(theirs - IMAGE).mean() > 5  # the op changes the image
+    assert difference.max() <= 1 and difference.mean() < 0.05, (difference.max(), difference.mean())
+
+
+def test_each_image_gets_the_asked_number_of_distinct_ops_uniformly():
+    params = draw_rand_augment(np.random.default_rng(0), 2, 9.0, count=6500)
+    chosen = np.isfinite(params[:, : len(RA_OPS)])
+    assert (chosen.sum(1) == 2).all()
+    counts = chosen.sum(0)  # each op in 2/13 of the images: 1,000 expected
+    assert stats.chisquare(counts).pvalue > 1e-3, counts
+    strengths = params[chosen[:, 0], 0]  # rotate: uniform on (-27, 27) degrees at magnitude 9
+    assert stats.kstest(strengths, stats.uniform(-27, 54).cdf).pvalue > 1e-3
+    assert np.isnan(draw_rand_augment(np.random.default_rng(0), 0, 9.0)).all()
+
+
+def _image_statistics(images: np.ndarray) -> dict[str, np.ndarray]:
+    images = images.astype(np.float32)
+    return {
+        "brightness": images.mean((1, 2, 3)),
+        "contrast": images.std((1, 2, 3)),
+        "change": np.abs(images - IMAGE.astype(np.float32)).mean((1, 2, 3)),
+    }
+
+
+def test_randaugment_on_the_device_has_the_per_sample_paths_distribution():
+    """400 draws of each path on one image: two-sample KS tests on each augmented image's mean,
+    spread and change from the original agree; one op instead of two is told apart (the test has power)."""
+    n = 400
+    per_sample = A.SomeOf(rand_augment_ops(9.0), n=2, replace=False, p=1.0)
+    per_sample.set_random_seed(0)
+    theirs = _image_statistics(np.stack([per_sample(image=IMAGE)["image"] for _ in range(n)]))
+    rng = np.random.default_rng(1)
+    ours = _image_statistics(_on_device(IMAGE, draw_rand_augment(rng, 2, 9.0, count=n)))
+    one_op = _image_statistics(_on_device(IMAGE, draw_rand_augment(rng, 1, 9.0, count=n)))
+    for name in theirs:
+        assert stats.ks_2samp(ours[name], theirs[name]).pvalue > 1e-3, name
+    assert stats.ks_2samp(one_op["change"], theirs["change"]).pvalue < 1e-3

@@ -1,0 +1,321 @@
+"""Augmentation of whole batches where the model runs, for every source of batched images.
+
+The per-sample path (vit.data.transforms, albumentations in loader workers) augments one image at a
+time on the CPU. Here the same augmentations run on a batch (B, 3, H, W) on the training device:
+random resized crop and flip of decoded files (vit.data.device), pad + random crop, flip and cutout
+of images held in memory (vit.data.memory), RandAugment for both, and normalisation. Each image's
+random parameters are drawn beforehand (by a loader worker from the image's seed, or from the
+batch's seed), so the ops themselves are deterministic and a resumed run augments as an
+uninterrupted one did.
+
+RandAugment: the 13 ops of `rand_augment_ops` (vit.data.transforms), each image taking `ops` of them
+without replacement, applied in list order, each strength drawn uniformly up to the magnitude:
+the per-sample path's distribution, op for op (tests/test_augment.py compares the two).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Each image's parameters, drawn before the batch reaches the device: its crop box, flip (0/1), then
+# RandAugment's RA_COLUMNS.
+TOP, LEFT, HEIGHT, WIDTH, FLIP = range(5)
+RA_START = 5
+
+# RandAugment's ops in the order they are applied. Each image's parameters are one row of
+# RA_COLUMNS floats: the strength of each op (NaN: not applied), then Sharpen's lightness.
+RA_OPS = (
+    "rotate", "shear_x", "shear_y", "translate_x", "translate_y", "brightness", "contrast", "saturation",
+    "sharpen", "posterize", "solarize", "autocontrast", "equalize",
+)  # fmt: skip
+RA_COLUMNS = len(RA_OPS) + 1
+LIGHTNESS = len(RA_OPS)
+SHARPEN_LIGHTNESS = (0.5, 1.0)  # albumentations' Sharpen default
+GREY = (0.299, 0.587, 0.114)  # RGB -> grey weights (OpenCV's, as albumentations' colour ops use)
+
+
+def random_resized_crop_box(
+    rng: np.random.Generator,
+    height: int,
+    width: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> tuple[int, int, int, int]:
+    """(top, left, height, width) of a random resized crop: an area fraction uniform in `scale` and
+    an aspect ratio log-uniform in `ratio`, up to 10 tries, else the whole image clamped to `ratio`.
+    The algorithm of torchvision's RandomResizedCrop and albumentations', which the per-sample path uses."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        h, w = height, round(height * ratio[1])
+    else:
+        h, w = height, width
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def center_crop_box(height: int, width: int, crop_pct: float) -> tuple[int, int, int, int]:
+    """The centred square that resizing the shorter side to size / crop_pct and centre-cropping
+    `size` keeps: side crop_pct x the shorter side."""
+    side = max(1, round(min(height, width) * crop_pct))
+    return (height - side) // 2, (width - side) // 2, side, side
+
+
+def crop_resize_flip(images: Sequence[torch.Tensor], params: torch.Tensor, size: int) -> torch.Tensor:
+    """Float (B, 3, size, size) in [0, 255]: each image's box (params' TOP..WIDTH) cropped and
+    resized (bilinear, antialiased when shrinking), then flipped where its FLIP is set."""
+    out = []
+    for image, box in zip(images, params[:, :4].tolist(), strict=True):
+        top, left, height, width = (int(v) for v in box)
+        crop = image[:, top : top + height, left : left + width].unsqueeze(0).float()
+        out.append(F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False))
+    batch = torch.cat(out)
+    flip = params[:, FLIP].to(batch.device, dtype=torch.bool)
+    return torch.where(flip[:, None, None, None], batch.flip(-1), batch)
+
+
+def batch_augment(
+    images: torch.Tensor,
+    generator: torch.Generator,
+    crop_padding: int = 0,
+    hflip: bool = False,
+    cutout: int = 0,
+) -> torch.Tensor:
+    """Random crop after zero padding, horizontal flip and cutout on a uint8 batch (B, C, H, W).
+
+    Same distribution as the per-sample path's pad + random crop + flip: offsets uniform in
+    [0, 2 * crop_padding] per image, each image flipped with probability 1/2. Cutout zeroes one
+    cutout x cutout square per image, centred uniformly (clipped at the border, DeVries & Taylor 2017).
+    """
+    b, c, h, w = images.shape
+    device = images.device
+    if crop_padding > 0:
+        p = crop_padding
+        padded = F.pad(images, (p, p, p, p))
+        dy = torch.randint(0, 2 * p + 1, (b,), generator=generator, device=device)
+        dx = torch.randint(0, 2 * p + 1, (b,), generator=generator, device=device)
+        rows = (dy[:, None] + torch.arange(h, device=device))[:, None, :, None]
+        cols = (dx[:, None] + torch.arange(w, device=device))[:, None, None, :]
+        batch = torch.arange(b, device=device)[:, None, None, None]
+        channel = torch.arange(c, device=device)[None, :, None, None]
+        images = padded[batch, channel, rows, cols]
+    if hflip:
+        flip = torch.rand(b, generator=generator, device=device) < 0.5
+        images = torch.where(flip[:, None, None, None], images.flip(-1), images)
+    if cutout > 0:
+        cy = torch.randint(0, h, (b, 1, 1), generator=generator, device=device)
+        cx = torch.randint(0, w, (b, 1, 1), generator=generator, device=device)
+        ys, xs = torch.arange(h, device=device)[None, :, None], torch.arange(w, device=device)[None, None, :]
+        top, left = cy - cutout // 2, cx - cutout // 2
+        inside = (ys >= top) & (ys < top + cutout) & (xs >= left) & (xs < left + cutout)
+        images = images.masked_fill(inside[:, None], 0)
+    return images
+
+
+def rand_augment_ranges(magnitude: float) -> dict[str, tuple[float, float]]:
+    """Each op's strength range at `magnitude` in [0, 10] (strengths drawn uniformly within it):
+    degrees for rotate and shear, a fraction of the side for translate, a factor for the colour
+    ops, Sharpen's alpha, bits kept for posterize (an integer range, inclusive), the solarize
+    threshold as a fraction of 255. The one definition, for the per-sample ops too."""
+    m = max(0.0, min(magnitude, 10.0)) / 10.0
+    factor = (max(0.0, 1 - 0.9 * m), 1 + 0.9 * m)
+    return {
+        "rotate": (-30 * m, 30 * m),
+        "shear_x": (-17 * m, 17 * m),
+        "shear_y": (-17 * m, 17 * m),
+        "translate_x": (-0.45 * m, 0.45 * m),
+        "translate_y": (-0.45 * m, 0.45 * m),
+        "brightness": factor,
+        "contrast": factor,
+        "saturation": factor,
+        "sharpen": (0.0, 0.9 * m),
+        "posterize": (max(1, round(8 - 4 * m)), 8),
+        "solarize": (1.0 - m, 1.0),
+        "autocontrast": (0.0, 0.0),
+        "equalize": (0.0, 0.0),
+    }
+
+
+def draw_rand_augment(rng: np.random.Generator, ops: int, magnitude: float, count: int = 1) -> np.ndarray:
+    """(count, RA_COLUMNS) float64 parameters: `ops` distinct ops per image, uniformly, each with
+    its strength (all NaN with ops 0)."""
+    params = np.full((count, RA_COLUMNS), np.nan)
+    if ops <= 0:
+        return params
+    ranges = rand_augment_ranges(magnitude)
+    for row in params:
+        for op in rng.choice(len(RA_OPS), size=min(ops, len(RA_OPS)), replace=False):
+            low, high = ranges[RA_OPS[op]]
+            row[op] = rng.integers(low, high + 1) if RA_OPS[op] == "posterize" else rng.uniform(low, high)
+        row[LIGHTNESS] = rng.uniform(*SHARPEN_LIGHTNESS)
+    return params
+
+
+def rand_augment(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """uint8 or float (B, 3, H, W) in [0, 255] -> float with RandAugment applied: each op to the
+    images whose row of `params` (B, RA_COLUMNS) selects it, in RA_OPS order, values rounded and
+    clipped to 0..255 after each op as the per-sample path's uint8 images are."""
+    params = params.to(images.device, torch.float64)
+    images = images.float().round().clamp(0, 255)
+    for op, name in enumerate(RA_OPS):
+        chosen = params[:, op].isfinite().nonzero().squeeze(1)
+        if len(chosen) == 0:
+            continue
+        strength = params[chosen, op].float()
+        out = _RA_FUNCTIONS[name](images[chosen], strength, params[chosen, LIGHTNESS].float())
+        images = images.index_copy(0, chosen, out.round().clamp(0, 255))
+    return images
+
+
+def _affine(images: torch.Tensor, matrices: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Warp square images by q = matrix @ p + shift about the centre (pixel units, x right, y
+    down; bilinear, black outside), the transform albumentations' Affine builds."""
+    side = images.shape[-1]
+    inverse = torch.linalg.inv(matrices)
+    offset = -(inverse @ (shift * 2 / side).unsqueeze(-1))
+    grid = F.affine_grid(torch.cat([inverse, offset], dim=2), list(images.shape), align_corners=False)
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def _rotate(images: torch.Tensor, degrees: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    a = torch.deg2rad(degrees)
+    matrices = torch.stack([torch.stack([a.cos(), a.sin()], -1), torch.stack([-a.sin(), a.cos()], -1)], 1)
+    return _affine(images, matrices, torch.zeros(len(a), 2, device=a.device))
+
+
+def _shear(axis: int):
+    def shear(images: torch.Tensor, degrees: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        matrices = torch.eye(2, device=images.device).repeat(len(degrees), 1, 1)
+        matrices[:, axis, 1 - axis] = torch.tan(torch.deg2rad(-degrees))  # albumentations negates the angle
+        return _affine(images, matrices, torch.zeros(len(degrees), 2, device=images.device))
+
+    return shear
+
+
+def _translate(axis: int):
+    def translate(images: torch.Tensor, fraction: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        shift = torch.zeros(len(fraction), 2, device=images.device)
+        shift[:, axis] = (fraction * images.shape[-1 - axis]).trunc()  # whole pixels, as albumentations
+        return _affine(images, torch.eye(2, device=images.device).repeat(len(fraction), 1, 1), shift)
+
+    return translate
+
+
+def _grey(images: torch.Tensor) -> torch.Tensor:
+    weights = torch.tensor(GREY, device=images.device).view(1, 3, 1, 1)
+    return (images * weights).sum(1, keepdim=True).round()
+
+
+def _brightness(images: torch.Tensor, factor: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return (images * factor.view(-1, 1, 1, 1)).trunc()  # albumentations' uint8 multiply truncates
+
+
+def _contrast(images: torch.Tensor, factor: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    factor = factor.view(-1, 1, 1, 1)
+    return (images * factor + _grey(images).mean((1, 2, 3), keepdim=True) * (1 - factor)).trunc()
+
+
+def _saturation(images: torch.Tensor, factor: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    factor = factor.view(-1, 1, 1, 1)
+    return images * factor + _grey(images) * (1 - factor)
+
+
+def _sharpen(images: torch.Tensor, alpha: torch.Tensor, lightness: torch.Tensor) -> torch.Tensor:
+    """albumentations' Sharpen: the 3x3 kernel (1 - alpha) * identity + alpha * [[-1, -1, -1],
+    [-1, 8 + lightness, -1], [-1, -1, -1]], borders reflected."""
+    b, c, h, w = images.shape
+    kernels = -alpha.view(-1, 1, 1) * torch.ones(b, 3, 3, device=images.device)
+    kernels[:, 1, 1] = 1 - alpha + alpha * (8 + lightness)
+    padded = F.pad(images.reshape(1, b * c, h, w), (1, 1, 1, 1), mode="reflect")
+    return F.conv2d(padded, kernels.repeat_interleave(c, 0).unsqueeze(1), groups=b * c).view(b, c, h, w)
+
+
+def _posterize(images: torch.Tensor, bits: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    step = (2 ** (8 - bits)).view(-1, 1, 1, 1)
+    return torch.div(images, step, rounding_mode="floor") * step
+
+
+def _solarize(images: torch.Tensor, threshold: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return torch.where(images >= threshold.view(-1, 1, 1, 1) * 255, 255 - images, images)
+
+
+def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
+    """Per-channel histogram stretch: value v -> 255 x (pixels in bins lo..bin(v), less bin lo's) /
+    (pixels in bins lo..hi, less bin lo's), where lo and hi are the first and last bins used; 0 below,
+    255 above; a channel with one bin used is left as it is."""
+    used = hist > 0
+    lo = used.float().argmax(1, keepdim=True)
+    hi = hist.shape[1] - 1 - used.flip(1).float().argmax(1, keepdim=True)
+    cdf = hist.cumsum(1)
+    at_lo, at_hi = cdf.gather(1, lo), cdf.gather(1, hi)
+    stretched = ((cdf.gather(1, bins) - at_lo) * 255 / (at_hi - at_lo).clamp(min=1)).round()
+    out = torch.where(bins < lo, 0.0, torch.where(bins > hi, 255.0, stretched.clamp(0, 255)))
+    return torch.where(hi > lo, out, values.float()).view(images.shape)
+
+
+def _histogram(values: torch.Tensor, bins: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    hist = torch.zeros(values.shape[0], 256, device=values.device)
+    return hist.scatter_add_(1, bins, keep.float())
+
+
+def _equalize(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    """Histogram equalisation of each channel, as OpenCV's equalizeHist (albumentations' Equalize)."""
+    b, c, h, w = images.shape
+    values = images.reshape(b * c, h * w).long()
+    hist = _histogram(values, values, torch.ones_like(values))
+    return _lut(images, hist, values, values)
+
+
+def _autocontrast(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    """albumentations' AutoContrast (its default "cdf" method): the same stretch over a histogram
+    of range (0, 255) in 256 bins, which puts value v in bin floor(v x 256 / 255) and leaves 255 out."""
+    b, c, h, w = images.shape
+    values = images.reshape(b * c, h * w).long()
+    bins = (values * 256 // 255).clamp(max=255)
+    hist = _histogram(values, bins, values < 255)
+    return _lut(images, hist, values, values)
+
+
+_RA_FUNCTIONS = {
+    "rotate": _rotate,
+    "shear_x": _shear(0),
+    "shear_y": _shear(1),
+    "translate_x": _translate(0),
+    "translate_y": _translate(1),
+    "brightness": _brightness,
+    "contrast": _contrast,
+    "saturation": _saturation,
+    "sharpen": _sharpen,
+    "posterize": _posterize,
+    "solarize": _solarize,
+    "autocontrast": _autocontrast,
+    "equalize": _equalize,
+}
+
+
+def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """uint8 or float 0..255 (B, C, H, W) -> float, (x / 255 - mean) / std, as albumentations' Normalize."""
+    mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1) * 255.0
+    std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1) * 255.0
+    return (images.float() - mean_t) / std_t
+
+
+def resize_batch(images: torch.Tensor, size: int) -> torch.Tensor:
+    """Float images to size x size (bilinear, antialiased when shrinking); identity at the same size."""
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)

@@ -10,8 +10,11 @@ import torch
 
 
 class RankReport(L.Callback):
-    def __init__(self, dirpath: str) -> None:
+    """`orders`: also the training sampler's order of each epoch run (the samples this rank read)."""
+
+    def __init__(self, dirpath: str, orders: bool = False) -> None:
         self.dirpath = Path(dirpath)
+        self.orders = orders
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -22,4 +25,10 @@ class RankReport(L.Callback):
             "world_size": trainer.world_size,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         }
+        if self.orders:
+            sampler = trainer.train_dataloader.sampler
+            report["orders"] = []
+            for epoch in range(trainer.current_epoch):
+                sampler.set_epoch(epoch)
+                report["orders"].append(sampler.epoch_order())
         (self.dirpath / f"rank{rank}.json").write_text(json.dumps(report))

@@ -5,6 +5,7 @@ from vit.data.datamodules import (
     DigitsDataModule,
     ImageDataModule,
     ImageFolderDataModule,
+    StreamingDataModule,
     TinyImageNetDataModule,
 )
 from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
@@ -19,6 +20,7 @@ __all__ = [
     "ImageDataModule",
     "ImageFiles",
     "ImageFolderDataModule",
+    "StreamingDataModule",
     "TextDataModule",
     "TinyImageNetDataModule",
     "read_rgb",

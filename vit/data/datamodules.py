@@ -1,4 +1,5 @@
-"""LightningDataModules: the offline digits default, CIFAR-10/100, ImageNet-style folders, Tiny-ImageNet.
+"""LightningDataModules: the offline digits default, CIFAR-10/100, ImageNet-style folders (as files or
+as streaming chunks), Tiny-ImageNet.
 
 They share `ImageDataModule`, which owns the loader settings, the augmentation options and
 Mixup/CutMix; a subclass only says where its images and labels come from.
@@ -21,7 +22,8 @@ from vit.data.device import DEVICE_CROPS, EncodedFiles, collate_encoded, decode_
 from vit.data.images import ImageArrays, ImageFiles, readable_class_names, scan_image_folder, scan_tiny_imagenet
 from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
 from vit.data.mixup import MixupCutmix
-from vit.data.sampling import ResumableSampler, mix_seed, resumable_loader, run_seed
+from vit.data.sampling import ChunkedSampler, ResumableSampler, mix_seed, resumable_loader, run_seed
+from vit.data.streaming import StreamingImages
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
 from vit.schedule import stepwise, training_progress
 
@@ -218,7 +220,7 @@ class ImageDataModule(L.LightningDataModule):
             self.train_set = self._in_memory(self.train_set, train=True)
             sampler = BatchSampler(self.train_set, self.batch_size, shuffle=True, seed=seed, drop_last=True)
             return resumable_loader(self.train_set, sampler, self.trainer, batch_size=None, pin_memory=self.pin_memory)
-        sampler = ResumableSampler(self.train_set, shuffle=True, seed=seed)
+        sampler = self.train_sampler(self.train_set, seed)
         return resumable_loader(
             self.train_set,
             sampler,
@@ -228,6 +230,10 @@ class ImageDataModule(L.LightningDataModule):
             collate_fn=collate_encoded if self.device_decode else None,
             **self._loader_options(),
         )
+
+    def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
+        """The training order: a permutation by (seed, epoch), shared among the processes."""
+        return ResumableSampler(dataset, shuffle=True, seed=seed)
 
     def val_dataloader(self) -> DataLoader:
         self.val_set = self._in_memory(self.val_set, train=False)
@@ -434,25 +440,7 @@ class ImageFolderDataModule(ImageDataModule):
         eval_crop_pct: float | None = None,
         **kwargs: Any,
     ) -> None:
-        if crop is None:
-            crop = "pad_crop" if img_size <= SMALL_IMAGE else "rrc"
-            if crop == "pad_crop" and kwargs.get("device_decode"):
-                raise ValueError(
-                    f"data.img_size {img_size} is at most {SMALL_IMAGE}, where the image folder trains with pad + "
-                    "random crops by default, which device_decode does not do: set --data.crop rrc (or resize) to keep "
-                    "device_decode, or --data.device_decode false"
-                )
-            if crop == "rrc" and kwargs.get("in_memory"):
-                raise ValueError(
-                    f"data.img_size {img_size} is above {SMALL_IMAGE}, where the image folder trains with random "
-                    "resized crops by default, which in_memory=True does not do (it augments whole batches): set "
-                    "--data.crop pad_crop (or resize) to keep in_memory, or --data.in_memory false"
-                )
-        if crop_padding is None:
-            crop_padding = max(1, img_size // 8)
-        if eval_crop_pct is None:
-            eval_crop_pct = 0.875 if crop == "rrc" else 1.0
-        super().__init__(img_size=img_size, crop=crop, crop_padding=crop_padding, eval_crop_pct=eval_crop_pct, **kwargs)
+        super().__init__(**folder_crop(img_size, crop, crop_padding, eval_crop_pct, kwargs), **kwargs)
         self.root, self.train_dir, self.val_dir = Path(root), train_dir, val_dir
         # Scan the class folders now: the CLI links num_classes to the model's at instantiation (vit.cli).
         self.classes, self._train_samples = scan_image_folder(self.root / train_dir)
@@ -465,6 +453,82 @@ class ImageFolderDataModule(ImageDataModule):
             ImageFiles(self._train_samples, self.train_transform, self.skip_corrupt),
             ImageFiles(val_samples, self.eval_transform, self.skip_corrupt),
         )
+
+
+def folder_crop(
+    img_size: int, crop: str | None, crop_padding: int | None, eval_crop_pct: float | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    """An image folder's geometry options with the defaults that follow img_size (ImageFolderDataModule)."""
+    if crop is None:
+        crop = "pad_crop" if img_size <= SMALL_IMAGE else "rrc"
+        if crop == "pad_crop" and options.get("device_decode"):
+            raise ValueError(
+                f"data.img_size {img_size} is at most {SMALL_IMAGE}, where the image folder trains with pad + "
+                "random crops by default, which device_decode does not do: set --data.crop rrc (or resize) to keep "
+                "device_decode, or --data.device_decode false"
+            )
+        if crop == "rrc" and options.get("in_memory"):
+            raise ValueError(
+                f"data.img_size {img_size} is above {SMALL_IMAGE}, where the image folder trains with random "
+                "resized crops by default, which in_memory=True does not do (it augments whole batches): set "
+                "--data.crop pad_crop (or resize) to keep in_memory, or --data.in_memory false"
+            )
+    if crop_padding is None:
+        crop_padding = max(1, img_size // 8)
+    if eval_crop_pct is None:
+        eval_crop_pct = 0.875 if crop == "rrc" else 1.0
+    return dict(img_size=img_size, crop=crop, crop_padding=crop_padding, eval_crop_pct=eval_crop_pct)
+
+
+class StreamingDataModule(ImageDataModule):
+    """An image folder converted into litdata chunks by `scripts/convert_streaming.py`:
+    `root/<train_dir>` and `root/<val_dir>`, where root is a local folder, a shared filesystem or
+    object storage (`s3://bucket/prefix`, read with litdata's credentials and caching).
+
+    Trained as an image folder is (the same crop defaults, augmentation, device_decode and exact
+    resume), in the order of vit.data.sampling.ChunkedSampler: each process reads its own share of
+    the chunks, `shuffle_window` chunks at a time, so nodes read disjoint parts of the data.
+    `cache_dir` / `max_cache_size`: where and how much litdata caches of remote chunks (litdata's
+    defaults when None).
+    """
+
+    order_per_process = True  # a mid-epoch resume with another process count restarts the epoch
+
+    def __init__(
+        self,
+        root: str = "data/imagenet-streaming",
+        train_dir: str = "train",
+        val_dir: str = "val",
+        img_size: int = 224,
+        crop: str | None = None,
+        crop_padding: int | None = None,
+        eval_crop_pct: float | None = None,
+        shuffle_window: int = 8,
+        cache_dir: str | None = None,
+        max_cache_size: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**folder_crop(img_size, crop, crop_padding, eval_crop_pct, kwargs), **kwargs)
+        self.root, self.train_dir, self.val_dir = root.rstrip("/"), train_dir, val_dir
+        self.shuffle_window, self.stream_cache = shuffle_window, (cache_dir, max_cache_size)
+        # Read the training split's index now: the CLI links num_classes to the model's at instantiation.
+        self._train = StreamingImages(f"{self.root}/{train_dir}", self.train_transform, self.skip_corrupt,
+                                      *self.stream_cache)  # fmt: skip
+        self.classes, self.class_names = self._train.classes, self._train.class_names
+        self.num_classes = len(self.classes)
+
+    def load_splits(self) -> tuple[StreamingImages, StreamingImages]:
+        val = StreamingImages(f"{self.root}/{self.val_dir}", self.eval_transform, self.skip_corrupt, *self.stream_cache)
+        if val.classes != self.classes:
+            raise ValueError(
+                f"{self.root}/{self.val_dir} was converted with other classes than {self.root}/{self.train_dir} "
+                f"({len(val.classes)} against {len(self.classes)}): convert both splits in one run"
+            )
+        return self._train, val
+
+    def train_sampler(self, dataset: Dataset, seed: int) -> ChunkedSampler:
+        source = dataset.source if isinstance(dataset, EncodedFiles) else dataset
+        return ChunkedSampler(dataset, source.chunk_of, seed=seed, window=self.shuffle_window)
 
 
 class TinyImageNetDataModule(ImageDataModule):

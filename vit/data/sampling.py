@@ -9,7 +9,7 @@ batches and augmentations an uninterrupted run would have seen.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lightning as L
@@ -37,18 +37,64 @@ class ResumableSampler(DistributedSampler):
     keeps it as is under DDP and calls `set_epoch`); yields `(index, sample_seed)` pairs; and can
     start part-way through an epoch."""
 
-    def __init__(self, dataset: Dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        distributed = dist.is_available() and dist.is_initialized()
-        num_replicas, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    def __init__(
+        self, dataset: Dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+        num_replicas: int | None = None, rank: int | None = None,
+    ) -> None:  # fmt: skip
+        if num_replicas is None or rank is None:  # this process's place in the run
+            distributed = dist.is_available() and dist.is_initialized()
+            num_replicas, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.resume_epoch, self.resume_position = 0, 0
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         start = self.resume_position if self.epoch == self.resume_epoch else 0
         self.resume_position = 0
-        indices = list(super().__iter__())
+        indices = self.epoch_order()
         for i in indices[start:]:
             yield i, mix_seed(self.seed, self.epoch, i)
+
+    def epoch_order(self) -> list[int]:
+        """This process's indices for the epoch: DistributedSampler's (a permutation by (seed, epoch),
+        every num_replicas-th index from rank on), so the first k of each process are the first
+        k x num_replicas of one order, whatever the number of processes."""
+        return list(super().__iter__())
+
+
+class ChunkedSampler(ResumableSampler):
+    """A ResumableSampler for data stored in chunks (vit.data.streaming): reads stay within a few
+    chunks at a time, and each process reads its own share of them.
+
+    Each epoch permutes the chunks by (seed, epoch), gives each of the processes a contiguous
+    share of that order (the same number of samples each, as DistributedSampler pads), and shuffles
+    the samples of a share within windows of `window` chunks' worth. `chunk_of[i]`: the chunk that
+    holds sample i. The order depends on the number of processes, so a run resumed mid-epoch with
+    another count restarts that epoch (vit.data.sampling.carry_position).
+    """
+
+    order_per_process = True
+
+    def __init__(
+        self, dataset: Dataset, chunk_of: Sequence[int], seed: int = 0, window: int = 8,
+        num_replicas: int | None = None, rank: int | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(dataset, shuffle=True, seed=seed, num_replicas=num_replicas, rank=rank)
+        self.chunk_of, self.window = np.asarray(chunk_of), max(1, window)
+        if len(self.chunk_of) != len(dataset):  # type: ignore[arg-type]
+            raise ValueError(f"chunk_of has {len(self.chunk_of)} entries for {len(dataset)} samples")  # type: ignore[arg-type]
+
+    def epoch_order(self) -> list[int]:
+        n = len(self.chunk_of)
+        rng = np.random.default_rng(mix_seed(self.seed, self.epoch))
+        chunks, chunk_index = np.unique(self.chunk_of, return_inverse=True)
+        chunk_rank = rng.permutation(len(chunks))[chunk_index]
+        order = np.lexsort((rng.random(n), chunk_rank))  # chunk by chunk, in the epoch's chunk order
+        total = self.num_samples * self.num_replicas
+        order = np.resize(order, total)  # wrapped round to an equal share each, as DistributedSampler pads
+        share = order[self.rank * self.num_samples : (self.rank + 1) * self.num_samples]
+        width = self.window * max(1, round(n / len(chunks)))
+        local = np.random.default_rng(mix_seed(self.seed, self.epoch, self.rank))
+        return np.concatenate([local.permutation(share[i : i + width]) for i in range(0, len(share), width)]).tolist()
 
 
 class ResumableLoader(DataLoader):
@@ -109,6 +155,7 @@ def data_position(trainer: L.Trainer) -> dict[str, int | None]:
         "batch_size": getattr(datamodule, "batch_size", None),
         "world_size": trainer.world_size,
         "train_images": len(train) if train is not None else None,
+        "order_per_process": getattr(datamodule, "order_per_process", False),
     }
 
 
@@ -132,9 +179,20 @@ def carry_position(checkpoint: dict[str, Any], saved: dict[str, int | None], now
         return
     per_batch, per_batch_now = saved["batch_size"] * saved["world_size"], now["batch_size"] * now["world_size"]
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
-    if per_batch == per_batch_now or not progress or progress.get("is_last_batch"):
+    if not progress or progress.get("is_last_batch"):
         return
     current = progress["current"]
+    if now.get("order_per_process") and saved["world_size"] != now["world_size"] and current["processed"]:
+        log.warning(
+            "resuming mid-epoch with %d processes instead of %d: each process's share of this data's chunks depends "
+            "on the number of processes, so the epoch in progress restarts from its first batch",
+            now["world_size"], saved["world_size"],
+        )  # fmt: skip
+        for key in current:
+            current[key] = 0
+        return
+    if per_batch == per_batch_now:
+        return
     seen = current["processed"] * per_batch
     shift = current["processed"] - seen // per_batch_now
     if shift:

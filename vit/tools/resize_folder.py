@@ -16,6 +16,7 @@ left out and listed at the end.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import sys
@@ -34,29 +35,36 @@ def resize_file(source: Path, target: Path, max_side: int, quality: int) -> str:
         return "kept"
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
-    if not source.name.lower().endswith(IMAGE_EXTENSIONS):
+    resized = capped(source, max_side, quality) if source.name.lower().endswith(IMAGE_EXTENSIONS) else None
+    if resized is None:
         shutil.copyfile(source, tmp)
-        os.replace(tmp, target)
-        return "copied"
+    else:
+        tmp.write_bytes(resized)
+    os.replace(tmp, target)
+    return "copied" if resized is None else "resized"
+
+
+def capped(source: Path, max_side: int, quality: int) -> bytes | None:
+    """The image file `source` re-encoded with its longer side at `max_side` (Lanczos; PNGs stay PNGs,
+    others become JPEGs at `quality`), or None when it is within the cap. CorruptImageError naming
+    the file if it cannot be read."""
     try:
         with Image.open(source) as image:
             width, height = image.size
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise CorruptImageError(f"cannot decode image {source}: {e}") from e
     if max(width, height) <= max_side:
-        shutil.copyfile(source, tmp)
-        os.replace(tmp, target)
-        return "copied"
+        return None
     pixels = read_rgb(source)  # RGB uint8, any mode converted as training reads it; raises CorruptImageError
     scale = max_side / max(width, height)
     size = (max(1, round(width * scale)), max(1, round(height * scale)))
     resized = Image.fromarray(pixels).resize(size, Image.LANCZOS, reducing_gap=3.0)
+    buffer = io.BytesIO()
     if source.suffix.lower() == ".png":
-        resized.save(tmp, "PNG")
+        resized.save(buffer, "PNG")
     else:
-        resized.save(tmp, "JPEG", quality=quality)
-    os.replace(tmp, target)
-    return "resized"
+        resized.save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
 
 
 def _job(args: tuple[Path, Path, int, int, bool]) -> tuple[str, str]:

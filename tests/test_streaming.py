@@ -1,0 +1,177 @@
+"""Sharded streaming data (vit.data.streaming over litdata): a converted image folder holds every
+image with its label; the chunked order gives each process an equal share of its own chunks;
+training on it resumes bit for bit, and 2 DDP processes read distinct samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import ROOT, write_image_folder
+from tests.test_fault_tolerance import QUIET, _free_port, assert_bit_identical, signal_at, weights
+from vit.cli import main
+from vit.data import StreamingDataModule
+from vit.data.images import CorruptImageError, scan_image_folder
+from vit.data.sampling import ChunkedSampler
+from vit.data.streaming import StreamingImages, open_streaming
+from vit.tools.convert_streaming import convert_image_folder
+from vit.tools.convert_streaming import main as convert_main
+
+pytest.importorskip("litdata")
+
+
+def _source(tmp_path: Path, train: int = 12) -> Path:
+    return write_image_folder(tmp_path / "src", train=train, val=2, size=40, ext="jpg")
+
+
+def test_a_converted_folder_holds_every_image_with_its_label_and_the_class_names(tmp_path):
+    source = _source(tmp_path)
+    report = convert_image_folder(source, tmp_path / "stream", chunk_bytes="8KB")
+    assert report == {"train": {"written": 48, "left out": []}, "val": {"written": 8, "left out": []}}
+    for split in ("train", "val"):
+        classes, files = scan_image_folder(source / split)
+        images = StreamingImages(str(tmp_path / "stream" / split))
+        stored = open_streaming(str(tmp_path / "stream" / split))
+        assert images.classes == classes == ["class0", "class1", "class2", "class3"]
+        assert len(images.index["chunks"]) > 1 and images.chunk_of[0] == 0 and images.chunk_of[-1] > 0
+        paths = [stored[i]["path"] for i in range(len(images))]
+        assert sorted(paths) == sorted(str(Path(f.path).relative_to(source)) for f in files)
+        for i, path in enumerate(paths):  # the file's bytes, its class folder's label
+            assert images.read_bytes(i) == (source / path).read_bytes()
+            assert images.samples[i].label == stored[i]["label"] == classes.index(Path(path).parent.name)
+        # training images are written shuffled (each chunk mixes the classes); validation in folder order
+        assert (paths != sorted(paths)) == (split == "train")
+    assert convert_image_folder(source, tmp_path / "stream")["train"] == {"kept": 48}
+
+
+def test_conversion_names_a_corrupt_image_leaves_it_out_with_skip_corrupt_and_caps_sizes(tmp_path, capsys):
+    source = _source(tmp_path, train=3)
+    corrupt = source / "train" / "class1" / "2.jpg"
+    corrupt.write_bytes(corrupt.read_bytes()[:300])
+    Image.new("RGB", (300, 120), (200, 10, 10)).save(source / "train" / "class2" / "big.jpg", quality=90)
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {corrupt}"):
+        convert_image_folder(source, tmp_path / "stream")
+    assert not (tmp_path / "stream" / "train").exists()  # nothing half written under the split's name
+
+    convert_main([str(source), str(tmp_path / "stream"), "--skip-corrupt", "--max-side", "60", "--workers", "1"])
+    printed = capsys.readouterr()
+    assert f"{tmp_path / 'stream' / 'train'}: 12 images, 1 left out" in printed.out
+    assert f"left out: cannot decode image {corrupt}" in printed.err
+    images, stored = StreamingImages(str(tmp_path / "stream" / "train")), open_streaming(str(tmp_path / "stream/train"))
+    big = next(i for i in range(len(images)) if stored[i]["path"].endswith("big.jpg"))
+    assert images.read_image(big).shape == (24, 60, 3)  # the longer side capped at 60
+    assert len(list(tmp_path.joinpath("stream").glob(".*.tmp"))) == 0
+
+
+def test_the_chunked_order_gives_each_process_an_equal_share_of_its_own_chunks():
+    """1,000 samples in 20 chunks of 50, 4 processes: each reads 250 distinct samples, together all;
+    a process's chunks are its own but for the 2 its share begins and ends in; 64 samples in a row
+    come from at most the 8 chunks of a window (+1 where windows meet) and mix several; the order
+    is a function of (seed, epoch)."""
+    chunk_of = np.arange(1000) // 50
+    dataset = list(range(1000))
+
+    def order(rank: int, epoch: int = 0, seed: int = 3, world: int = 4) -> list[int]:
+        sampler = ChunkedSampler(dataset, chunk_of, seed=seed, window=8, num_replicas=world, rank=rank)
+        sampler.set_epoch(epoch)
+        return sampler.epoch_order()
+
+    shares = [order(rank) for rank in range(4)]
+    assert [len(s) for s in shares] == [250] * 4 and sorted(np.concatenate(shares).tolist()) == dataset
+    chunks = [set(chunk_of[s]) for s in shares]
+    assert all(len(a & b) <= 1 for i, a in enumerate(chunks) for b in chunks[i + 1 :])
+    assert all(len(c) <= 250 // 50 + 1 for c in chunks)
+    for share in shares:
+        for start in range(0, 250 - 64, 64):
+            assert 2 <= len(set(chunk_of[share[start : start + 64]])) <= 9
+    assert order(1) == shares[1] and order(1, epoch=1) != shares[1] and order(1, seed=4) != shares[1]
+    thirds = [order(rank, world=3) for rank in range(3)]  # 1,000 = 3 x 334 - 2: two samples read twice
+    assert [len(t) for t in thirds] == [334] * 3 and set(np.concatenate(thirds).tolist()) == set(dataset)
+
+
+def _recipe(stream: Path, run: Path, *extra: str) -> list[str]:
+    """configs/imagenet_resnet50.yaml (device_decode, random resized crops, SGD) with a ResNet-18
+    at 32 px on the converted folder: 3 epochs of 4 steps."""
+    return [
+        "fit", "--config", str(ROOT / "configs/imagenet_resnet50.yaml"), *QUIET,
+        "--trainer.default_root_dir", str(run), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.strategy", "auto", "--trainer.precision", "32-true", "--trainer.max_epochs", "3",
+        "--trainer.logger", "false", "--model.model_name", "resnet18",
+        "--data", "vit.data.StreamingDataModule", "--data.root", str(stream), "--data.img_size", "32",
+        "--data.crop", "rrc", "--data.batch_size", "8", "--data.num_workers", "0", "--data.randaugment_ops", "2",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_training_on_streaming_data_resumes_mid_epoch_to_the_same_weights(tmp_path, one_thread):
+    """SIGTERM after step 6 (epoch 1, batch 2 of 4), resumed with --ckpt_path last: the model equals
+    an uninterrupted run's bit for bit; the shipped config's device decoding and augmentation ran."""
+    convert_image_folder(_source(tmp_path, train=8), tmp_path / "stream", chunk_bytes="8KB")
+    with pytest.raises(SystemExit) as stopped:
+        main(_recipe(tmp_path / "stream", tmp_path / "run", *signal_at(6, "SIGTERM")))
+    assert stopped.value.code == 143
+    resumed = main(_recipe(tmp_path / "stream", tmp_path / "run", "--ckpt_path", "last"))
+    straight = main(_recipe(tmp_path / "stream", tmp_path / "straight"))
+    assert resumed.trainer.global_step == straight.trainer.global_step == 12
+    assert_bit_identical(weights(resumed), weights(straight))
+    assert isinstance(straight.datamodule, StreamingDataModule) and straight.model.hparams.num_classes == 4
+    assert "decode on the training device, random resized crop 32" in straight.datamodule.describe_transforms()[0]
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_read_distinct_samples_of_a_streaming_set_and_stay_identical(tmp_path):
+    """2 gloo processes, 2 epochs over 48 images in chunks: each epoch, each rank reads 24 images,
+    together all 48; the replicas' weights are equal at the end."""
+    convert_image_folder(_source(tmp_path), tmp_path / "stream", chunk_bytes="8KB")
+    report = tmp_path / "report.yaml"
+    report.write_text(
+        "trainer:\n  callbacks:\n    - class_path: tests.rank_report.RankReport\n"
+        f"      init_args:\n        dirpath: {tmp_path / 'report'}\n        orders: true\n"
+    )
+    command = [
+        sys.executable, str(ROOT / "scripts" / "train.py"), "fit", "--config", str(ROOT / "configs/default.yaml"),
+        "--config", str(report), "--trainer.default_root_dir", str(tmp_path / "run"),
+        "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+        "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false",
+        "--data", "vit.data.StreamingDataModule", "--data.root", str(tmp_path / "stream"), "--data.img_size", "16",
+        "--data.crop", "rrc", "--data.device_decode", "true", "--data.batch_size", "6", "--data.num_workers", "1",
+    ]  # fmt: skip
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    result = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads((tmp_path / "report" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["global_step"] for r in reports] == [8, 8]  # 2 epochs of 24 images a rank, 6 a step
+    for epoch in (0, 1):
+        seen = [r["orders"][epoch] for r in reports]
+        assert len(seen[0]) == len(seen[1]) == 24 and sorted(seen[0] + seen[1]) == list(range(48))
+    assert reports[0]["orders"][0] != reports[0]["orders"][1]
+    ranks = [torch.load(tmp_path / "report" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert all(torch.equal(value, ranks[1][name]) for name, value in ranks[0].items())
+
+
+def test_a_mid_epoch_resume_with_another_process_count_restarts_the_epoch_of_chunked_data(caplog):
+    """Each process's share of the chunks depends on the process count: resumed with 1 process
+    instead of 2 after 3 batches, the chunked order's epoch restarts (no image is skipped), where a
+    batch-size change alone carries the position on."""
+    from vit.data.sampling import carry_position
+
+    def resumed_at(saved: dict, now: dict) -> int:
+        progress = {"current": {"ready": 3, "started": 3, "processed": 3, "completed": 3}}
+        carry_position({"loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}}, saved, now)
+        return progress["current"]["processed"]
+
+    chunked = {"train_images": 48, "order_per_process": True}
+    assert resumed_at({"batch_size": 4, "world_size": 2}, {"batch_size": 4, "world_size": 1, **chunked}) == 0
+    assert "restarts from its first batch" in caplog.text
+    assert resumed_at({"batch_size": 4, "world_size": 2}, {"batch_size": 8, "world_size": 2, **chunked}) == 1
+    assert resumed_at({"batch_size": 4, "world_size": 2}, {"batch_size": 4, "world_size": 1, "train_images": 48}) == 6

@@ -1,0 +1,167 @@
+"""The `vit-convert-streaming` command (`scripts/convert_streaming.py`): an image folder written as
+litdata chunks, for `--data vit.data.StreamingDataModule` (vit.data.streaming).
+
+    python scripts/convert_streaming.py data/imagenet data/imagenet-streaming --max-side 512
+    aws s3 sync data/imagenet-streaming s3://bucket/imagenet-streaming   # for --data.root s3://...
+
+Each split (`--splits`, default train and val) of `SOURCE/<split>/<class>/*` becomes
+`TARGET/<split>/` (chunks of about `--chunk-bytes`, and an index with the class folder names and the
+labels). The training split is written in a shuffled order (fixed seed), so every chunk holds a mix
+of classes. Images are stored as their files' bytes or, with `--max-side`, re-encoded with the longer
+side capped (as scripts/resize_folder.py does). A file that is not a readable image stops the run
+naming it, or, with `--skip-corrupt`, is left out and listed. A split is written to a temporary
+folder and renamed when complete, so a finished split is never half written; one already converted
+is kept (delete it to convert it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vit.data.device import image_size
+from vit.data.images import CorruptImageError, readable_class_names, scan_image_folder
+from vit.data.streaming import INDEX
+from vit.tools.args import positive_int
+from vit.tools.resize_folder import capped
+
+
+def encoded(path: Path, max_side: int | None, quality: int) -> bytes:
+    """The bytes to store for the image file `path`; CorruptImageError naming it if it is not readable."""
+    if max_side is not None:
+        resized = capped(path, max_side, quality)
+        if resized is not None:
+            return resized
+    data = path.read_bytes()
+    try:
+        image_size(data)  # the header, and a JPEG's end marker (truncated files)
+    except (OSError, ValueError, SyntaxError) as e:
+        raise CorruptImageError(f"cannot decode image {path}: {e}") from e
+    return data
+
+
+def _job(args: tuple[Path, int | None, int, bool]) -> tuple[bytes | None, str]:
+    path, max_side, quality, skip_corrupt = args
+    try:
+        return encoded(path, max_side, quality), str(path)
+    except CorruptImageError as e:
+        if not skip_corrupt:
+            raise
+        return None, str(e)
+
+
+def convert_image_folder(
+    source: str | Path,
+    target: str | Path,
+    max_side: int | None = None,
+    quality: int = 90,
+    workers: int = 1,
+    skip_corrupt: bool = False,
+    chunk_bytes: str = "64MB",
+    splits: tuple[str, ...] = ("train", "val"),
+    seed: int = 0,
+) -> dict[str, dict[str, int | list[str]]]:
+    """Write each split of the image folder `source` as litdata chunks under `target/<split>`; per
+    split, the images written and the files left out (or "kept": already converted)."""
+    from litdata.streaming.writer import BinaryWriter
+
+    source, target = Path(source), Path(target)
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source} is not a folder")
+    if target.resolve().is_relative_to(source.resolve()):
+        raise ValueError(f"{target} is inside {source}: write the copy elsewhere")
+    classes, _ = scan_image_folder(source / splits[0])
+    names = readable_class_names(classes, source)
+    report: dict[str, dict[str, int | list[str]]] = {}
+    for number, split in enumerate(splits):
+        out = target / split
+        if (out / INDEX).is_file():
+            report[split] = {"kept": len(json.loads((out / INDEX).read_text())["vit"]["labels"])}
+            continue
+        _, samples = scan_image_folder(source / split, classes=classes)
+        if number == 0:  # the training split, shuffled once so that each chunk mixes the classes
+            samples = [samples[i] for i in np.random.default_rng(seed).permutation(len(samples))]
+        tmp = target / f".{split}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        writer = BinaryWriter(str(tmp), chunk_bytes=chunk_bytes)
+        labels: list[int] = []
+        left_out: list[str] = []
+        jobs = [(Path(s.path), max_side, quality, skip_corrupt) for s in samples]
+        with get_context("spawn").Pool(workers) if workers > 1 else _Serial() as pool:
+            for sample, (data, what) in zip(samples, pool.imap(_job, jobs, chunksize=16), strict=True):
+                if data is None:
+                    left_out.append(what)
+                    continue
+                relative = str(Path(sample.path).relative_to(source))
+                writer.add_item(len(labels), {"image": data, "label": sample.label, "path": relative})
+                labels.append(sample.label)
+        if not labels:
+            raise ValueError(f"{source / split} has no readable images")
+        writer.done()
+        writer.merge()
+        index = json.loads((tmp / INDEX).read_text())
+        index["vit"] = {"classes": classes, "class_names": names, "labels": labels}
+        (tmp / INDEX).write_text(json.dumps(index))
+        os.replace(tmp, out)
+        report[split] = {"written": len(labels), "left out": left_out}
+    return report
+
+
+class _Serial:
+    """A pool of no processes (workers 1): imap in this process."""
+
+    def __enter__(self) -> _Serial:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def imap(self, fn: Callable[[Any], Any], jobs: Iterable[Any], chunksize: int = 1) -> Iterator[Any]:
+        return map(fn, jobs)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", type=Path, help="the image folder (e.g. data/imagenet)")
+    parser.add_argument("target", type=Path, help="where the chunks go (e.g. data/imagenet-streaming)")
+    parser.add_argument("--max-side", type=positive_int, help="cap the longer side at this many pixels")
+    parser.add_argument("--quality", type=positive_int, default=90, help="JPEG quality of resized images")
+    parser.add_argument("--workers", type=positive_int, default=max(1, (os.cpu_count() or 1) - 1))
+    parser.add_argument("--skip-corrupt", action="store_true", help="leave unreadable images out and list them")
+    parser.add_argument("--chunk-bytes", default="64MB", help="chunk size (default 64MB)")
+    parser.add_argument("--splits", nargs="+", default=["train", "val"], help="the training split first")
+    args = parser.parse_args(argv)
+    report = convert_image_folder(args.source, args.target, args.max_side, args.quality, args.workers,
+                                  args.skip_corrupt, args.chunk_bytes, tuple(args.splits))  # fmt: skip
+    for split, outcome in report.items():
+        if "kept" in outcome:
+            print(f"{args.target / split}: already converted ({outcome['kept']} images), kept")
+            continue
+        left_out = outcome["left out"]
+        print(
+            f"{args.target / split}: {outcome['written']} images" + (f", {len(left_out)} left out" if left_out else "")
+        )
+        for reason in left_out:  # type: ignore[union-attr]
+            print(f"  left out: {reason}", file=sys.stderr)
+    return report
+
+
+def cli() -> None:
+    try:
+        main()
+    except (OSError, ValueError) as e:  # CorruptImageError is a ValueError
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,7 +1,8 @@
 """The data path on this machine against the source images' size: PIL decode alone (one core) and
-the ResNet-50 recipe's data path alone (vit.tools.data_check.loader_speed: per-sample, and with
-device_decode), on a synthetic ImageNet-like tree and on copies with the longer side capped
-(vit.tools.resize_folder). Run it alone: `flock /tmp/vit-bench.lock python benchmarks/data_caps.py`."""
+a recipe's data path alone (vit.tools.data_check.loader_speed: per-sample, with device_decode, and
+from litdata chunks with device_decode), on a synthetic ImageNet-like tree and on copies with the
+longer side capped (vit.tools.resize_folder). Run it alone:
+`flock /tmp/vit-bench.lock python benchmarks/data_caps.py [--config configs/imagenet_vit_b16.yaml]`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 def main() -> None:
     from vit.data.images import read_rgb
+    from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.data_check import DataCase, loader_speed, write_synthetic_imagenet
     from vit.tools.resize_folder import resize_folder
 
@@ -22,6 +24,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="loader workers")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--config", default="configs/imagenet_resnet50.yaml", help="the recipe")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vit-data-caps-"))
     root = args.root or work / "original"
@@ -31,19 +34,23 @@ def main() -> None:
     for cap in args.caps:
         resize_folder(root, work / f"max{cap}", cap, workers=2)
         trees[f"longer side <= {cap}"] = work / f"max{cap}"
-    print("| images | PIL decode, 1 core (img/s) | data path, per-sample (img/s) | data path, device_decode (img/s) |")
-    print("|---|---:|---:|---:|")
+    print(f"{args.config}, batch {args.batch}, {args.workers} loader worker(s), {args.device}")
+    print("| images | PIL decode, 1 core | per-sample | device_decode | streaming + device_decode |")
+    print("|---|---:|---:|---:|---:|")
     for name, tree in trees.items():
         files = sorted((tree / "train").rglob("*.*"))
         start = time.perf_counter()
         for path in files:
             read_rgb(path)
         speeds = [len(files) / (time.perf_counter() - start)]
-        for extra in (["--data.device_decode", "false"], ["--data.device_decode", "true"]):
-            options = ["--data.batch_size", str(args.batch), "--data.num_workers", str(args.workers), *extra]
-            speeds.append(
-                loader_speed(DataCase("configs/imagenet_resnet50.yaml", tree, args.device, 10, 2, options))[0]
-            )
+        options = ["--data.batch_size", str(args.batch), "--data.num_workers", str(args.workers)]
+        for decode in ("false", "true"):
+            case = DataCase(args.config, tree, args.device, 10, 2, [*options, "--data.device_decode", decode])
+            speeds.append(loader_speed(case)[0])
+        stream = tree.with_name(f"{tree.name}-streaming")
+        convert_image_folder(tree, stream, workers=2)
+        case = DataCase(args.config, stream, args.device, 10, 2, [*options, "--data.device_decode", "true"], True)
+        speeds.append(loader_speed(case)[0])
         print(f"| {name} | " + " | ".join(f"{s:,.0f}" for s in speeds) + " |", flush=True)
 
 

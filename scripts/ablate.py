@@ -37,8 +37,9 @@ import torch.nn.functional as F
 
 from vit import create_model
 from vit.data import ImageFiles, TextDataModule
+from vit.data.augment import batch_augment, normalize
 from vit.data.images import scan_image_folder
-from vit.data.memory import batch_augment, normalize, to_tensor_images
+from vit.data.memory import to_tensor_images
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from vit.report import machine, markdown_table, write_report
 from vit.schedule import warmup_cosine

@@ -49,6 +49,9 @@ def test_each_randaugment_op_equals_the_per_sample_op_at_the_same_strength(op):
     params[0, RA_OPS.index(op)], params[0, LIGHTNESS] = strength, 0.75
     ours = _on_device(IMAGE, params)[0]
     theirs = per_sample(image=IMAGE)["image"].astype(np.float32)
+    floats = torch.from_numpy(IMAGE.copy()).permute(2, 0, 1)[None].float()
+    rand_augment(floats, torch.from_numpy(params))
+    assert torch.equal(floats[0].permute(1, 2, 0), torch.from_numpy(IMAGE).float())  # its input is left as it was
     difference = np.abs(ours - theirs)
     assert np.abs(theirs - IMAGE).mean() > 5  # the op changes the image
     assert difference.max() <= 1 and difference.mean() < 0.05, (difference.max(), difference.mean())

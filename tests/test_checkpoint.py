@@ -52,18 +52,28 @@ def test_timm_state_dict_from_disk_is_adapted_to_32px_and_10_classes(tmp_path, c
     torch.testing.assert_close(ours["pos_embed"], expected_pos)
 
 
-def test_fine_tuning_a_timm_checkpoint_for_a_few_steps_at_32px(tmp_path):
-    save_file(_timm_state_dict(), str(tmp_path / "vit_tiny.safetensors"))
+def test_fine_tuning_a_timm_checkpoint_starts_from_its_weights_and_trains_them(tmp_path):
+    """init_from a timm safetensors file, at 32 px and 10 classes (the digits'): training starts from
+    timm's weights (every tensor but the resampled pos_embed and the new head), and 4 steps change them."""
+    timm_sd = _timm_state_dict()
+    save_file(timm_sd, str(tmp_path / "vit_tiny.safetensors"))
     module = ImageClassifier(
         "vit_tiny_patch16_224", {"img_size": 32}, init_from=str(tmp_path / "vit_tiny.safetensors"), lr=3e-4
     )
-    data = DigitsDataModule(img_size=32, batch_size=32, num_workers=0)
-    before = module.model.blocks[0].attn.qkv.weight.clone() if module.model is not None else None
-    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=4, limit_val_batches=2)
-    trainer.fit(module, data)
+    assert module.model is None  # num_classes comes from the datamodule: the model is built in fit
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.weights = {k: v.clone() for k, v in pl_module.model.state_dict().items()}
+
+    start = AtStart()
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=4, limit_val_batches=2, callbacks=[start])
+    trainer.fit(module, DigitsDataModule(img_size=32, batch_size=32, num_workers=0))
     assert trainer.global_step == 4 and module.model.head.out_features == 10
-    assert before is None  # num_classes came from the datamodule, so the model was built in fit
-    assert torch.isfinite(trainer.callback_metrics["val/loss"])
+    kept = [name for name in timm_sd if name not in ("pos_embed", "head.weight", "head.bias")]
+    assert all(torch.equal(start.weights[name], timm_sd[name]) for name in kept)
+    trained = module.model.state_dict()
+    assert all(not torch.equal(trained[name], timm_sd[name]) for name in kept if name.endswith("qkv.weight"))
 
 
 def test_our_checkpoint_by_path_and_as_safetensors(tmp_path):

@@ -60,6 +60,7 @@ def test_random_resized_crop_boxes_follow_the_per_sample_paths_distribution():
 
     for height, width in ((375, 500), (64, 64)):
         reference = A.RandomResizedCrop(size=(32, 32), scale=(0.08, 1.0), p=1.0)
+        reference.set_random_seed(0)  # a fixed draw: the test passes or fails the same way each run
         image = np.zeros((height, width, 3), np.uint8)
         theirs = []
         for _ in range(3000):

@@ -173,7 +173,9 @@ def test_outlier_norm_fraction_on_constructed_tokens():
     model = _nano()  # the documented way to get a ViT's patch tokens before the final norm
     x = torch.randn(2, 3, 16, 16)
     patches = model.forward_intermediates(x, indices=1, output_fmt="NLC", intermediates_only=True)[0]
-    assert patches.shape == (2, 16, model.embed_dim) and 0.0 <= outlier_norm_fraction(patches) <= 1.0
+    features = model.forward_features(x)  # every token after the final norm
+    torch.testing.assert_close(model.norm(patches), features[:, model.num_prefix_tokens :])  # the same, before it
+    assert outlier_norm_fraction(patches) == pytest.approx(outlier_norm_mask(patches).float().mean().item())
 
 
 def test_off_centre_boxes_and_the_centre_prior_on_them():

@@ -167,8 +167,10 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     assert list(rows) == [
         "vit b16: model alone, eager", "vit b16: data path alone", "vit b16: end to end, eager",
         "vit b16 (per-sample): data path alone", "vit b16 (per-sample): end to end, eager",
+        "vit b16 (streaming): data path alone", "vit b16 (streaming): end to end, eager",
         "resnet50: model alone, eager", "resnet50: data path alone", "resnet50: end to end, eager",
         "resnet50 (per-sample): data path alone", "resnet50 (per-sample): end to end, eager",
+        "resnet50 (streaming): data path alone", "resnet50 (streaming): end to end, eager",
     ]  # fmt: skip
     assert all(r["ok"] for r in rows.values()) and len(list((tmp_path / "tree" / "train").rglob("*.*"))) == 48
     for name in ("vit b16", "vit b16 (per-sample)"):
@@ -178,7 +180,8 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     for name in ("vit b16", "resnet50"):  # the shipped configs decode on the device; the other rows do not
         assert "decode on the training device" in rows[f"{name}: data path alone"]["note"]
         assert "decode on the training device" not in rows[f"{name} (per-sample): data path alone"]["note"]
-    for name in ("vit b16", "vit b16 (per-sample)", "resnet50", "resnet50 (per-sample)"):
-        model = name.removesuffix(" (per-sample)")
+    assert "decode on the training device" in rows["vit b16 (streaming): data path alone"]["note"]
+    for name in ("vit b16", "vit b16 (per-sample)", "vit b16 (streaming)", "resnet50", "resnet50 (per-sample)"):
+        model = name.split(" (")[0]
         fit, alone = rows[f"{name}: end to end, eager"]["img_per_s"], rows[f"{model}: model alone, eager"]["img_per_s"]
         assert rows[f"{name}: end to end, eager"]["note"].endswith(f"; {round(100 * fit / alone)}% of the model alone")

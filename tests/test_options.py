@@ -310,9 +310,18 @@ def test_mimetic_init_makes_each_heads_qk_a_positive_rank_head_dim_form_and_valu
     assert not attn.qkv.bias.any() and not attn.proj.bias.any()
 
 
-def test_mimetic_init_changes_values_not_names_or_shapes():
-    default, mimetic = (create_model("vit_nano_patch4_16", weight_init=w).state_dict() for w in ("", "mimetic"))
+def test_mimetic_init_changes_only_the_attention_weights_values_not_names_or_shapes():
+    """From the same seed, the two inits give the same tensors but for each block's qkv and proj
+    (weights, and biases set to zero); names and shapes stay timm's, so checkpoints load either way."""
+    models = {}
+    for init in ("", "mimetic"):
+        torch.manual_seed(0)
+        models[init] = create_model("vit_nano_patch4_16", weight_init=init).state_dict()
+    default, mimetic = models[""], models["mimetic"]
     assert {k: v.shape for k, v in default.items()} == {k: v.shape for k, v in mimetic.items()}
+    changed = {name for name in default if not torch.equal(default[name], mimetic[name])}
+    depth = len({name.split(".")[1] for name in default if name.startswith("blocks.")})
+    assert changed == {f"blocks.{i}.attn.{layer}.weight" for i in range(depth) for layer in ("qkv", "proj")}
 
 
 # -- mixture of experts ------------------------------------------------------------------------

@@ -430,15 +430,23 @@ def test_export_from_a_config_sees_images_as_its_datamodule_declares(tmp_path):
     assert len(items) == 360 and items[0].label is not None  # the 20% of the digits held out
 
 
-def test_export_from_a_timm_state_dict_file(tmp_path):
-    torch.save(
-        timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=4).state_dict(), tmp_path / "t.pth"
-    )
-    Image.fromarray(np.full((300, 200, 3), 128, dtype=np.uint8)).save(tmp_path / "photo.jpg")
+def test_export_from_a_timm_state_dict_file_maps_with_the_timm_weights(tmp_path):
+    """A timm ViT's state dict (`--model` names the architecture): the saved map is the rollout of
+    a model holding those weights on the photo as --crop-pct 0.875 crops it; the default init's is not."""
+    state = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=4).state_dict()
+    torch.save(state, tmp_path / "t.pth")
+    photo = np.random.default_rng(0).integers(0, 256, (300, 200, 3), dtype=np.uint8)
+    Image.fromarray(photo).save(tmp_path / "photo.png")
     argv = ["--checkpoint", str(tmp_path / "t.pth"), "--model", "vit_tiny_patch16_224", "--crop-pct", "0.875"]
-    out = export.main([*argv, str(tmp_path / "photo.jpg"), "--out", str(tmp_path / "out")])
-    assert np.load(out / "00000_photo.npy").shape == (14, 14)
-    assert (out / "00000_photo.png").is_file() and "00000_photo.png" in (out / "index.html").read_text()
+    out = export.main([*argv, str(tmp_path / "photo.png"), "--out", str(tmp_path / "out")])
+    saved = np.load(out / "00000_photo.npy")
+    x = eval_transform(224, crop_pct=0.875)(image=photo)["image"][None]
+    model = create_model("vit_tiny_patch16_224", num_classes=4).eval()
+    other = attention_rollout(model, x)[0][0].numpy()
+    model.load_state_dict(state)
+    np.testing.assert_allclose(saved, attention_rollout(model, x)[0][0].numpy(), rtol=1e-4, atol=1e-6)
+    assert not np.allclose(saved, other, rtol=1e-2)
+    assert "00000_photo.png" in (out / "index.html").read_text()
 
 
 def test_predictions_are_labelled_with_the_class_names_the_training_data_gave(tmp_path):

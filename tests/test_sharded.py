@@ -129,3 +129,28 @@ def test_vit_h14_config_parses_and_its_parameter_count_is_the_models(capsys):
     assert sum(p.numel() for p in model.parameters()) == 632_045_800
     assert sum(p.numel() for p in model.blocks[0].parameters()) == 19_677_440
     assert "632,045,800" in config.read_text() and "19,677,440" in config.read_text()
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"optimizer": "muon"}, "optimizer muon needs whole weight matrices"),
+        ({"ema_decay": 0.999}, "ema_decay keeps an unsharded copy of the model"),
+        ({"compile": True}, "compile is not supported with ShardedStrategy"),
+        ({"model_name": "resnet18"}, "ShardedStrategy shards models made of vit.layers.Block"),
+    ],
+)
+def test_what_sharding_cannot_train_is_refused_with_the_reason(options, reason):
+    """The refusals README promises, as ShardedStrategy.setup meets them, before anything is sharded;
+    the same task without the option passes, and with a distillation teacher is refused."""
+    from vit.lit import ImageClassifier
+    from vit.sharding import check_shardable
+
+    task = ImageClassifier(**{"model_name": "vit_nano_patch4_16", "num_classes": 10, **options})
+    with pytest.raises(ValueError, match=reason):
+        check_shardable(task, task.model)
+    plain = ImageClassifier("vit_nano_patch4_16", num_classes=10)
+    check_shardable(plain, plain.model)
+    plain._teacher = create_model("vit_nano_patch4_16", num_classes=10)  # as a loaded teacher is held
+    with pytest.raises(ValueError, match="distillation \\(teacher\\) is not supported with ShardedStrategy"):
+        check_shardable(plain, plain.model)

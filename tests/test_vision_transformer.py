@@ -470,3 +470,44 @@ def test_a_hybrid_config_builds_timms_model_and_survives_our_checkpoints(tmp_pat
     for source in (tmp_path / "hybrid.ckpt", exported):  # kwargs through torch's safe unpickler, and JSON
         with torch.no_grad():
             torch.testing.assert_close(load_model(source)(x), expected)
+
+
+@pytest.mark.parametrize("change", ["renamed", "new_argument"])
+def test_a_change_inside_timm_costs_its_names_with_a_warning_never_the_import(change):
+    """`import vit` reads timm's ViT names through timm's private builders. With the ViT builder
+    renamed, or a model function passing an argument we do not know of, vit still imports: our own
+    names build; timm's affected names are listed unsupported with the error; one warning says so."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    simulate = {
+        "renamed": "del timm_vit._create_vision_transformer",
+        "new_argument": "import timm.models._registry as registry\n"
+        "registry._model_entrypoints['vit_small_patch14_dinov2'] = lambda pretrained=False, **kw: "
+        "timm_vit._create_vision_transformer('x', pretrained, new_option=3, **kw)",
+    }[change]
+    program = f"""
+import warnings
+import timm.models.vision_transformer as timm_vit
+{simulate}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import vit
+print([str(w.message) for w in caught if "timm's ViT names" in str(w.message)])
+print(vit.create_model("vit_tiny_patch4_32", num_classes=3)(__import__("torch").zeros(1, 3, 32, 32)).shape)
+print(vit.registry.unsupported_models().get("vit_base_patch16_224", "supported"))
+print(vit.registry.unsupported_models().get("vit_small_patch16_224", "supported"))
+print(vit.registry.unsupported_models().get("vit_small_patch14_dinov2", "supported"))
+"""
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warned, shape, base, small, dinov2 = result.stdout.strip().splitlines()
+    assert shape == "torch.Size([1, 3])"  # our own names build
+    assert base == small == "supported"  # VIT_MODELS names never depend on timm's builders
+    if change == "renamed":
+        assert "could not be read from timm" in dinov2 and "_create_vision_transformer" in dinov2
+        assert "of timm's ViT names could not be read" in warned
+    else:  # an argument with no equivalent here: that name is refused with the reason, nothing else
+        assert dinov2 == "timm's new_option=3 has no equivalent here" and warned == "[]"

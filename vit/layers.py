@@ -830,14 +830,16 @@ class Block(nn.Module):
         c, dim = config, config.embed_dim
         self.norm1 = make_norm(c.norm, dim, c.norm_eps)
         self.attn = Attention(
-            dim, c.num_heads, c.qkv_bias, c.attn_drop_rate, c.proj_drop_rate, c.qk_norm, c.norm, c.norm_eps, causal
-        )
+            dim, num_heads=c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.proj_drop_rate,
+            qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps, causal=causal,
+        )  # fmt: skip
         self.ls1 = LayerScale(dim, c.init_values) if c.init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = make_norm(c.norm, dim, c.norm_eps)
         hidden = int(dim * c.mlp_ratio)
         self.mlp = make_mlp(
-            c.mlp, dim, hidden, c.proj_drop_rate, c.num_experts, c.experts_top_k, c.expert_capacity, c.act_layer
+            c.mlp, dim, hidden, drop=c.proj_drop_rate, num_experts=c.num_experts, top_k=c.experts_top_k,
+            capacity_factor=c.expert_capacity, act=c.act_layer,
         )  # fmt: skip
         self.ls2 = LayerScale(dim, c.init_values) if c.init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
@@ -854,7 +856,10 @@ class Block(nn.Module):
         """`return_attn=True` also returns this block's attention weights, (B, heads, N, N).
         `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost.
         `attn_mask`, `rope`, `kv_cache`: see Attention.forward."""
-        y = self.attn(self.norm1(x), attn_mask, rope, kv_cache, num_queries, return_attn)
+        y = self.attn(
+            self.norm1(x), attn_mask=attn_mask, rope=rope, kv_cache=kv_cache, num_queries=num_queries,
+            return_attn=return_attn,
+        )  # fmt: skip
         y, attn = y if return_attn else (y, None)
         if num_queries is not None:
             x = x[:, :num_queries]

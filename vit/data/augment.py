@@ -170,14 +170,14 @@ def rand_augment(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     images whose row of `params` (B, RA_COLUMNS) selects it, in RA_OPS order, values rounded and
     clipped to 0..255 after each op as the per-sample path's uint8 images are."""
     params = params.to(images.device, torch.float64)
-    images = images.float().round().clamp(0, 255)
+    images = images.to(torch.float32, copy=True).round_().clamp_(0, 255)  # a copy, written in place below
     for op, name in enumerate(RA_OPS):
         chosen = params[:, op].isfinite().nonzero().squeeze(1)
         if len(chosen) == 0:
             continue
         strength = params[chosen, op].float()
         out = _RA_FUNCTIONS[name](images[chosen], strength, params[chosen, LIGHTNESS].float())
-        images = images.index_copy(0, chosen, out.round().clamp(0, 255))
+        images[chosen] = out.round_().clamp_(0, 255)
     return images
 
 
@@ -268,8 +268,11 @@ def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor, bins: t
 
 
 def _histogram(values: torch.Tensor, bins: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    hist = torch.zeros(values.shape[0], 256, device=values.device)
-    return hist.scatter_add_(1, bins, keep.float())
+    """(rows, 256) counts of each row's `bins` where `keep`: one bincount over row-offset bins."""
+    rows = values.shape[0]
+    offset = bins + 256 * torch.arange(rows, device=values.device)[:, None]
+    counts = torch.bincount(offset.flatten(), weights=keep.flatten().float(), minlength=256 * rows)
+    return counts.view(rows, 256).float()
 
 
 def _equalize(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ then, for each recipe (`configs/imagenet_vit_b16.yaml`, `configs/imagenet_resnet
   the model's own speed, the number the data path has to bring to 100%.
 
 Each recipe is measured as its config sets `data.device_decode` (on in the shipped ImageNet configs:
-decoding and augmentation on the training device, vit.data.device) and with the other path, so one
-run compares the two.
+decoding and augmentation on the training device, vit.data.device), with the other path, so one
+run compares the two, and (eager) from the tree converted to streaming chunks (vit.data.streaming).
 
 Each speed is taken after the first `warmup` steps. On a CPU the same code runs at a small image
 size and few steps (the tests use it); the numbers that matter come from a GPU node.
@@ -23,6 +23,7 @@ size and few steps (the tests use it); the numbers that matter come from a GPU n
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import multiprocessing
 import os
@@ -132,13 +133,15 @@ class DataCase:
     steps: int
     warmup: int
     overrides: list[str] = field(default_factory=list)
+    streaming: bool = False  # root holds the tree converted to litdata chunks (vit.data.StreamingDataModule)
 
     def args(self, workdir: str, *extra: str) -> list[str]:
         """The recipe's `scripts/train.py fit` options, on one device, training only, nothing saved."""
         device = ["--trainer.accelerator", "gpu"] if self.device == "cuda" else [
             "--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]  # fmt: skip
+        source = ["--data", "vit.data.StreamingDataModule"] if self.streaming else []
         return [
-            "--config", str(ROOT / self.config), "--data.root", str(self.root), "--trainer.devices", "1",
+            "--config", str(ROOT / self.config), *source, "--data.root", str(self.root), "--trainer.devices", "1",
             "--trainer.strategy", "auto", *device, "--trainer.default_root_dir", workdir,
             "--trainer.max_steps", str(self.steps), "--trainer.limit_val_batches", "0",
             "--trainer.num_sanity_val_steps", "0", "--trainer.logger", "false",
@@ -221,7 +224,9 @@ def recipe_name(config: str) -> str:
 def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, int]]:
     """(what ran, img/s, note, training FLOPs per image) for the data path alone, the model alone and
     the whole fit, eager and, with `compiled`, compiled; the fits' notes give end to end as a share
-    of the model alone. Each recipe also with `device_decode` the other way (labelled)."""
+    of the model alone. Each recipe also with `device_decode` the other way, and from the tree
+    converted to streaming chunks (`case.root`-streaming, written on first use; eager), labelled."""
+    from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.gpu_check import forward_flops
 
     name = recipe_name(case.config)
@@ -232,6 +237,13 @@ def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, 
     other = DataCase(case.config, case.root, case.device, case.steps, case.warmup,
                      [*case.overrides, "--data.device_decode", str(not configured).lower()])  # fmt: skip
     paths = [("", case), (" (per-sample)" if configured else " (device_decode)", other)]
+    if importlib.util.find_spec("litdata") is None:
+        print("[data-check] litdata is not installed (pip install -e '.[stream]'): no streaming rows", flush=True)
+    else:
+        stream_root = case.root.with_name(f"{case.root.name}-streaming")
+        convert_image_folder(case.root, stream_root, workers=max(1, (os.cpu_count() or 1) - 1))
+        stream = DataCase(case.config, stream_root, case.device, case.steps, case.warmup, case.overrides, True)
+        paths.append((" (streaming)", stream))
     rows, models = [], {}
     for mode in ("eager", "compiled") if compiled else ("eager",):
         models[mode], model_note = model_speed(case, compile=mode == "compiled")
@@ -239,7 +251,7 @@ def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, 
     for label, variant in paths:
         speed, note = loader_speed(variant)
         rows.append((f"{name}{label}: data path alone", speed, note, 0))
-        for mode in models:
+        for mode in models if not variant.streaming else ["eager"]:
             fit, fit_note = end_to_end_speed(variant, compile=mode == "compiled")
             share = f"{fit_note}; {100 * fit / models[mode]:.0f}% of the model alone"
             rows.append((f"{name}{label}: end to end, {mode}", fit, share, flops))

@@ -45,11 +45,11 @@ def main() -> None:
         speeds = [len(files) / (time.perf_counter() - start)]
         options = ["--data.batch_size", str(args.batch), "--data.num_workers", str(args.workers)]
         for decode in ("false", "true"):
-            case = DataCase(args.config, tree, args.device, 10, 2, [*options, "--data.device_decode", decode])
+            case = DataCase(args.config, tree, args.device, 24, 4, [*options, "--data.device_decode", decode])
             speeds.append(loader_speed(case)[0])
         stream = tree.with_name(f"{tree.name}-streaming")
         convert_image_folder(tree, stream, workers=2)
-        case = DataCase(args.config, stream, args.device, 10, 2, [*options, "--data.device_decode", "true"], True)
+        case = DataCase(args.config, stream, args.device, 24, 4, [*options, "--data.device_decode", "true"], True)
         speeds.append(loader_speed(case)[0])
         print(f"| {name} | " + " | ".join(f"{s:,.0f}" for s in speeds) + " |", flush=True)
 

@@ -8,6 +8,7 @@ Mixup/CutMix; a subclass only says where its images and labels come from.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, ClassVar
@@ -342,13 +343,10 @@ class DigitsDataModule(ImageDataModule):
 
     def load_splits(self) -> tuple[ImageArrays, ImageArrays]:
         from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
 
         digits = load_digits()
         images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)  # 0..16 ink levels -> 0..255
-        train_idx, val_idx = train_test_split(
-            np.arange(len(images)), test_size=self.val_fraction, stratify=digits.target, random_state=0
-        )
+        train_idx, val_idx = holdout_indices(digits.target, math.ceil(self.val_fraction * len(images)))
         return (
             ImageArrays(images[train_idx], digits.target[train_idx], self.train_transform),
             ImageArrays(images[val_idx], digits.target[val_idx], self.eval_transform),

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
 from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
-from vit.data.sampling import mix_seed
+from vit.data.sampling import ResumableSampler, mix_seed
 from vit.data.transforms import resize_transform
 
 log = logging.getLogger(__name__)
@@ -55,11 +54,12 @@ class TensorImages(Dataset):
         return self.images[item], self.labels[item]
 
 
-class BatchSampler(DistributedSampler):
-    """Yields whole batches of indices (a tensor each), shuffled by (seed, epoch) and sharded across
-    ranks like DistributedSampler (Lightning keeps it under DDP and calls `set_epoch`).
+class BatchSampler(ResumableSampler):
+    """Whole batches of indices (a tensor each) of the ResumableSampler's order: shuffled by
+    (seed, epoch), shared among the processes as DistributedSampler shares it (Lightning keeps it
+    under DDP and calls `set_epoch`).
 
-    With `seeded`, each batch comes with its augmentation seed mix_seed(seed, epoch, batch, rank).
+    With `shuffle`, each batch comes with its augmentation seed mix_seed(seed, epoch, batch, rank).
     `resume_epoch` / `resume_position` (in batches) start an epoch part-way, as ResumableLoader sets them.
     """
 
@@ -73,33 +73,17 @@ class BatchSampler(DistributedSampler):
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
-        if num_replicas is None or rank is None:
-            distributed = dist.is_available() and dist.is_initialized()
-            num_replicas, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        super().__init__(dataset, shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank)
         self.batch_size, self.drop_batch = batch_size, drop_last
-        self.seeded = shuffle
-        self.resume_epoch, self.resume_position = 0, 0
 
     def _batches(self) -> list[torch.Tensor]:
-        n = len(self.dataset)
-        if self.shuffle:
-            g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
-            order = torch.randperm(n, generator=g)
-        else:
-            order = torch.arange(n)
-        if self.num_replicas > 1:  # pad by wrapping around so every rank gets the same count
-            total = self.num_samples * self.num_replicas
-            order = torch.cat([order, order[: total - n]]) if total > n else order[:total]
-            order = order[self.rank :: self.num_replicas]
-        batches = list(order.split(self.batch_size))
+        batches = list(torch.tensor(self.epoch_order(), dtype=torch.int64).split(self.batch_size))
         if self.drop_batch and len(batches) > 1 and len(batches[-1]) < self.batch_size:
             batches.pop()
         return batches
 
     def __len__(self) -> int:
-        per_rank = self.num_samples
-        full, rest = divmod(per_rank, self.batch_size)
+        full, rest = divmod(self.num_samples, self.batch_size)
         return full + (1 if rest and not (self.drop_batch and full >= 1) else 0)
 
     def __iter__(self) -> Iterator:
@@ -107,7 +91,7 @@ class BatchSampler(DistributedSampler):
         self.resume_position = 0
         batches = self._batches()
         for b in range(start, len(batches)):
-            yield (batches[b], mix_seed(self.seed, self.epoch, b, self.rank)) if self.seeded else batches[b]
+            yield (batches[b], mix_seed(self.seed, self.epoch, b, self.rank)) if self.shuffle else batches[b]
 
 
 # -- decoding once, with a cache -------------------------------------------------------------------

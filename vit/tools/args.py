@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 
 def positive_int(text: str) -> int:
@@ -27,3 +32,26 @@ def non_negative_float(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
     return value
+
+
+def image_copy_parser(doc: str, target_help: str, max_side: int | None) -> argparse.ArgumentParser:
+    """The options of the commands that write a copy of an image folder (resize_folder,
+    convert_streaming): SOURCE TARGET, the size cap, JPEG quality, workers, skipping corrupt files."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("source", type=Path, help="the image folder (e.g. data/imagenet)")
+    parser.add_argument("target", type=Path, help=target_help)
+    cap = f" (default {max_side})" if max_side else " (default: no cap)"
+    parser.add_argument("--max-side", type=positive_int, default=max_side, help="longest side in pixels" + cap)
+    parser.add_argument("--quality", type=positive_int, default=90, help="JPEG quality of resized images")
+    parser.add_argument("--workers", type=positive_int, default=max(1, (os.cpu_count() or 1) - 1))
+    parser.add_argument("--skip-corrupt", action="store_true", help="leave unreadable images out and list them")
+    return parser
+
+
+def run_command(main: Callable[[], Any]) -> None:
+    """A command's entry point: what it cannot read or write (a missing folder, a corrupt image)
+    ends it with a one-line error and exit status 1."""
+    try:
+        main()
+    except (OSError, ValueError) as e:  # CorruptImageError is a ValueError
+        sys.exit(f"error: {e}")

@@ -16,7 +16,6 @@ is kept (delete it to convert it again).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ import numpy as np
 from vit.data.device import image_size
 from vit.data.images import CorruptImageError, readable_class_names, scan_image_folder
 from vit.data.streaming import INDEX
-from vit.tools.args import positive_int
+from vit.tools.args import image_copy_parser, run_command
 from vit.tools.resize_folder import capped
 
 
@@ -131,13 +130,7 @@ class _Serial:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", type=Path, help="the image folder (e.g. data/imagenet)")
-    parser.add_argument("target", type=Path, help="where the chunks go (e.g. data/imagenet-streaming)")
-    parser.add_argument("--max-side", type=positive_int, help="cap the longer side at this many pixels")
-    parser.add_argument("--quality", type=positive_int, default=90, help="JPEG quality of resized images")
-    parser.add_argument("--workers", type=positive_int, default=max(1, (os.cpu_count() or 1) - 1))
-    parser.add_argument("--skip-corrupt", action="store_true", help="leave unreadable images out and list them")
+    parser = image_copy_parser(__doc__, "where the chunks go (e.g. data/imagenet-streaming)", max_side=None)
     parser.add_argument("--chunk-bytes", default="64MB", help="chunk size (default 64MB)")
     parser.add_argument("--splits", nargs="+", default=["train", "val"], help="the training split first")
     args = parser.parse_args(argv)
@@ -157,10 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]
 
 
 def cli() -> None:
-    try:
-        main()
-    except (OSError, ValueError) as e:  # CorruptImageError is a ValueError
-        sys.exit(f"error: {e}")
+    run_command(main)
 
 
 if __name__ == "__main__":

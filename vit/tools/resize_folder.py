@@ -15,7 +15,6 @@ left out and listed at the end.
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import shutil
@@ -26,7 +25,7 @@ from pathlib import Path
 from PIL import Image
 
 from vit.data.images import IMAGE_EXTENSIONS, CorruptImageError, read_rgb
-from vit.tools.args import positive_int
+from vit.tools.args import image_copy_parser, run_command
 
 
 def resize_file(source: Path, target: Path, max_side: int, quality: int) -> str:
@@ -108,13 +107,7 @@ def resize_folder(
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", type=Path, help="the image folder (e.g. data/imagenet)")
-    parser.add_argument("target", type=Path, help="where the copy goes (e.g. data/imagenet-512)")
-    parser.add_argument("--max-side", type=positive_int, default=512, help="longest side in pixels (default 512)")
-    parser.add_argument("--quality", type=positive_int, default=90, help="JPEG quality of resized images")
-    parser.add_argument("--workers", type=positive_int, default=max(1, (os.cpu_count() or 1) - 1))
-    parser.add_argument("--skip-corrupt", action="store_true", help="leave unreadable images out and list them")
+    parser = image_copy_parser(__doc__, "where the copy goes (e.g. data/imagenet-512)", max_side=512)
     args = parser.parse_args(argv)
     outcomes = resize_folder(args.source, args.target, args.max_side, args.quality, args.workers, args.skip_corrupt)
     counts = ", ".join(f"{len(v)} {k}" for k, v in outcomes.items() if v)
@@ -125,10 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[str]]:
 
 
 def cli() -> None:
-    try:
-        main()
-    except (OSError, ValueError) as e:  # CorruptImageError is a ValueError
-        sys.exit(f"error: {e}")
+    run_command(main)
 
 
 if __name__ == "__main__":

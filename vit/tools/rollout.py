@@ -36,6 +36,7 @@ import yaml
 from tqdm import tqdm
 
 from vit.checkpoint import load_checkpoint, load_model
+from vit.data.augment import center_crop_box
 from vit.data.images import IMAGE_EXTENSIONS, ImageArrays, ImageFiles, read_rgb
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
 from vit.rollout import METHODS, check_vit, contact_sheet, render_panel, rollout_maps
@@ -111,7 +112,8 @@ def items_from_config(config: str, split: str, data_root: str | None) -> tuple[l
     datamodule.setup("fit")
     dataset = {"train": datamodule.train_set, "val": datamodule.val_set}[split]
     if isinstance(dataset, ImageFiles):
-        items = [Item(Path(s.path).stem, lambda p=s.path: read_rgb(p), s.label) for s in dataset.samples]
+        files = enumerate(dataset.samples)  # image files or streaming chunks: ImageFiles.read_image reads either
+        items = [Item(Path(s.path).stem, lambda i=i: dataset.read_image(i), s.label) for i, s in files]
     elif isinstance(dataset, ImageArrays):
         items = [
             Item(f"{split}_{i:05d}", lambda i=i: dataset.images[i], int(dataset.labels[i])) for i in range(len(dataset))
@@ -126,10 +128,8 @@ def items_from_config(config: str, split: str, data_root: str | None) -> tuple[l
 
 def model_view(image: np.ndarray, crop_pct: float) -> np.ndarray:
     """The part of the original image that the eval transform's centre crop keeps (full resolution)."""
-    h, w = image.shape[:2]
-    side = max(1, round(min(h, w) * crop_pct))
-    top, left = (h - side) // 2, (w - side) // 2
-    return image[top : top + side, left : left + side]
+    top, left, height, width = center_crop_box(*image.shape[:2], crop_pct)
+    return image[top : top + height, left : left + width]
 
 
 # -- the export --------------------------------------------------------------------------------

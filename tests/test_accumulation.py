@@ -56,10 +56,17 @@ def test_accumulating_k_batches_of_b_is_one_batch_of_k_times_b(optimizer, atol):
     assert accumulated.multipliers == whole.multipliers
     assert accumulated.multipliers[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     # the same first update, to float tolerance: the gradient is summed in another order. SGD's update
-    # is linear in it (1e-7); AdamW's first is lr g / (|g| + eps), which turns rounding noise into up to
-    # lr where the gradient is zero in exact arithmetic (the key bias of attention): 2e-4 of a 5e-3 step
+    # is linear in it (1e-7, every weight); AdamW's first is lr g / (|g| + eps), which turns rounding
+    # noise into up to one step (lr 2e-2 x warmup 0.25 = 5e-3) where the gradient is about zero in
+    # exact arithmetic (e.g. the key bias of attention): every weight within a step, and all but one
+    # in 10,000 within 2e-4
+    step = accumulated.peak_lr * accumulated.multipliers[0]
     for name, value in whole.weights.items():
-        torch.testing.assert_close(accumulated.weights[name], value, atol=atol, rtol=0, msg=name)
+        difference = (accumulated.weights[name] - value).abs()
+        if optimizer == "sgd":
+            torch.testing.assert_close(accumulated.weights[name], value, atol=atol, rtol=0, msg=name)
+        else:
+            assert difference.max() <= step and (difference > atol).float().mean() < 1e-4, name
     init = tiny_vit().model.state_dict()
     moved = max((whole.weights[k] - init[k]).abs().max().item() for k in init)
     assert moved > 10 * atol  # the step did move the weights

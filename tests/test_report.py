@@ -64,7 +64,10 @@ SCRIPTS = _project_scripts()
 
 
 def test_the_installed_commands():
-    assert sorted(SCRIPTS) == ["vit-bench", "vit-export", "vit-resize-folder", "vit-rollout", "vit-sample", "vit-train"]
+    assert sorted(SCRIPTS) == [
+        "vit-bench", "vit-convert-streaming", "vit-export", "vit-resize-folder", "vit-rollout", "vit-sample",
+        "vit-train",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", sorted(SCRIPTS))

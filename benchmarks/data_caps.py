@@ -2,7 +2,7 @@
 a recipe's data path alone (vit.tools.data_check.loader_speed: per-sample, with device_decode, and
 from litdata chunks with device_decode), on a synthetic ImageNet-like tree and on copies with the
 longer side capped (vit.tools.resize_folder). Run it alone:
-`flock /tmp/vit-bench.lock python benchmarks/data_caps.py [--config configs/imagenet_vit_b16.yaml]`."""
+`flock /tmp/vit-bench.lock python -m benchmarks.data_caps [--config configs/imagenet_vit_b16.yaml]`."""
 
 from __future__ import annotations
 

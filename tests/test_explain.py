@@ -1,6 +1,6 @@
 """Faithfulness metrics on cases with known answers: a model that looks at one patch only, maps that
 rank that patch first or last, closed-form areas, hand-made tokens and boxes; then batching on a ViT,
-and scripts/rollout_eval.py on tiny image folders against the same scores computed directly."""
+and benchmarks/rollout_eval.py on tiny image folders against the same scores computed directly."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 from torch import nn
 
-from scripts.rollout_eval import NOTES, VARIANTS
-from scripts.rollout_eval import main as rollout_eval
+from benchmarks.rollout_eval import NOTES, VARIANTS
+from benchmarks.rollout_eval import main as rollout_eval
 from tests.conftest import write_image_folder
 from tests.test_rollout import _nano
 from vit import create_model
@@ -356,7 +356,7 @@ def test_rollout_eval_on_tiny_imagenet_boxes_scores_the_off_centre_subset(tmp_pa
 
 
 def _result(dataset: str, reg_tokens: int, rows: dict[str, dict[str, float]]) -> dict:
-    """A JSON of scripts/rollout_eval.py with these scores (each with a standard error of 0.01)."""
+    """A JSON of benchmarks/rollout_eval.py with these scores (each with a standard error of 0.01)."""
     boxes = "pointing" in next(iter(rows.values()))
     return {
         "checkpoint": f"runs/{dataset}_reg{reg_tokens}/last.ckpt",
@@ -376,7 +376,7 @@ def _result(dataset: str, reg_tokens: int, rows: dict[str, dict[str, float]]) ->
         "off_centre_min_dist": 0.0 if boxes else None,
         "seconds": 60.0,
         "machine": "a test machine",
-        "command": f"python scripts/rollout_eval.py --dataset {dataset} --reg {reg_tokens}",
+        "command": f"python benchmarks/rollout_eval.py --dataset {dataset} --reg {reg_tokens}",
         "rows": {
             name: {"ms_per_image": 1.0, **scores, **{f"{key}_se": 0.01 for key in scores}}
             for name, scores in rows.items()

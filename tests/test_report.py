@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from vit.report import machine, markdown_table, write_report
+from benchmarks.report import machine, markdown_table, write_report
 
 
 def test_markdown_table_aligns_numbers_right_and_renders_cells_as_text():

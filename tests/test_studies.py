@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from scripts import ablate, budget, compare, finetune_study
+from benchmarks import ablate, budget, compare, finetune_study
 from tests.conftest import shared_path, write_image_folder
 from vit import create_model
 

@@ -277,7 +277,7 @@ def off_centre(boxes: torch.Tensor, size: int, min_dist: float, exclude_centre: 
 
 # -- scoring a method over a dataset ------------------------------------------------------------
 
-# Which way is better for each score `scripts/rollout_eval.py` reports.
+# Which way is better for each score `benchmarks/rollout_eval.py` reports.
 BETTER = {
     "positive": "lower",  # accuracy should fall fast when the most relevant patches go
     "negative": "higher",  # and hold when the least relevant go

@@ -44,7 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import vit
 from vit.layers import Attention
-from vit.report import cpu_name, markdown_table
+from vit.tools.machine import cpu_name, markdown_table
 from vit.vision_transformer import timm_kwargs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,11 +1,11 @@
 """Score explanation maps on any of our ViT checkpoints; write a markdown table and a JSON of every number.
 
-    flock /tmp/vit-bench.lock python scripts/rollout_eval.py --dataset cifar10 --limit 1000 \
+    flock /tmp/vit-bench.lock python -m benchmarks.rollout_eval --dataset cifar10 --limit 1000 \
         --checkpoint runs/budget/vit-10min-val-s0-124456/checkpoints/last.ckpt \
         --json benchmarks/results/rollout_cifar10_reg0.json        # its report: runs/rollout/eval.md
-    flock /tmp/vit-bench.lock python scripts/rollout_eval.py --checkpoint runs/tiny/checkpoints/last.ckpt \
+    flock /tmp/vit-bench.lock python -m benchmarks.rollout_eval --checkpoint runs/tiny/checkpoints/last.ckpt \
         --dataset tiny-imagenet --limit 2000 --methods attention gradient
-    python scripts/rollout_eval.py --out benchmarks/rollout.md --with-results benchmarks/results/rollout_*.json
+    python -m benchmarks.rollout_eval --out benchmarks/rollout.md --with-results benchmarks/results/rollout_*.json
 
 Every method of `vit.rollout.METHODS` and rollout's fusion / discard variants (`VARIANTS`), or those
 named by --methods, and two baselines that look at no image (a seeded uniform-random map and a
@@ -58,7 +58,7 @@ from vit.explain import (
     outlier_norm_mask,
     perturbation_scores,
 )
-from vit.report import machine, markdown_table, write_report
+from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
 from vit.rollout import METHODS, box_scores, centre_gaussian, check_vit, rollout_maps
 
 # Rollout's variants that vit-explain users and papers compare (max / min head fusion, discarding the
@@ -69,7 +69,7 @@ VARIANTS = {
     "attention_discard": ("attention", {"discard_ratio": 0.9}),
     "attention_max_discard": ("attention", {"head_fusion": "max", "discard_ratio": 0.9}),
 }
-DATASETS = {"tiny-imagenet": "../shared/data/tiny-imagenet-200", "cifar10": "../shared/data/cifar10"}
+DATASETS = {"tiny-imagenet": "tiny-imagenet-200", "cifar10": "cifar10"}  # under $VIT_DATA
 NAMES = {
     "attention": "attention rollout (mean fusion)",
     "attention_max": "attention rollout (max fusion)",
@@ -115,7 +115,7 @@ class EvalImages(Dataset):
 
 
 def dataset_samples(args: argparse.Namespace) -> tuple[list[str], list[Sample]]:
-    root = Path(args.data_root or DATASETS[args.dataset])
+    root = Path(args.data_root) if args.data_root else data_root() / DATASETS[args.dataset]
     if args.dataset == "tiny-imagenet":
         return scan_tiny_imagenet(root, "val")
     return scan_image_folder(root / args.split)
@@ -291,7 +291,7 @@ def markdown(results: list[dict]) -> str:
     lines = [
         f"# Which explanation map is faithful? {', '.join(datasets)}",
         "",
-        "Written by `scripts/rollout_eval.py`; every number is also in the JSON next to the command.",
+        "Written by `benchmarks/rollout_eval.py`; every number is also in the JSON next to the command.",
         "",
         f"Direction of better (↓ lower, ↑ higher): {better}. ± is one standard error over the images.",
         "",
@@ -321,11 +321,11 @@ def read_result(path: str) -> dict:
     try:
         result = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
-        raise SystemExit(f"--with-results {path}: not a readable JSON of scripts/rollout_eval.py ({err})") from err
+        raise SystemExit(f"--with-results {path}: not a readable JSON of benchmarks/rollout_eval.py ({err})") from err
     keys = ("checkpoint", "dataset", "reg_tokens", "clean_top1", "rows")
     missing = [key for key in keys if key not in result] if isinstance(result, dict) else list(keys)
     if missing:
-        raise SystemExit(f"--with-results {path}: not a JSON of scripts/rollout_eval.py (missing {missing})")
+        raise SystemExit(f"--with-results {path}: not a JSON of benchmarks/rollout_eval.py (missing {missing})")
     return result
 
 
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"wrote {args.out} from {len(earlier)} earlier results (nothing measured)")
         return earlier
     result = evaluate(args, args.checkpoint)
-    result["command"] = "flock /tmp/vit-bench.lock python scripts/rollout_eval.py " + shlex.join(
+    result["command"] = "flock /tmp/vit-bench.lock python -m benchmarks.rollout_eval " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )
     text = markdown([*earlier, result])

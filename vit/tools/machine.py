@@ -1,9 +1,6 @@
-"""What every study report shares: the line that names the machine, markdown tables, and rewriting
-a report while keeping the notes written by hand below a marker.
-
-Numbers measured on different machines do not compare, so each report says where it was measured
-in the same words (`machine()`); `scripts/budget.py` groups its rows by that line.
-"""
+"""The machine a number was measured on, in the same words everywhere (`machine()`), and the
+markdown tables the commands and the studies (benchmarks/) print. Numbers measured on different
+machines do not compare: benchmarks/budget.py groups its rows by the machine line."""
 
 from __future__ import annotations
 
@@ -48,16 +45,3 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], alig
             raise ValueError(f"a row has {len(cells)} cells for {len(header)} columns: {cells}")
         lines.append(f"| {' | '.join(str(c) for c in cells)} |")
     return lines
-
-
-def write_report(path: str | Path, text: str, notes_marker: str | None = None) -> Path:
-    """Write a generated report, creating its folder. With `notes_marker`, the marker ends the
-    generated part, and whatever followed it in the existing file (notes written by hand) is kept."""
-    path = Path(path)
-    if notes_marker is not None:
-        old = path.read_text() if path.is_file() else ""
-        notes = old.split(notes_marker, 1)[1] if notes_marker in old else "\n"
-        text = text + notes_marker + notes
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path

@@ -1,6 +1,6 @@
 """Does fine-tuning help? Two studies on real data, written to a markdown table.
 
-    python scripts/finetune_study.py --vit-checkpoint runs/tiny_imagenet_vit/checkpoints/last.ckpt \
+    python -m benchmarks.finetune_study --vit-checkpoint runs/tiny_imagenet_vit/checkpoints/last.ckpt \
         --cifar-root ../shared/data/cifar10 --resnet-checkpoint ../shared/weights/resnet56-4bfd9763.th \
         --out benchmarks/finetune.md
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vit.cli import main as train
-from vit.report import machine, markdown_table, write_report
+from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
 from vit.training import Throughput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,8 +137,8 @@ def to_markdown(rows: list[Row], args: argparse.Namespace, command: str) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vit-checkpoint", required=True, help="our Tiny-ImageNet ViT (.ckpt or .safetensors)")
-    p.add_argument("--cifar-root", default="../shared/data/cifar10")
-    p.add_argument("--resnet-checkpoint", default="../shared/weights/resnet56-4bfd9763.th")
+    p.add_argument("--cifar-root", default=str(data_root() / "cifar10"), help="default $VIT_DATA/cifar10")
+    p.add_argument("--resnet-checkpoint", default=str(weights_root() / "resnet56-4bfd9763.th"), help="default under $VIT_WEIGHTS")
     p.add_argument("--epochs", type=int, default=2, help="ViT rows (all the same)")
     p.add_argument("--resnet-epochs", type=int, default=1)
     p.add_argument("--num-workers", type=int, default=None)
@@ -152,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     rows = study(args)
-    command = "python scripts/finetune_study.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.finetune_study " + " ".join(sys.argv[1:] if argv is None else argv)
     print(write_report(args.out, to_markdown(rows, args, command)).read_text())
     return rows
 

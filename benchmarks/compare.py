@@ -1,6 +1,6 @@
 """Train a ViT and ResNet baselines on the same data, augmentation and budget; write a markdown table.
 
-    python scripts/compare.py --data-root ../shared/data/cifar10 --val-dir test --minutes 25 \
+    python -m benchmarks.compare --data-root ../shared/data/cifar10 --val-dir test --minutes 25 \
         --out benchmarks/vit_vs_resnet.md
 
 Each model keeps its own optimiser recipe (its config: AdamW for the ViT, SGD for the ResNets);
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vit.cli import main as train
-from vit.report import machine, markdown_table, write_report
+from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
 from vit.training import Throughput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
     results = compare(args)
-    command = "python scripts/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.compare " + " ".join(sys.argv[1:] if argv is None else argv)
     print(write_report(args.out, to_markdown(results, args, command)).read_text())
     return results
 

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.report import data_root, machine, markdown_table, write_report
 from vit import create_model
 from vit.data import ImageFiles, TextDataModule
 from vit.data.augment import batch_augment, normalize
 from vit.data.images import scan_image_folder
 from vit.data.memory import to_tensor_images
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
 from vit.schedule import warmup_cosine
 from vit.training import param_groups
 
@@ -402,7 +402,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--steps", type=int, default=5, help="speed: steps per round")
     parser.add_argument("--rounds", type=int, default=5, help="speed: interleaved rounds")
     parser.add_argument("--threads", type=int, default=1, help="1: robust when other jobs share the cores")
-    parser.add_argument("--data-root", default=str(data_root()), help="has tinyshakespeare.txt, cifar10/ (default $VIT_DATA)")
+    parser.add_argument(
+        "--data-root", default=str(data_root()), help="has tinyshakespeare.txt and cifar10/ (default $VIT_DATA)"
+    )
     parser.add_argument("--out", default="runs/ablate", help="results.jsonl goes here")
     parser.add_argument("--cache", default=None, help="decoded CIFAR-10 tensors (default: <out>/cache)")
     parser.add_argument("--report", default=str(ROOT / "benchmarks" / "ablations.md"))

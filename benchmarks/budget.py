@@ -30,9 +30,9 @@ import torch
 import yaml
 from lightning.pytorch import LightningDataModule, Trainer
 
+from benchmarks.report import data_root, machine, markdown_table, write_report
 from vit.cli import TrainCLI, _show_our_logs
 from vit.lit import ImageClassifier
-from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
 from vit.schedule import find_budget
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.report import machine, markdown_table, write_report
 from vit.cli import main as train
-from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
 from vit.training import Throughput
 
 ROOT = Path(__file__).resolve().parents[1]

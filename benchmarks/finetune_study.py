@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vit.cli import main as train
 from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
+from vit.cli import main as train
 from vit.training import Throughput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vit-checkpoint", required=True, help="our Tiny-ImageNet ViT (.ckpt or .safetensors)")
     p.add_argument("--cifar-root", default=str(data_root() / "cifar10"), help="default $VIT_DATA/cifar10")
-    p.add_argument("--resnet-checkpoint", default=str(weights_root() / "resnet56-4bfd9763.th"), help="default under $VIT_WEIGHTS")
+    p.add_argument(
+        "--resnet-checkpoint", default=str(weights_root() / "resnet56-4bfd9763.th"), help="default under $VIT_WEIGHTS"
+    )
     p.add_argument("--epochs", type=int, default=2, help="ViT rows (all the same)")
     p.add_argument("--resnet-epochs", type=int, default=1)
     p.add_argument("--num-workers", type=int, default=None)

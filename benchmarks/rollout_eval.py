@@ -44,6 +44,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from benchmarks.report import data_root, machine, markdown_table, write_report
 from vit.checkpoint import load_model
 from vit.data.images import Sample, read_rgb, scan_image_folder, scan_tiny_imagenet
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
@@ -58,7 +59,6 @@ from vit.explain import (
     outlier_norm_mask,
     perturbation_scores,
 )
-from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
 from vit.rollout import METHODS, box_scores, centre_gaussian, check_vit, rollout_maps
 
 # Rollout's variants that vit-explain users and papers compare (max / min head fusion, discarding the

@@ -1,4 +1,4 @@
-"""The report helper every study script writes with, and the commands installed with the package."""
+"""The report helpers the studies write with (benchmarks/report.py), and the commands installed with the package."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
 from benchmarks.report import machine, markdown_table, write_report
+from tests.conftest import ROOT
 
 
 def test_markdown_table_aligns_numbers_right_and_renders_cells_as_text():

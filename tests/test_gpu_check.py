@@ -136,7 +136,7 @@ def test_the_step_timer_counts_the_images_after_the_warmup_steps(tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from vit.tools.data_check import StepTimer
+    from vit.training import StepTimer
 
     class Linear(L.LightningModule):
         def __init__(self) -> None:

@@ -426,3 +426,27 @@ def test_accuracy_is_over_samples_not_a_mean_over_classes():
     logits = torch.eye(3)[[0, 0, 0, 0, 1]]  # predicts class 0 four times, class 1 once
     metric.update(logits, torch.tensor([0, 0, 0, 0, 2]))
     assert metric.compute().item() == pytest.approx(0.8)  # 4 of 5; the per-class mean would be 0.33
+
+
+def test_throughput_counts_the_training_images_over_the_training_time_alone(tmp_path):
+    """Validation made slow on purpose (0.3 s a batch, 2 batches an epoch, 2 epochs: 1.2 s asleep):
+    the run's img/s counts the 2 x 3 batches of 64 training images over a time that leaves the
+    sleeping out, and each epoch logs its own rate."""
+    import time
+
+    from vit.training import Throughput
+
+    class SlowValidation(Callback):
+        def on_validation_batch_end(self, *args, **kwargs) -> None:
+            time.sleep(0.3)
+
+    throughput = Throughput()
+    trainer = quiet_trainer(tmp_path, max_epochs=2, limit_train_batches=3, limit_val_batches=2,
+                            num_sanity_val_steps=0, callbacks=[throughput, SlowValidation()])  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(ImageClassifier("vit_nano_patch4_16", num_classes=10), DigitsDataModule(batch_size=64, num_workers=0))
+    wall = time.perf_counter() - start
+    assert throughput.images == 2 * 3 * 64
+    assert 0 < throughput.seconds < wall - 1.2
+    assert throughput.images_per_second == pytest.approx(throughput.images / throughput.seconds)
+    assert float(trainer.callback_metrics["train/img_per_s"]) > throughput.images / (wall - 1.2)

@@ -185,6 +185,35 @@ def rescale_lr(checkpoint: dict[str, Any], ratio: float, now: str, saved: str) -
     log.info("resuming with %s instead of the checkpoint's %s: the saved rates are scaled by %g", now, saved, ratio)
 
 
+class StepTimer(Callback):
+    """Images per second over the optimizer steps after the first `warmup` (compilation, autotuning,
+    loader start-up), data loading included; on CUDA each step is synchronised before it is timed.
+    `backend`: the process group's, under DDP. What the GPU and data checks (vit.tools) measure;
+    Throughput is the per-epoch figure a run logs (`--trainer.callbacks+=vit.training.Throughput`)."""
+
+    def __init__(self, warmup: int = 0) -> None:
+        self.warmup = warmup
+        self.images, self.start, self.seconds = 0, 0.0, 0.0
+        self.backend: str | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.backend = torch.distributed.get_backend()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        if trainer.global_step == self.warmup:
+            self.start = time.perf_counter()
+        elif trainer.global_step > self.warmup:
+            self.seconds = time.perf_counter() - self.start
+            self.images += len(batch[0]) * trainer.world_size
+
+    @property
+    def images_per_second(self) -> float | None:
+        return self.images / self.seconds if self.seconds else None
+
+
 class Throughput(Callback):
     """Training images per second, data loading included and validation excluded: logged per
     epoch as `train/img_per_s` (the mean over ranks) and, for the whole run, `images_per_second`,

@@ -247,11 +247,15 @@ class ImageFiles(_SeededTransform):
         """The encoded file of sample `position`, as stored."""
         return Path(self.samples[position].path).read_bytes()
 
-    def first_readable(self, index: int, read: Callable[[int], Any]) -> tuple[int, Any] | None:
+    def first_readable(
+        self, index: int, read: Callable[[int], Any], substitute: bool | None = None
+    ) -> tuple[int, Any] | None:
         """(position, read(position)) for the sample at `index`; with skip_corrupt, a sample whose
         read raises CorruptImageError is logged, counted and replaced by the next readable one
-        (`substitute`), or gives None (evaluation: the caller's stand-in is not scored)."""
-        for offset in range(len(self.samples) if self.substitute else 1):
+        (`substitute`, by default the dataset's), or gives None (evaluation: the caller's stand-in is
+        not scored; decoding into memory: left out)."""
+        substitute = self.substitute if substitute is None else substitute
+        for offset in range(len(self.samples) if substitute else 1):
             position = (index + offset) % len(self.samples)
             try:
                 return position, read(position)
@@ -260,7 +264,7 @@ class ImageFiles(_SeededTransform):
                     raise
                 self.num_skipped += 1
                 log.warning("skipped %s (%d corrupt images skipped so far in this process)", e, self.num_skipped)
-        if not self.substitute:
+        if not substitute:
             return None
         raise CorruptImageError(f"none of the {len(self.samples)} images could be decoded")
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
+from vit.data.images import ImageArrays, ImageFiles
 from vit.data.sampling import ResumableSampler, mix_seed
 from vit.data.transforms import resize_transform
 
@@ -178,16 +178,11 @@ def _decode(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -
     geometry = resize_transform(img_size, crop_pct)
     images, labels = [], []
     for i in range(len(dataset)):
-        if isinstance(dataset, ImageFiles):
-            sample = dataset.samples[i]
-            try:
-                image, label = read_rgb(sample.path), sample.label
-            except CorruptImageError as e:
-                if not dataset.skip_corrupt:
-                    raise
-                dataset.num_skipped += 1
-                log.warning("skipped %s (%d corrupt images skipped so far)", e, dataset.num_skipped)
+        if isinstance(dataset, ImageFiles):  # with skip_corrupt, an unreadable file is logged and left out
+            found = dataset.first_readable(i, dataset.read_image, substitute=False)
+            if found is None:
                 continue
+            image, label = found[1], dataset.samples[i].label
         else:
             image, label = dataset.images[i], int(dataset.labels[i])
         if crop_pct != 1.0 or image.shape[:2] != (img_size, img_size):

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from PIL import Image
@@ -99,28 +98,6 @@ def write_synthetic_imagenet(
 
 
 # -- the three speeds ----------------------------------------------------------------------------
-
-
-class StepTimer(L.Callback):
-    """Images per second over the optimizer steps after the first `warmup` (compilation, autotuning,
-    loader start-up), data loading included; on CUDA each step is synchronised before it is timed."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.images, self.start, self.seconds = 0, 0.0, 0.0
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, i) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        if trainer.global_step == self.warmup:
-            self.start = time.perf_counter()
-        elif trainer.global_step > self.warmup:
-            self.seconds = time.perf_counter() - self.start
-            self.images += len(batch[0]) * trainer.world_size
-
-    @property
-    def images_per_second(self) -> float | None:
-        return self.images / self.seconds if self.seconds else None
 
 
 @dataclass
@@ -208,9 +185,11 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     from vit.cli import main
 
     with tempfile.TemporaryDirectory() as workdir:
-        timer = ["--trainer.callbacks+=vit.tools.data_check.StepTimer", f"--trainer.callbacks.warmup={case.warmup}"]
+        timer = ["--trainer.callbacks+=vit.training.StepTimer", f"--trainer.callbacks.warmup={case.warmup}"]
         with _quiet():
             cli = main(["fit", *case.args(workdir, "--model.compile", str(compile).lower(), *timer)])
+    from vit.training import StepTimer
+
     timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
     if cli.trainer.global_step != case.steps:
         raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")

@@ -30,7 +30,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -138,31 +137,6 @@ def _side(img_size: int | tuple[int, int]) -> int:
     return img_size[0] if isinstance(img_size, (tuple, list)) else img_size
 
 
-def _timer_callback(warmup: int, cuda: bool) -> Any:
-    import lightning as L
-
-    class StepTimer(L.Callback):
-        """Wall time of the optimizer steps after the first `warmup` (compilation, cudnn autotuning)."""
-
-        def __init__(self) -> None:
-            self.images, self.start, self.seconds, self.backend = 0, None, 0.0, None
-
-        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            if torch.distributed.is_initialized():
-                self.backend = torch.distributed.get_backend()
-
-        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, i) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            if trainer.global_step == warmup:
-                self.start = time.perf_counter()
-            elif trainer.global_step > warmup:
-                self.seconds = time.perf_counter() - self.start
-                self.images += len(batch[0]) * trainer.world_size
-
-    return StepTimer()
-
-
 @dataclass
 class FitCase:
     check: str
@@ -185,6 +159,7 @@ def run_fit(case: FitCase) -> tuple[Row, str | None]:
 
     from vit.lit import ImageClassifier
     from vit.registry import model_config
+    from vit.training import StepTimer
 
     cuda = case.device == "cuda"
     img_size = _side(case.img_size or getattr(model_config(case.model), "img_size", 224))
@@ -200,7 +175,7 @@ def run_fit(case: FitCase) -> tuple[Row, str | None]:
 
         strategy = ShardedStrategy()
     warmup = min(10, max(1, case.steps // 3))
-    timer = _timer_callback(warmup, cuda)
+    timer = StepTimer(warmup)
     data = DataLoader(SyntheticBatches(case.steps, case.batch, img_size, 1000, cuda), batch_size=None)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(

@@ -161,11 +161,6 @@ def _check_layers(attns: list[torch.Tensor], start_layer: int) -> None:
         raise ValueError(f"start_layer must be in [0, {len(attns) - 1}], got {start_layer}")
 
 
-def _grid(model: VisionTransformer, images: torch.Tensor) -> tuple[int, int]:
-    ph, pw = model.patch_embed.patch_size
-    return images.shape[-2] // ph, images.shape[-1] // pw
-
-
 def attention_rollout(
     model: nn.Module,
     images: torch.Tensor,
@@ -181,7 +176,7 @@ def attention_rollout(
     with torch.no_grad():
         logits, attns = model.forward_with_attn(images)
     joint = rollout(attns, head_fusion, discard_ratio, start_layer, model.num_prefix_tokens)
-    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, _grid(model, images)), logits
+    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, model.patch_grid(images)), logits
 
 
 def gradient_rollout(
@@ -201,7 +196,7 @@ def gradient_rollout(
     logits, attns = forward_with_attn_graph(model, images)
     grads = attention_gradients(logits, attns, target)
     joint = gradient_rollout_joint([a.detach() for a in attns], grads, start_layer)
-    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, _grid(model, images)), logits.detach()
+    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, model.patch_grid(images)), logits.detach()
 
 
 def forward_with_attn_graph(model: VisionTransformer, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -242,7 +237,7 @@ def last_layer_attention(
     with torch.no_grad():
         logits, attns = model.forward_with_attn(images)
     last = fuse_heads(attns[-1].float(), head_fusion)
-    return joint_to_map(last, model.num_prefix_tokens, model.global_pool, _grid(model, images)), logits
+    return joint_to_map(last, model.num_prefix_tokens, model.global_pool, model.patch_grid(images)), logits
 
 
 def gradcam(
@@ -268,7 +263,7 @@ def gradcam(
     except ImportError as e:
         raise ImportError("gradcam needs pytorch-grad-cam: pip install 'vit[explain]' (or 'grad-cam>=1.5')") from e
     model = check_vit(model)
-    gh, gw = _grid(model, images)
+    gh, gw = model.patch_grid(images)
     prefix = model.num_prefix_tokens
 
     class GridGradCAM(GradCAM):

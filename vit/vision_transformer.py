@@ -213,15 +213,17 @@ class VisionTransformer(nn.Module):
         table = sincos_2d(grid[0], grid[1], self.embed_dim)
         return F.pad(table, (0, 0, self.num_pos_prefix, 0))[None]
 
-    def _grid(self, x: torch.Tensor) -> tuple[int, int]:
-        return self.patch_embed.dynamic_feat_size(tuple(x.shape[-2:]))
+    def patch_grid(self, images: torch.Tensor) -> tuple[int, int]:
+        """(rows, columns) of patch tokens the images give: the one definition (rollout maps use it)."""
+        return self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:]))
 
     def _rope(self, images: torch.Tensor, kept: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """posemb="rope": the (cos, sin) tables of the images' patch grid, shared by every block;
         after patch dropout each image's kept patches' rows, (B, 1, kept, head_dim) for the heads."""
         if self.config.posemb != "rope":
             return None
-        cos, sin = (t.to(images.device) for t in rope_2d(self._grid(images), self.embed_dim // self.config.num_heads))
+        tables = rope_2d(self.patch_grid(images), self.embed_dim // self.config.num_heads)
+        cos, sin = (t.to(images.device) for t in tables)
         if kept is not None:
             cos, sin = cos[kept][:, None], sin[kept][:, None]
         return cos, sin
@@ -230,7 +232,7 @@ class VisionTransformer(nn.Module):
         """Images -> [CLS, registers] + patch tokens with their positions, as the blocks take them,
         and the rotary tables of those patches (posemb="rope", else None)."""
         x = self.patch_embed(images)
-        pos_embed = self._pos_embed(self._grid(images), x.device) if self.pos_embed is not None else None
+        pos_embed = self._pos_embed(self.patch_grid(images), x.device) if self.pos_embed is not None else None
         if pos_embed is not None and self.config.no_embed_class:
             x = x + pos_embed  # the patches only
         tokens = (self.cls_token, self.dist_token, self.reg_token)
@@ -315,7 +317,7 @@ class VisionTransformer(nn.Module):
         prefix = [t[:, : self.num_prefix_tokens] for t in taken]
         out = [t[:, self.num_prefix_tokens :] for t in taken]
         if output_fmt == "NCHW":
-            h, w = self._grid(x)
+            h, w = self.patch_grid(x)
             out = [t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for t in out]
         if return_prefix_tokens:
             out = list(zip(out, prefix, strict=True))

@@ -486,8 +486,8 @@ class StreamingDataModule(ImageDataModule):
     Trained as an image folder is (the same crop defaults, augmentation, device_decode and exact
     resume), in the order of vit.data.sampling.ChunkedSampler: each process reads its own share of
     the chunks, `shuffle_window` chunks at a time, so nodes read disjoint parts of the data.
-    `cache_dir` / `max_cache_size`: where and how much litdata caches of remote chunks (litdata's
-    defaults when None).
+    `chunk_cache_dir` / `chunk_cache_size` (e.g. "200GB"): where and how much litdata caches of
+    remote chunks (litdata's defaults when None; `cache_dir` stays in_memory's).
     """
 
     order_per_process = True  # a mid-epoch resume with another process count restarts the epoch
@@ -502,13 +502,13 @@ class StreamingDataModule(ImageDataModule):
         crop_padding: int | None = None,
         eval_crop_pct: float | None = None,
         shuffle_window: int = 8,
-        cache_dir: str | None = None,
-        max_cache_size: str | None = None,
+        chunk_cache_dir: str | None = None,
+        chunk_cache_size: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**folder_crop(img_size, crop, crop_padding, eval_crop_pct, kwargs), **kwargs)
         self.root, self.train_dir, self.val_dir = root.rstrip("/"), train_dir, val_dir
-        self.shuffle_window, self.stream_cache = shuffle_window, (cache_dir, max_cache_size)
+        self.shuffle_window, self.stream_cache = shuffle_window, (chunk_cache_dir, chunk_cache_size)
         # Read the training split's index now: the CLI links num_classes to the model's at instantiation.
         self._train = StreamingImages(f"{self.root}/{train_dir}", self.train_transform, self.skip_corrupt,
                                       *self.stream_cache)  # fmt: skip

@@ -253,24 +253,25 @@ def _solarize(images: torch.Tensor, threshold: torch.Tensor, _: torch.Tensor) ->
     return torch.where(images >= threshold.view(-1, 1, 1, 1) * 255, 255 - images, images)
 
 
-def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
-    """Per-channel histogram stretch: value v -> 255 x (pixels in bins lo..bin(v), less bin lo's) /
-    (pixels in bins lo..hi, less bin lo's), where lo and hi are the first and last bins used; 0 below,
-    255 above; a channel with one bin used is left as it is."""
+def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per-channel histogram stretch, each value read as a bin of `hist` (as albumentations' lookup
+    tables are): v -> 255 x (pixels in bins lo..v, less bin lo's) / (pixels in bins lo..hi, less bin
+    lo's), where lo and hi are the first and last bins used; 0 below, 255 above; a channel with one
+    bin used is left as it is."""
     used = hist > 0
     lo = used.float().argmax(1, keepdim=True)
     hi = hist.shape[1] - 1 - used.flip(1).float().argmax(1, keepdim=True)
     cdf = hist.cumsum(1)
     at_lo, at_hi = cdf.gather(1, lo), cdf.gather(1, hi)
-    stretched = ((cdf.gather(1, bins) - at_lo) * 255 / (at_hi - at_lo).clamp(min=1)).round()
-    out = torch.where(bins < lo, 0.0, torch.where(bins > hi, 255.0, stretched.clamp(0, 255)))
+    stretched = ((cdf.gather(1, values) - at_lo) * 255 / (at_hi - at_lo).clamp(min=1)).round()
+    out = torch.where(values < lo, 0.0, torch.where(values > hi, 255.0, stretched.clamp(0, 255)))
     return torch.where(hi > lo, out, values.float()).view(images.shape)
 
 
-def _histogram(values: torch.Tensor, bins: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _histogram(bins: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """(rows, 256) counts of each row's `bins` where `keep`: one bincount over row-offset bins."""
-    rows = values.shape[0]
-    offset = bins + 256 * torch.arange(rows, device=values.device)[:, None]
+    rows = bins.shape[0]
+    offset = bins + 256 * torch.arange(rows, device=bins.device)[:, None]
     counts = torch.bincount(offset.flatten(), weights=keep.flatten().float(), minlength=256 * rows)
     return counts.view(rows, 256).float()
 
@@ -279,8 +280,7 @@ def _equalize(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
     """Histogram equalisation of each channel, as OpenCV's equalizeHist (albumentations' Equalize)."""
     b, c, h, w = images.shape
     values = images.reshape(b * c, h * w).long()
-    hist = _histogram(values, values, torch.ones_like(values))
-    return _lut(images, hist, values, values)
+    return _lut(images, _histogram(values, torch.ones_like(values)), values)
 
 
 def _autocontrast(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
@@ -289,8 +289,7 @@ def _autocontrast(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
     b, c, h, w = images.shape
     values = images.reshape(b * c, h * w).long()
     bins = (values * 256 // 255).clamp(max=255)
-    hist = _histogram(values, bins, values < 255)
-    return _lut(images, hist, values, values)
+    return _lut(images, _histogram(bins, values < 255), values)
 
 
 _RA_FUNCTIONS = {

@@ -16,14 +16,13 @@ is kept (delete it to convert it again).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Iterator
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -96,8 +95,10 @@ def convert_image_folder(
         labels: list[int] = []
         left_out: list[str] = []
         jobs = [(Path(s.path), max_side, quality, skip_corrupt) for s in samples]
-        with get_context("spawn").Pool(workers) if workers > 1 else _Serial() as pool:
-            for sample, (data, what) in zip(samples, pool.imap(_job, jobs, chunksize=16), strict=True):
+        with contextlib.ExitStack() as stack:  # in order, from a pool of `workers` processes, or here
+            pool = stack.enter_context(get_context("spawn").Pool(workers)) if workers > 1 else None
+            results = pool.imap(_job, jobs, chunksize=16) if pool else map(_job, jobs)
+            for sample, (data, what) in zip(samples, results, strict=True):
                 if data is None:
                     left_out.append(what)
                     continue
@@ -114,19 +115,6 @@ def convert_image_folder(
         os.replace(tmp, out)
         report[split] = {"written": len(labels), "left out": left_out}
     return report
-
-
-class _Serial:
-    """A pool of no processes (workers 1): imap in this process."""
-
-    def __enter__(self) -> _Serial:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def imap(self, fn: Callable[[Any], Any], jobs: Iterable[Any], chunksize: int = 1) -> Iterator[Any]:
-        return map(fn, jobs)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]:

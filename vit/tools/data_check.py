@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vit.training import StepTimer
+
 RECIPES = ("configs/imagenet_vit_b16.yaml", "configs/imagenet_resnet50.yaml")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -188,8 +190,6 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
         timer = ["--trainer.callbacks+=vit.training.StepTimer", f"--trainer.callbacks.warmup={case.warmup}"]
         with _quiet():
             cli = main(["fit", *case.args(workdir, "--model.compile", str(compile).lower(), *timer)])
-    from vit.training import StepTimer
-
     timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
     if cli.trainer.global_step != case.steps:
         raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")

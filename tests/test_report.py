@@ -81,3 +81,21 @@ def test_installed_command_points_at_a_function_and_its_checkout_script_runs(com
     done = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout.lower()
+
+
+def test_the_studies_read_data_and_weights_from_the_environment_or_the_project_folders(monkeypatch):
+    """benchmarks/README.md: datasets from $VIT_DATA (default data/), checkpoints from $VIT_WEIGHTS
+    (default weights/), unless a study's option names them."""
+    from benchmarks import budget, finetune_study
+
+    monkeypatch.delenv("VIT_DATA", raising=False)
+    monkeypatch.delenv("VIT_WEIGHTS", raising=False)
+    defaults = finetune_study.parse_args(["--vit-checkpoint", "v.ckpt"])
+    assert (defaults.cifar_root, defaults.resnet_checkpoint) == ("data/cifar10", "weights/resnet56-4bfd9763.th")
+    monkeypatch.setenv("VIT_DATA", "/datasets")
+    monkeypatch.setenv("VIT_WEIGHTS", "/ckpts")
+    moved = finetune_study.parse_args(["--vit-checkpoint", "v.ckpt"])
+    assert (moved.cifar_root, moved.resnet_checkpoint) == ("/datasets/cifar10", "/ckpts/resnet56-4bfd9763.th")
+    run = budget.parse_args(["run", "--name", "x", "--config", "c.yaml", "--minutes", "1"])
+    assert run.data_root == "/datasets/cifar10"
+    assert finetune_study.parse_args(["--vit-checkpoint", "v", "--cifar-root", "here"]).cifar_root == "here"

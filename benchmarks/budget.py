@@ -32,6 +32,7 @@ from lightning.pytorch import LightningDataModule, Trainer
 
 from benchmarks.report import data_root, machine, markdown_table, write_report
 from vit.cli import TrainCLI, _show_our_logs
+from vit.data import ImageDataModule
 from vit.lit import ImageClassifier
 from vit.schedule import find_budget
 
@@ -172,7 +173,21 @@ def _configs(config: str) -> str:
 
 
 def _recipe(r: dict) -> str:
-    return " ".join(r["overrides"]) or "(config as is)"
+    return " ".join(_current_names(r["overrides"])) or "(config as is)"
+
+
+def _current_names(overrides: list[str]) -> list[str]:
+    """A recorded run's options under today's names (`--model.lr` is `--model.optimizer.lr`)."""
+    renamed = {"model": ImageClassifier.RENAMED, "data": ImageDataModule.RENAMED}
+    named = []
+    for i, option in enumerate(overrides):
+        part, _, old = option.removeprefix("--").partition(".")
+        new = renamed.get(part, {}).get(old) if option.startswith("--") else None
+        value = overrides[i + 1] if i + 1 < len(overrides) else ""
+        if new is not None and not (new.split(".")[0] == old and value.startswith("{")):
+            option = f"--{part}.{new}"
+        named.append(option)
+    return named
 
 
 def report(args: argparse.Namespace) -> str:
@@ -273,7 +288,7 @@ def curves(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
     config that changed its model) is its own curve, never averaged into the config's; seeds are averaged."""
     points: dict[str, dict[float, list[float]]] = {}
     for r in rows:
-        recipe = " ".join(o.removeprefix("--") for o in r["overrides"])
+        recipe = " ".join(o.removeprefix("--") for o in _current_names(r["overrides"]))
         name = f"{r['name']} ({r['params'] / 1e6:.2f}M)"
         label = f"{name}, {recipe}" if recipe else name
         points.setdefault(label, {}).setdefault(r["minutes"], []).append(100 * r["top1"])
@@ -330,7 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="added to the machine line, so rows from another host of the same type (the same line, "
         "a different speed) get their own tables",
     )
-    r.add_argument("overrides", nargs="*", help="more train.py options after --, e.g. -- --model.lr 2e-3")
+    r.add_argument("overrides", nargs="*", help="more train.py options after --, e.g. -- --model.optimizer.lr 2e-3")
     s = sub.add_parser("report", help="markdown table and plot from the results")
     s.add_argument("--results", default=str(RESULTS))
     s.add_argument("--out", default=str(ROOT / "benchmarks" / "budget.md"))

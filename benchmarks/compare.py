@@ -53,9 +53,9 @@ def _run(config: str, root: Path, overrides: list[str]) -> tuple[object, Through
 def compare(args: argparse.Namespace) -> list[Result]:
     data = [
         "--data", "vit.data.ImageFolderDataModule", "--data.root", args.data_root, "--data.val_dir", args.val_dir,
-        "--data.img_size", "32", "--data.batch_size", str(args.batch_size), "--data.crop", "pad_crop",
-        "--data.crop_padding", "4", "--data.hflip", "true", "--data.randaugment_ops", str(args.randaugment_ops),
-        "--data.mixup_alpha", "0", "--data.cutmix_alpha", "0",
+        "--data.img_size", "32", "--data.batch_size", str(args.batch_size),
+        "--data.augment", f"{{crop: pad_crop, crop_padding: 4, hflip: true, randaugment_ops: {args.randaugment_ops}}}",
+        "--data.mixup", "{mixup_alpha: 0, cutmix_alpha: 0}",
     ]  # fmt: skip
     if args.num_workers is not None:
         data += ["--data.num_workers", str(args.num_workers)]
@@ -77,7 +77,7 @@ def compare(args: argparse.Namespace) -> list[Result]:
             print(f"[{name}] probe: {probe.images_per_second:.0f} img/s -> {epochs} epochs in {args.minutes} min")
         # A short budget must not end inside a config's warmup (the ViT's is 5 epochs): every model
         # warms up for the first 10% of its budget, then decays on its own schedule.
-        schedule = ["--trainer.max_epochs", str(epochs), "--model.warmup_epochs", f"{0.1 * epochs:g}"]
+        schedule = ["--trainer.max_epochs", str(epochs), "--model.schedule.warmup_epochs", f"{0.1 * epochs:g}"]
         cli, meter, wall = _run(config, out / "run", [*data, *model, *schedule])
         ckpt = cli.trainer.checkpoint_callback
         results.append(

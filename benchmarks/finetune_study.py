@@ -33,9 +33,9 @@ RESNET_CONFIG = "configs/finetune/resnet56_cifar10_jpeg.yaml"
 # The from-scratch row trains with the from-scratch recipe (configs/tiny_imagenet_vit.yaml, tuned as
 # configs/cifar10_vit.yaml), not with the fine-tuning optimizer: a fair baseline is the best one.
 SCRATCH = [
-    "--model.layer_decay", "null", "--model.optimizer", "muon", "--model.lr", "4e-3", "--model.lr_base_batch_size",
-    "128", "--model.betas", "[0.9, 0.99]", "--model.warmup_epochs", "0", "--model.warmup_fraction", "0.05",
-    "--model.min_lr", "0",
+    "--model.finetune.layer_decay", "null",
+    "--model.optimizer", "{name: muon, lr: 4e-3, lr_base_batch_size: 128, betas: [0.9, 0.99]}",
+    "--model.schedule", "{warmup_epochs: 0, warmup_fraction: 0.05, min_lr: 0}",
 ]  # fmt: skip
 RESNET_PNG_TOP1 = 93.39  # akamaster/pytorch_resnet_cifar10's reported ResNet-56 test accuracy on the PNGs
 
@@ -85,16 +85,16 @@ def study(args: argparse.Namespace) -> list[Row]:
         print(rows[-1], flush=True)
 
     vit = "ViT transfer (Tiny-ImageNet -> CIFAR-10 @64)"
-    pretrained = ["--model.init_from", args.vit_checkpoint]
-    fit(vit, "from scratch", VIT_CONFIG, "vit_scratch", args.epochs, ["--model.init_from", "null", *SCRATCH])
+    pretrained = ["--model.finetune.init_from", args.vit_checkpoint]
+    fit(vit, "from scratch", VIT_CONFIG, "vit_scratch", args.epochs, ["--model.finetune.init_from", "null", *SCRATCH])
     fit(vit, "fine-tuned, layer decay 0.75", VIT_CONFIG, "vit_finetune", args.epochs, pretrained)
     fit(vit, "fine-tuned, no layer decay", VIT_CONFIG, "vit_finetune_flat", args.epochs,
-        [*pretrained, "--model.layer_decay", "null"])  # fmt: skip
-    probe = ["--model.freeze_backbone", "true", "--model.layer_decay", "null", "--model.lr", "5e-3"]
+        [*pretrained, "--model.finetune.layer_decay", "null"])  # fmt: skip
+    probe = ["--model.finetune", "{freeze_backbone: true, layer_decay: null}", "--model.optimizer.lr", "5e-3"]
     fit(vit, "linear probe (frozen backbone)", VIT_CONFIG, "vit_probe", args.epochs, [*pretrained, *probe])
 
     jpeg = "ResNet-56 PNG checkpoint on JPEG CIFAR-10"
-    resnet = [*data, "--model.init_from", args.resnet_checkpoint]  # the data and the weights, as inputs
+    resnet = [*data, "--model.finetune.init_from", args.resnet_checkpoint]  # the data and the weights, as inputs
     cli, minutes = _run("validate", RESNET_CONFIG, work / "resnet56_before", resnet)
     before = 100 * float(cli.trainer.callback_metrics["val/acc1"])
     rows.append(Row(jpeg, "checkpoint as is (no training)", "validate", 0, minutes, 0.0, before))

@@ -1,7 +1,7 @@
 """Train, validate, test or predict with any model and datamodule, configured by YAML.
 
     python scripts/train.py fit --config configs/default.yaml
-    python scripts/train.py fit --config configs/cifar10_vit.yaml --model.lr 3e-4 --trainer.max_epochs 5
+    python scripts/train.py fit --config configs/cifar10_vit.yaml --model.optimizer.lr 3e-4 --trainer.max_epochs 5
     python scripts/train.py fit --config configs/cifar10_vit.yaml --ckpt_path last     # resume
     python scripts/train.py fit --config configs/default.yaml --print_config          # resolved config
 

@@ -34,8 +34,11 @@ def tiny_vit(**recipe) -> ImageClassifier:
 
 def first_step(batch_size: int, accumulate: int, optimizer: str) -> FirstStep:
     # no Mixup, no random crop or flip: the two runs see the same images in the same order
-    model = tiny_vit(optimizer=optimizer, lr=1e-2, lr_base_batch_size=16, warmup_epochs=1, min_lr=1e-4)
-    data = DigitsDataModule(batch_size=batch_size, num_workers=0, crop="resize")
+    model = tiny_vit(
+        optimizer={"name": optimizer, "lr": 1e-2, "lr_base_batch_size": 16},
+        schedule={"warmup_epochs": 1, "min_lr": 1e-4},
+    )
+    data = DigitsDataModule(batch_size=batch_size, num_workers=0, augment={"crop": "resize"})
     record = FirstStep()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, precision="32-true", max_epochs=3, limit_train_batches=4 * accumulate,

@@ -58,7 +58,10 @@ def test_fine_tuning_a_timm_checkpoint_starts_from_its_weights_and_trains_them(t
     timm_sd = _timm_state_dict()
     save_file(timm_sd, str(tmp_path / "vit_tiny.safetensors"))
     module = ImageClassifier(
-        "vit_tiny_patch16_224", {"img_size": 32}, init_from=str(tmp_path / "vit_tiny.safetensors"), lr=3e-4
+        "vit_tiny_patch16_224",
+        {"img_size": 32},
+        finetune={"init_from": str(tmp_path / "vit_tiny.safetensors")},
+        optimizer={"lr": 3e-4},
     )
     assert module.model is None  # num_classes comes from the datamodule: the model is built in fit
 
@@ -109,7 +112,9 @@ def test_load_model_builds_a_timm_format_file_given_the_architecture(tmp_path):
 def test_a_new_class_count_from_our_checkpoint_via_init_from(tmp_path):
     module = ImageClassifier("vit_nano_patch4_16", num_classes=10)
     quiet_trainer(tmp_path, max_steps=1).fit(module, DigitsDataModule(batch_size=32, num_workers=0))
-    finetune = ImageClassifier("vit_nano_patch4_16", num_classes=4, init_from=str(tmp_path / "checkpoints/last.ckpt"))
+    finetune = ImageClassifier(
+        "vit_nano_patch4_16", num_classes=4, finetune={"init_from": str(tmp_path / "checkpoints/last.ckpt")}
+    )
     assert finetune.model.head.out_features == 4
     assert torch.equal(finetune.model.blocks[3].mlp.fc2.weight, module.model.blocks[3].mlp.fc2.weight)
 
@@ -165,7 +170,8 @@ def test_timm_name_offline_says_how_to_pass_a_file(monkeypatch):
     from huggingface_hub.errors import OfflineModeIsEnabled
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(RuntimeError, match=r"could not get timm's pretrained weights.*--model\.init_from /path") as e:
+    pattern = r"could not get timm's pretrained weights.*--model\.finetune\.init_from /path"
+    with pytest.raises(RuntimeError, match=pattern) as e:
         read_weights("timm:vit_tiny_patch16_224.augreg_in21k")
     cause = e.value.__cause__
     while cause is not None and not isinstance(cause, OfflineModeIsEnabled):
@@ -238,7 +244,9 @@ def test_linear_probe_trains_only_the_head_with_the_backbone_in_eval_mode(tmp_pa
         def on_train_batch_start(self, trainer, module, *args):
             modes.append((module.model.blocks[0].training, module.model.head.training))
 
-    module = ImageClassifier("vit_nano_patch4_16", {"drop_path_rate": 0.5}, num_classes=10, freeze_backbone=True)
+    module = ImageClassifier(
+        "vit_nano_patch4_16", {"drop_path_rate": 0.5}, num_classes=10, finetune={"freeze_backbone": True}
+    )
     start = {k: v.clone() for k, v in module.model.state_dict().items()}
     quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=3, limit_val_batches=1, callbacks=[Spy()]).fit(
         module, DigitsDataModule(batch_size=32, num_workers=0)
@@ -249,7 +257,7 @@ def test_linear_probe_trains_only_the_head_with_the_backbone_in_eval_mode(tmp_pa
 
 
 def test_freezing_the_first_blocks(tmp_path):
-    module = ImageClassifier("vit_nano_patch4_16", num_classes=10, freeze_blocks=2)
+    module = ImageClassifier("vit_nano_patch4_16", num_classes=10, finetune={"freeze_blocks": 2})
     trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
     assert not any(n.startswith(("patch_embed", "pos_embed", "cls_token", "blocks.0.", "blocks.1.")) for n in trainable)
     assert any(n.startswith("blocks.2.") for n in trainable) and "head.weight" in trainable

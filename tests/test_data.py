@@ -12,6 +12,7 @@ from PIL import Image
 
 from tests.conftest import shared_path, write_image
 from vit.data import (
+    Augment,
     CIFARDataModule,
     CorruptImageError,
     DigitsDataModule,
@@ -21,7 +22,7 @@ from vit.data import (
     read_rgb,
 )
 from vit.data.images import MISSING, Sample, scan_image_folder
-from vit.data.mixup import MixupCutmix
+from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.sampling import ResumableSampler, resumable_loader
 from vit.data.transforms import eval_transform, train_transform
 from vit.lit import ImageClassifier
@@ -171,22 +172,22 @@ def test_digits_default_needs_no_download_and_splits_stratified():
 def test_train_and_eval_transforms_produce_normalised_tensors():
     image = np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8)
     for crop in ("rrc", "pad_crop", "resize"):
-        out = train_transform(32, crop=crop, randaugment_ops=2)(image=image)["image"]
+        out = train_transform(32, Augment(crop=crop, randaugment_ops=2))(image=image)["image"]
         assert out.shape == (3, 32, 32) and out.dtype == torch.float32
     out = eval_transform(224, crop_pct=0.875)(image=image)["image"]
     assert out.shape == (3, 224, 224)
     # eval: resize the short side to 256, centre-crop 224; a constant image stays constant after normalising
     flat = eval_transform(8)(image=np.full((10, 10, 3), 124, np.uint8))["image"]
     torch.testing.assert_close(flat[0], torch.full((8, 8), (124 / 255 - 0.485) / 0.229), atol=1e-3, rtol=0)
-    with pytest.raises(ValueError, match="crop must be one of"):
-        train_transform(32, crop="random")
+    with pytest.raises(ValueError, match=r"augment\.crop must be one of \('rrc', 'pad_crop', 'resize'\), got 'random'"):
+        Augment(crop="random")
 
 
 def test_augmentation_is_reproducible_from_the_sample_seed():
     images = np.random.default_rng(0).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
     from vit.data import ImageArrays
 
-    dataset = ImageArrays(images, [0, 1, 2, 3], train_transform(32, crop="rrc", randaugment_ops=2))
+    dataset = ImageArrays(images, [0, 1, 2, 3], train_transform(32, Augment(crop="rrc", randaugment_ops=2)))
     a, b, c = dataset[(1, 1234)][0], dataset[(1, 1234)][0], dataset[(1, 99)][0]
     assert torch.equal(a, b) and not torch.equal(a, c)
 
@@ -194,13 +195,13 @@ def test_augmentation_is_reproducible_from_the_sample_seed():
 def test_mixup_and_cutmix_make_soft_targets_that_match_the_mixed_pixels():
     x = torch.arange(4, dtype=torch.float32).view(4, 1, 1, 1).expand(4, 3, 8, 8).contiguous()
     y = torch.tensor([0, 1, 2, 3])
-    mixed, target = MixupCutmix(4, mixup_alpha=1.0, cutmix_alpha=0.0)(x, y, np.random.default_rng(0))
+    mixed, target = MixupCutmix(4, Mixup(mixup_alpha=1.0))(x, y, np.random.default_rng(0))
     lam = target[0, 0].item()
     torch.testing.assert_close(target.sum(1), torch.ones(4))
     torch.testing.assert_close(mixed[0], x[0] * lam + x[3] * (1 - lam))  # mixed with the reversed batch
     assert target[0, 3].item() == pytest.approx(1 - lam)
 
-    mixed, target = MixupCutmix(4, mixup_alpha=0.0, cutmix_alpha=1.0)(x, y, np.random.default_rng(1))
+    mixed, target = MixupCutmix(4, Mixup(cutmix_alpha=1.0))(x, y, np.random.default_rng(1))
     pasted_fraction = (mixed[0, 0] == 3).float().mean().item()  # pixels that came from image 3
     assert target[0, 3].item() == pytest.approx(pasted_fraction)
     assert target[0, 0].item() == pytest.approx(1 - pasted_fraction)
@@ -268,7 +269,7 @@ def test_image_folder_eval_keeps_the_whole_image_unless_training_used_random_res
     image = np.zeros((32, 32, 3), np.uint8)
     image[0, :] = 255  # a white top edge: kept by a whole-image eval, cut by a 0.875 centre crop
     for crop, edge_kept in (("pad_crop", True), ("resize", True), ("rrc", False)):
-        dm = ImageFolderDataModule(root=str(tmp_path), img_size=32, crop=crop, num_workers=0)
+        dm = ImageFolderDataModule(root=str(tmp_path), img_size=32, num_workers=0, augment={"crop": crop})
         top = dm.eval_transform(image=image)["image"][0, 0]
         assert bool((top > 1.5).all()) == edge_kept, crop
 
@@ -288,12 +289,14 @@ def test_image_folder_picks_its_crop_from_the_image_size_and_logs_both_pipelines
     assert ops(small.train_transform) == ops(cifar.train_transform)
     pad_crop = ["Resize", "PadIfNeeded", "RandomCrop", "HorizontalFlip", "Normalize", "ToTensorV2"]
     assert ops(small.train_transform) == pad_crop
-    assert (small.crop_padding, small.eval_crop_pct) == (cifar.crop_padding, cifar.eval_crop_pct) == (4, 1.0)
+    assert (small.augment.crop_padding, small.eval_crop_pct) == (cifar.augment.crop_padding, cifar.eval_crop_pct)
+    assert (small.augment.crop_padding, small.eval_crop_pct) == (4, 1.0)
 
     large = ImageFolderDataModule(root=str(tmp_path), img_size=224, num_workers=0)
     assert ops(large.train_transform) == ["RandomResizedCrop", "HorizontalFlip", "Normalize", "ToTensorV2"]
-    assert (large.crop_scale, large.eval_crop_pct) == ((0.08, 1.0), 0.875)
-    assert ImageFolderDataModule(root=str(tmp_path), img_size=32, crop="rrc", num_workers=0).crop == "rrc"  # as given
+    assert (large.augment.crop_scale, large.eval_crop_pct) == ((0.08, 1.0), 0.875)
+    given = ImageFolderDataModule(root=str(tmp_path), img_size=32, num_workers=0, augment={"crop": "rrc"})
+    assert given.augment.crop == "rrc"  # as given
 
     with caplog.at_level("INFO", logger="vit"):
         small.setup("fit")
@@ -306,12 +309,12 @@ def test_image_folder_picks_its_crop_from_the_image_size_and_logs_both_pipelines
 
 def test_the_logged_train_transform_says_how_often_batches_are_mixed(tmp_path):
     def line(**mix) -> str:
-        return CIFARDataModule(root=str(tmp_path), download=False, **mix).describe_transforms()[0]
+        return CIFARDataModule(root=str(tmp_path), download=False, mixup=mix).describe_transforms()[0]
 
     assert "Mixup" not in line()
     assert line(cutmix_alpha=1.0).endswith("normalise, Mixup 0 / CutMix 1 per batch")
-    assert line(cutmix_alpha=1.0, mixup_prob=0.5).endswith("Mixup 0 / CutMix 1 on 50% of batches")
-    both = line(mixup_alpha=0.8, cutmix_alpha=1.0, mixup_switch_prob=0.25)
+    assert line(cutmix_alpha=1.0, prob=0.5).endswith("Mixup 0 / CutMix 1 on 50% of batches")
+    both = line(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.25)
     assert both.endswith("Mixup 0.8 / CutMix 1 (CutMix on 25%) per batch")
 
 

@@ -15,7 +15,7 @@ from scipy import stats
 from tests.conftest import ROOT, SHARED, write_image_folder
 from tests.test_fault_tolerance import QUIET, assert_bit_identical, signal_at, weights
 from vit.cli import main
-from vit.data.augment import RA_OPS, RA_START, center_crop_box, rand_augment, random_resized_crop_box
+from vit.data.augment import RA_OPS, RA_START, Augment, center_crop_box, rand_augment, random_resized_crop_box
 from vit.data.device import EncodedFiles, collate_encoded, decode_and_augment, decode_batch
 from vit.data.images import CorruptImageError, Sample, read_rgb
 from vit.data.transforms import resize_transform
@@ -98,7 +98,7 @@ def test_evaluation_crops_the_region_resize_and_centre_crop_keep(tmp_path):
 
 def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     (path,) = _photos(tmp_path)[:1]
-    dataset = EncodedFiles([Sample(str(path), 0)], train=True, scale=(0.3, 1.0))
+    dataset = EncodedFiles([Sample(str(path), 0)], train=True, augment=Augment(crop_scale=(0.3, 1.0)))
     a, b, c = (dataset[item][2].nan_to_num(-1) for item in [(0, 7), (0, 7), (0, 8)])  # NaN: no RandAugment
     assert torch.equal(a, b) and not torch.equal(a, c)
     flips = [int(dataset[(0, seed)][2][4]) for seed in range(400)]
@@ -111,7 +111,8 @@ def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     torch.testing.assert_close(x, expected)
 
     # RandAugment: two ops drawn from the same seed, applied to the cropped image
-    augmented = EncodedFiles([Sample(str(path), 0)], train=True, scale=(0.3, 1.0), randaugment=(2, 9.0))
+    with_ra = Augment(crop_scale=(0.3, 1.0), randaugment_ops=2)
+    augmented = EncodedFiles([Sample(str(path), 0)], train=True, augment=with_ra)
     params = augmented[(0, 7)][2]
     assert torch.equal(params[:5], a[:5]) and torch.equal(params.nan_to_num(-1), augmented[(0, 7)][2].nan_to_num(-1))
     assert params[RA_START : RA_START + len(RA_OPS)].isfinite().sum() == 2
@@ -146,7 +147,7 @@ def _recipe(data: Path, run: Path, *extra: str) -> list[str]:
         "--trainer.strategy", "auto", "--trainer.precision", "32-true", "--trainer.max_epochs", "3",
         "--trainer.logger", "false", "--model.model_name", "resnet18", "--data.root", str(data),
         "--data.img_size", "72", "--data.batch_size", "8", "--data.num_workers", "0",
-        "--data.device_decode", "true", "--data.randaugment_ops", "2", *extra,
+        "--data.device_decode", "true", "--data.augment.randaugment_ops", "2", *extra,
     ]  # fmt: skip
 
 
@@ -174,6 +175,6 @@ def test_device_decoding_refuses_what_it_does_not_do():
     from vit.data import ImageFolderDataModule
 
     with pytest.raises(ValueError, match="device_decode decodes image files on the training device"):
-        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, crop="pad_crop")
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, augment={"crop": "pad_crop"})
     with pytest.raises(ValueError, match="default, which device_decode does not do"):  # small images' default crop
         ImageFolderDataModule(str(ROOT / "tests"), img_size=32, device_decode=True)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from vit import create_model
-from vit.lit import ImageClassifier
+from vit.lit import Distillation, ImageClassifier
 from vit.vision_transformer import VisionTransformer, ViTConfig
 
 SMALL = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
@@ -54,8 +54,7 @@ def test_the_loss_is_the_weighted_label_and_teacher_terms(tmp_path, distillation
     teacher_file = _resnet20_file(tmp_path)
     module = ImageClassifier(
         "vit_micro_patch4_32", {"distilled": True, "depth": 1}, num_classes=10, label_smoothing=0.1,
-        teacher=teacher_file, teacher_model="resnet20", distillation=distillation,
-        distillation_alpha=alpha, distillation_tau=tau,
+        distillation=Distillation(teacher_file, "resnet20", kind=distillation, alpha=alpha, tau=tau),
     )  # fmt: skip
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     module.model.train()
@@ -99,8 +98,9 @@ def test_the_distillation_head_learns_the_teacher_and_the_class_head_the_labels(
     (x, left, _), (test, test_left, test_right) = _halves(768, generator), _halves(256, generator)
     L.seed_everything(0)
     module = ImageClassifier(
-        "vit_nano_patch4_16", {"distilled": True, "depth": 2}, num_classes=2, lr=3e-3, warmup_fraction=0.1,
-        teacher=_resnet20_file(tmp_path, num_classes=2), teacher_model="resnet20",
+        "vit_nano_patch4_16", {"distilled": True, "depth": 2}, num_classes=2, optimizer={"lr": 3e-3},
+        schedule={"warmup_fraction": 0.1},
+        distillation=Distillation(_resnet20_file(tmp_path, num_classes=2), "resnet20"),
     )  # fmt: skip
     module.__dict__["_teacher"] = _RightHalfTeacher()
     trainer = L.Trainer(
@@ -118,7 +118,9 @@ def test_the_distillation_head_learns_the_teacher_and_the_class_head_the_labels(
 def test_a_teacher_for_another_class_count_or_a_distilled_model_without_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="predicts 100 classes but the model has 10"):
         ImageClassifier(
-            "vit_nano_patch4_16", num_classes=10, teacher=_resnet20_file(tmp_path, 100), teacher_model="resnet20"
+            "vit_nano_patch4_16",
+            num_classes=10,
+            distillation={"teacher": _resnet20_file(tmp_path, 100), "teacher_model": "resnet20"},
         )
     with pytest.raises(ValueError, match="needs a teacher"):
         ImageClassifier("vit_nano_patch4_16", {"distilled": True}, num_classes=10)

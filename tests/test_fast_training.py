@@ -14,7 +14,7 @@ from PIL import Image
 from tests.conftest import quiet_trainer, write_image_folder
 from tests.faults import InterruptAt
 from vit.data import DigitsDataModule, ImageFiles
-from vit.data.augment import batch_augment, normalize
+from vit.data.augment import Augment, batch_augment, normalize
 from vit.data.datamodules import ImageFolderDataModule, holdout_indices
 from vit.data.images import CorruptImageError, Sample
 from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
@@ -66,7 +66,7 @@ def test_batch_path_has_the_same_statistics_as_the_per_sample_albumentations_pat
     rng = np.random.default_rng(0)
     image = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
     draws = 3000
-    per_sample = train_transform(16, crop="pad_crop", crop_padding=3, hflip=True, mean=(0, 0, 0), std=(1, 1, 1))
+    per_sample = train_transform(16, Augment(crop="pad_crop", crop_padding=3), mean=(0, 0, 0), std=(1, 1, 1))
     reference = torch.stack([per_sample(image=image)["image"] for _ in range(draws)]).mean(0)  # in [0, 1]
     batch = torch.from_numpy(image).permute(2, 0, 1)[None].expand(draws, -1, -1, -1).contiguous()
     ours = batch_augment(batch, torch.Generator().manual_seed(0), crop_padding=3, hflip=True).float().mean(0) / 255
@@ -86,7 +86,7 @@ def test_cutout_zeroes_one_square_per_image():
 
 def test_normalize_matches_albumentations():
     image = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
-    expected = train_transform(8, crop="resize", hflip=False)(image=image)["image"]
+    expected = train_transform(8, Augment(crop="resize", hflip=False))(image=image)["image"]
     ours = normalize(torch.from_numpy(image).permute(2, 0, 1)[None], (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     torch.testing.assert_close(ours[0], expected, atol=1e-3, rtol=0)
 
@@ -137,7 +137,9 @@ def test_holdout_takes_exactly_what_was_asked_when_classes_outnumber_it(tmp_path
     """5 of 10 balanced classes used to round to 0 held-out images: no validation, no warning."""
     folder = write_image_folder(tmp_path, classes=10, train=3, val=1, size=8)
     for in_memory in (False, True):
-        dm = ImageFolderDataModule(str(folder), img_size=8, crop="pad_crop", in_memory=in_memory, val_holdout=5)
+        dm = ImageFolderDataModule(
+            str(folder), img_size=8, in_memory=in_memory, val_holdout=5, augment={"crop": "pad_crop"}
+        )
         dm.setup("fit")
         assert len(dm.val_set) == 5 and len(dm.train_set) == 25
     labels = np.repeat(np.arange(10), 20)
@@ -218,7 +220,13 @@ def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(t
             for i in range(n):
                 Image.fromarray(np.full((12, 12, 3), i * 10, np.uint8)).save(tmp_path / split / c / f"{i}.png")
     data = ImageFolderDataModule(
-        str(tmp_path), val_dir="test", img_size=8, crop="pad_crop", in_memory=True, val_holdout=4, batch_size=4
+        str(tmp_path),
+        val_dir="test",
+        img_size=8,
+        in_memory=True,
+        val_holdout=4,
+        batch_size=4,
+        augment={"crop": "pad_crop"},
     )
     data.setup("fit")
     assert len(data.train_set) == 16 and len(data.val_set) == 4 and len(data.test_set) == 6
@@ -229,19 +237,20 @@ def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(t
 
 def test_batch_options_need_the_in_memory_path():
     with pytest.raises(ValueError, match="in_memory"):
-        DigitsDataModule(cutout=4)
-    with pytest.raises(ValueError, match="crop='rrc'"):
-        DigitsDataModule(in_memory=True, crop="rrc")
+        DigitsDataModule(augment={"cutout": 4})
+    with pytest.raises(ValueError, match=r"augment\.crop 'pad_crop' or 'resize'; got 'rrc'"):
+        DigitsDataModule(in_memory=True, augment={"crop": "rrc"})
 
 
 def _memory_recipe() -> tuple[ImageClassifier, DigitsDataModule]:
     module = ImageClassifier(
-        "vit_nano_patch4_16", {"drop_path_rate": 0.2}, num_classes=10, lr=2e-3, warmup_fraction=0.1,
-        label_smoothing=0.1,
+        "vit_nano_patch4_16", {"drop_path_rate": 0.2}, num_classes=10, label_smoothing=0.1, optimizer={"lr": 2e-3},
+        schedule={"warmup_fraction": 0.1},
     )  # fmt: skip
     data = DigitsDataModule(
-        batch_size=64, in_memory=True, cutout=4, mixup_alpha=0.8, cutmix_alpha=1.0, randaugment_ops=2
-    )
+        batch_size=64, in_memory=True, augment={"cutout": 4, "randaugment_ops": 2},
+        mixup={"mixup_alpha": 0.8, "cutmix_alpha": 1.0},
+    )  # fmt: skip
     return module, data
 
 
@@ -340,7 +349,7 @@ def test_wall_clock_budget_stops_the_run_and_the_lr_ends_on_time(tmp_path):
             lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
             expected.append(1e-3 * warmup_cosine(budget.progress(), 0.2, 0.0))
 
-    module = ImageClassifier(num_classes=10, lr=1e-3, warmup_fraction=0.2)
+    module = ImageClassifier(num_classes=10, optimizer={"lr": 1e-3}, schedule={"warmup_fraction": 0.2})
     trainer = quiet_trainer(tmp_path, max_epochs=10_000, limit_val_batches=0, callbacks=[budget, Spy()])
     trainer.fit(module, DigitsDataModule(batch_size=32))
     assert 3.0 <= budget.elapsed() < 4.5 and trainer.current_epoch < 10_000
@@ -353,7 +362,7 @@ def test_wall_clock_budget_stops_the_run_and_the_lr_ends_on_time(tmp_path):
 def test_a_budget_takes_its_warmup_as_a_fraction(tmp_path):
     trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[WallClockBudget(1)])
     with pytest.raises(ValueError, match="warmup_fraction"):
-        trainer.fit(ImageClassifier(num_classes=10, warmup_epochs=1), DigitsDataModule(batch_size=32))
+        trainer.fit(ImageClassifier(num_classes=10, schedule={"warmup_epochs": 1}), DigitsDataModule(batch_size=32))
 
 
 def test_budget_elapsed_time_survives_a_checkpoint():
@@ -369,7 +378,7 @@ def test_budget_elapsed_time_survives_a_checkpoint():
 def test_warmup_epochs_count_the_loaders_batches_whether_the_run_is_bounded_by_epochs_or_steps(tmp_path, bound):
     """One epoch of warmup is one epoch of batches either way (bounded by max_steps alone it used to
     be the whole run, cut to half of it)."""
-    module = ImageClassifier(num_classes=10, lr=1e-3, warmup_epochs=1)
+    module = ImageClassifier(num_classes=10, optimizer={"lr": 1e-3}, schedule={"warmup_epochs": 1})
     trainer = quiet_trainer(tmp_path, limit_val_batches=0, **bound)
     trainer.fit(module, DigitsDataModule(batch_size=50, num_workers=0))
     per_epoch = trainer.num_training_batches
@@ -380,7 +389,9 @@ def test_warmup_epochs_count_the_loaders_batches_whether_the_run_is_bounded_by_e
 
 
 def test_warmup_longer_than_half_the_run_is_cut_with_a_warning(tmp_path):
-    module = ImageClassifier(num_classes=10, lr=1e-3, warmup_epochs=5)  # 5 epochs of warmup in a 1-epoch run
+    module = ImageClassifier(
+        num_classes=10, optimizer={"lr": 1e-3}, schedule={"warmup_epochs": 5}
+    )  # 5 epochs of warmup in a 1-epoch run
     trainer = quiet_trainer(tmp_path, max_epochs=1, limit_val_batches=0)
     with pytest.warns(UserWarning, match="longer than half the run"):
         trainer.fit(module, DigitsDataModule(batch_size=32))
@@ -390,7 +401,7 @@ def test_warmup_longer_than_half_the_run_is_cut_with_a_warning(tmp_path):
 def test_a_run_without_training_batches_has_no_warmup_to_cut(tmp_path, recwarn):
     """limit_train_batches 0 (to validate a loaded checkpoint) used to warn of a warmup 'longer than
     half the run (-1)'."""
-    module = ImageClassifier(num_classes=10, lr=1e-3, warmup_fraction=0.05)
+    module = ImageClassifier(num_classes=10, optimizer={"lr": 1e-3}, schedule={"warmup_fraction": 0.05})
     trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=0, limit_val_batches=1)
     trainer.fit(module, DigitsDataModule(batch_size=32, num_workers=0))
     assert trainer.global_step == 0
@@ -529,7 +540,7 @@ def test_conv_stem_makes_a_hybrid_with_the_same_token_grid():
 def test_channels_last_stores_convolutions_nhwc_and_gives_the_same_logits():
     torch.manual_seed(0)
     plain = ImageClassifier(model_name="resnet20", num_classes=10).eval()
-    nhwc = ImageClassifier(model_name="resnet20", num_classes=10, channels_last=True).eval()
+    nhwc = ImageClassifier(model_name="resnet20", num_classes=10, speed={"channels_last": True}).eval()
     nhwc.model.load_state_dict(plain.model.state_dict())
     conv = nhwc.model.conv1.weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
@@ -641,5 +652,7 @@ def test_whiten_patch_embed_needs_a_patchify_vit_and_no_pretrained_weights():
         ImageClassifier("resnet20", num_classes=10, whiten_patch_embed=True)
     with pytest.raises(ValueError, match=r"has none \(or a stem\)"):
         ImageClassifier("vit_nano_patch4_16", {"stem_channels": [8, 16]}, num_classes=10, whiten_patch_embed=True)
-    with pytest.raises(ValueError, match="would replace the patch embedding init_from loads"):
-        ImageClassifier("vit_nano_patch4_16", num_classes=10, whiten_patch_embed=True, init_from="timm:vit_tiny")
+    with pytest.raises(ValueError, match=r"would replace the patch embedding finetune\.init_from loads"):
+        ImageClassifier(
+            "vit_nano_patch4_16", num_classes=10, whiten_patch_embed=True, finetune={"init_from": "timm:vit_tiny"}
+        )

@@ -117,8 +117,9 @@ RECIPES = {
     "cifar10_resnet.yaml": [],
     "cifar100_vit.yaml": [],
     "tiny_imagenet_vit.yaml": ["--model.model_kwargs", "{drop_path_rate: 0.1, img_size: 32}"],
-    "imagenet_vit_b16.yaml": ["--model.model_name", "vit_tiny_patch4_32", "--data.crop", "rrc"],  # device_decode
-    "imagenet_resnet50.yaml": ["--model.model_name", "resnet18", "--data.crop", "rrc"],
+    # device_decode
+    "imagenet_vit_b16.yaml": ["--model.model_name", "vit_tiny_patch4_32", "--data.augment.crop", "rrc"],
+    "imagenet_resnet50.yaml": ["--model.model_name", "resnet18", "--data.augment.crop", "rrc"],
 }
 
 
@@ -225,15 +226,15 @@ def test_a_checkpoint_file_is_not_resumed_as_another_model_but_takes_a_new_lr(tm
     assert message.startswith(f"error: --ckpt_path {last} resumes the run it was saved from, but ")
     assert "model.model_name is 'resnet20' here but 'vit_nano_patch4_16' in the checkpoint" in message
     with caplog.at_level("INFO", logger="vit"):
-        resumed = main([*args, "--trainer.max_epochs", "2", "--ckpt_path", str(last), "--model.lr", "1e-3"])
+        resumed = main([*args, "--trainer.max_epochs", "2", "--ckpt_path", str(last), "--model.optimizer.lr", "1e-3"])
     assert "resuming with peak lr 0.001 instead of the checkpoint's 0.002" in caplog.text
-    assert resumed.model.hparams.lr == 1e-3 and resumed.trainer.global_step == 6
+    assert resumed.model.optimizer.lr == 1e-3 and resumed.trainer.global_step == 6
 
 
 def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_works(tmp_path, capsys, caplog):
     """Weights turn NaN after step 5 of 8 (checkpoints every step): the step-5 save is refused,
     the run exits 1 naming last.ckpt (step 4, finite) as the one to resume from; resuming with
-    --model.lr halved really trains at half the rate, and says so."""
+    --model.optimizer.lr halved really trains at half the rate, and says so."""
     from vit.schedule import warmup_cosine_steps
 
     args = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path),
@@ -246,15 +247,15 @@ def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_wo
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith("error: the weights are not finite after step 5 (model.head.weight); not saving")
     assert f"not saving {last}. The last good checkpoint is {last} " in message
-    assert "--ckpt_path last --model.lr <lower>" in message
+    assert "--ckpt_path last --model.optimizer.lr <lower>" in message
     checkpoint = torch.load(last, weights_only=True)
-    assert checkpoint["global_step"] == 4 and checkpoint["hyper_parameters"]["lr"] == 2e-3
+    assert checkpoint["global_step"] == 4 and checkpoint["hyper_parameters"]["optimizer"]["lr"] == 2e-3
     assert all(v.isfinite().all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
     assert not (tmp_path / "checkpoints" / "last-interrupted.ckpt").exists()
 
     with caplog.at_level("INFO", logger="vit"):
         resumed = main(
-            [*args, "--ckpt_path", "last", "--model.lr", "1e-3", "--trainer.callbacks+=tests.faults.RecordLR"]
+            [*args, "--ckpt_path", "last", "--model.optimizer.lr", "1e-3", "--trainer.callbacks+=tests.faults.RecordLR"]
         )
     assert "resuming with peak lr 0.001 instead of the checkpoint's 0.002" in caplog.text
     lrs = next(cb for cb in resumed.trainer.callbacks if hasattr(cb, "lrs")).lrs
@@ -272,8 +273,8 @@ def test_a_nan_before_any_checkpoint_says_to_start_again_not_to_resume(tmp_path,
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith("error: training loss is nan at step 2 ")
     assert message.endswith(
-        "No checkpoint was saved before it; start again with a lower learning rate (--model.lr <lower>), gradient "
-        "clipping (--trainer.gradient_clip_val 1.0), or check the data."
+        "No checkpoint was saved before it; start again with a lower learning rate (--model.optimizer.lr <lower>), "
+        "gradient clipping (--trainer.gradient_clip_val 1.0), or check the data."
     )
     assert not list((tmp_path / "checkpoints").glob("*.ckpt"))
 
@@ -377,7 +378,7 @@ def test_lr_scaling_uses_the_real_batch_when_the_data_is_smaller_than_one(tmp_pa
     from vit.lit import ImageClassifier
 
     data = write_image_folder(tmp_path / "data", train=4)
-    module = ImageClassifier("vit_nano_patch4_16", {"img_size": 32}, lr=1e-3, lr_base_batch_size=64)
+    module = ImageClassifier("vit_nano_patch4_16", {"img_size": 32}, optimizer={"lr": 1e-3, "lr_base_batch_size": 64})
     datamodule = ImageFolderDataModule(str(data), val_dir="val", img_size=32, batch_size=64, num_workers=0)
     record = RecordLR()
     trainer = L.Trainer(default_root_dir=tmp_path, logger=False, max_steps=1, enable_progress_bar=False,

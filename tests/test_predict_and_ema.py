@@ -18,7 +18,7 @@ from vit.lit import ImageClassifier
 def trained(tmp_path_factory) -> tuple[ImageClassifier, DigitsDataModule, L.Trainer]:
     """vit_nano on the digits for 12 steps with an EMA of decay 0.5 (far from the raw weights)."""
     L.seed_everything(0)
-    module = ImageClassifier("vit_nano_patch4_16", num_classes=10, lr=2e-3, ema_decay=0.5)
+    module = ImageClassifier("vit_nano_patch4_16", num_classes=10, ema_decay=0.5, optimizer={"lr": 2e-3})
     data = DigitsDataModule(batch_size=64, num_workers=0)
     trainer = quiet_trainer(tmp_path_factory.mktemp("run"), max_steps=12, limit_val_batches=1)
     trainer.fit(module, data)

@@ -62,7 +62,7 @@ def test_validate_test_and_predict_in_a_run_folder_leave_its_checkpoints_alone(t
     assert not interrupted.exists()  # a fit that finished has no use for it: last.ckpt is newer
 
 
-@pytest.mark.parametrize("option", [["--model.optimizer", "adamw"], ["--model.head_lr", "0.01"]])
+@pytest.mark.parametrize("option", [["--model.optimizer.name", "adamw"], ["--model.finetune.head_lr", "0.01"]])
 def test_a_resume_with_a_changed_option_is_refused_and_leaves_the_run_resumable(tmp_path, data, capsys, option):
     """`--ckpt_path last` with an option the checkpoint's optimizer state cannot take used to fail
     with a traceback and, failing, write a new last-interrupted.ckpt with an empty optimizer
@@ -93,8 +93,10 @@ def test_a_resume_that_fails_while_restoring_writes_no_checkpoint(tmp_path, data
     run = tmp_path / "run"
     interrupted = interrupted_run(data, run)
     before = {p.name: p.read_bytes() for p in (run / "checkpoints").glob("*.ckpt")}
-    hparams = {k: v for k, v in torch.load(interrupted, weights_only=True)["hyper_parameters"].items() if k[0] != "_"}
-    module = ImageClassifier(**{**hparams, "head_lr": 0.01})  # the run's model, with one more parameter group
+    saved = torch.load(interrupted, weights_only=True)["hyper_parameters"]
+    hparams = {k: v for k, v in saved.items() if k[0] != "_"}
+    # the run's model, with one more parameter group
+    module = ImageClassifier(**{**hparams, "finetune": {"head_lr": 0.01}})
     datamodule = ImageFolderDataModule(str(data), val_dir="val", img_size=32, batch_size=12, num_workers=0)
     trainer = L.Trainer(default_root_dir=run, logger=False, max_epochs=2, enable_progress_bar=False)
     with pytest.raises((ValueError, RuntimeError)):
@@ -180,7 +182,7 @@ def test_renamed_or_added_class_folders_are_refused_on_resume_with_both_lists(tm
     message = last_error(capsys)
     assert "was trained on the classes ['class0', 'class1', 'class2', 'class3']" in message
     assert "the data has ['class1', 'class2', 'class3', 'zebra']" in message
-    assert "--model.init_from" in message
+    assert "--model.finetune.init_from" in message
 
     for split in ("train", "val"):
         (data / split / "zebra").rename(data / split / "class0")

@@ -134,9 +134,9 @@ def test_vit_h14_config_parses_and_its_parameter_count_is_the_models(capsys):
 @pytest.mark.parametrize(
     ("options", "reason"),
     [
-        ({"optimizer": "muon"}, "optimizer muon needs whole weight matrices"),
+        ({"optimizer": {"name": "muon"}}, "optimizer.name muon needs whole weight matrices"),
         ({"ema_decay": 0.999}, "ema_decay keeps an unsharded copy of the model"),
-        ({"compile": True}, "compile is not supported with ShardedStrategy"),
+        ({"speed": {"compile": True}}, "speed.compile is not supported with ShardedStrategy"),
         ({"model_name": "resnet18"}, "ShardedStrategy shards models made of vit.layers.Block"),
     ],
 )

@@ -106,7 +106,7 @@ def _recipe(stream: Path, run: Path, *extra: str) -> list[str]:
         "--trainer.strategy", "auto", "--trainer.precision", "32-true", "--trainer.max_epochs", "3",
         "--trainer.logger", "false", "--model.model_name", "resnet18",
         "--data", "vit.data.StreamingDataModule", "--data.root", str(stream), "--data.img_size", "32",
-        "--data.crop", "rrc", "--data.batch_size", "8", "--data.num_workers", "0", "--data.randaugment_ops", "2",
+        "--data.augment", "{crop: rrc, randaugment_ops: 2}", "--data.batch_size", "8", "--data.num_workers", "0",
         *extra,
     ]  # fmt: skip
 
@@ -143,7 +143,8 @@ def test_two_ddp_processes_read_distinct_samples_of_a_streaming_set_and_stay_ide
         "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2",
         "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false",
         "--data", "vit.data.StreamingDataModule", "--data.root", str(tmp_path / "stream"), "--data.img_size", "16",
-        "--data.crop", "rrc", "--data.device_decode", "true", "--data.batch_size", "6", "--data.num_workers", "1",
+        "--data.augment.crop", "rrc", "--data.device_decode", "true", "--data.batch_size", "6",
+        "--data.num_workers", "1",
     ]  # fmt: skip
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
     result = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,

@@ -58,7 +58,9 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
               "--workdir", str(tmp_path / "runs"), "--results", str(results)]  # fmt: skip
     # a second config lies over the first, as in train.py: its data options reach the image folder too
     overlay = tmp_path / "overlay.yaml"
-    overlay.write_text("model:\n  init_args:\n    lr: 0.05\ndata:\n  init_args:\n    batch_size: 16\n")
+    overlay.write_text(
+        "model:\n  init_args:\n    optimizer:\n      lr: 0.05\ndata:\n  init_args:\n    batch_size: 16\n"
+    )
     # decay 1.0 keeps the moving average at the weights after the first step: scored, it is untrained
     ema = ["--", "--model.ema_decay", "1.0"]
     host = ["--machine-label", "host B"]  # another host of the same type, slower say: its own tables
@@ -69,14 +71,15 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
     tuned, final = (json.loads(line) for line in results.read_text().splitlines())
     assert tuned["config"] == f"configs/cifar10_resnet.yaml + {overlay}"
     assert final["config"] == "configs/cifar10_resnet.yaml"
-    assert tuned["recipe"]["model"]["init_args"]["lr"] == 0.05 and final["recipe"]["model"]["init_args"]["lr"] == 0.2
+    assert tuned["recipe"]["model"]["init_args"]["optimizer"]["lr"] == 0.05
+    assert final["recipe"]["model"]["init_args"]["optimizer"]["lr"] == 0.2
     assert tuned["split"] == "val" and tuned["train_images"] == 90  # 120 training images, 30 held out
     assert final["split"] == "test" and final["train_images"] == 120
     for r in (tuned, final):
         assert 0.1 <= r["wall_minutes"] < 0.2  # the clock (decoding included) stops the run
         assert r["steps"] > 0 and 0.0 <= r["top1"] <= 1.0 and 0.0 <= r["top1_flip"] <= 1.0
         assert r["top1"] > 0.5  # three classes told apart by brightness: learnt, not chance
-        assert r["recipe"]["model"]["init_args"]["optimizer"] == "sgd"  # the ResNet config's, as run
+        assert r["recipe"]["model"]["init_args"]["optimizer"]["name"] == "sgd"  # the ResNet config's, as run
         assert r["recipe"]["data"]["init_args"]["batch_size"] == 16 and r["recipe"]["precision"] == "32-true"
     assert tuned["top1_ema"] < 0.5 < tuned["top1"] and "top1_ema" not in final  # the average, not the weights
     assert tuned["machine"] == final["machine"] + "; host B"

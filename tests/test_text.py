@@ -56,8 +56,8 @@ def fit(root: Path, text: Path, *overrides: str):
     args = [
         "fit", "--config", str(ROOT / "configs/gpt/cpu.yaml"), "--trainer.default_root_dir", str(root), *QUIET,
         "--data.path", str(text), "--data.block_size", "32", "--data.batch_size", "8", "--data.val_windows", "64",
-        "--model.model_kwargs", '{"depth": 2, "embed_dim": 32, "num_heads": 2}', "--model.lr", "3e-3",
-        "--model.warmup_steps", "5", "--trainer.logger", "false", "--trainer.num_sanity_val_steps", "0",
+        "--model.model_kwargs", '{"depth": 2, "embed_dim": 32, "num_heads": 2}', "--model.optimizer.lr", "3e-3",
+        "--model.schedule.warmup_steps", "5", "--trainer.logger", "false", "--trainer.num_sanity_val_steps", "0",
         *overrides,
     ]  # fmt: skip
     return main(args)
@@ -77,7 +77,7 @@ def trained(tmp_path_factory, text_file) -> tuple[Path, list[tuple[int, float]]]
     root = tmp_path_factory.mktemp("run")
     cli = fit(
         root, text_file, "--trainer.max_steps", "60", "--trainer.val_check_interval", "20",
-        "--model.lr_decay_steps", "60", "--trainer.callbacks+=tests.test_text.ValLosses",
+        "--model.schedule.decay_steps", "60", "--trainer.callbacks+=tests.test_text.ValLosses",
     )  # fmt: skip
     (losses,) = [cb.losses for cb in cli.trainer.callbacks if isinstance(cb, ValLosses)]
     return root / "checkpoints" / "last.ckpt", losses
@@ -208,7 +208,7 @@ def test_nanogpt_cpu_config_holds_its_settings(capsys):
     printed = capsys.readouterr().out
     for line in (
         "model_name: gpt_char_cpu", "block_size: 64", "batch_size: 12", "max_steps: 2000", "lr: 0.001",
-        "min_lr: 0.0001", "warmup_steps: 100", "lr_decay_steps: 2000", "weight_decay: 0.1", "- 0.99",
+        "min_lr: 0.0001", "warmup_steps: 100", "decay_steps: 2000", "weight_decay: 0.1", "- 0.99",
         "gradient_clip_val: 1.0", "val_check_interval: 250",
     ):  # fmt: skip
         assert line in printed, line
@@ -262,7 +262,7 @@ def test_sampling_is_reproducible_with_a_seed(trained):
 
 def test_resume_matches_an_uninterrupted_run(text_file, tmp_path):
     """Stopped at step 15 (mid-epoch: 6 batches make an epoch here), resumed to 30: same weights."""
-    common = ["--trainer.val_check_interval", "5", "--model.lr_decay_steps", "30", "--data.val_windows", "16",
+    common = ["--trainer.val_check_interval", "5", "--model.schedule.decay_steps", "30", "--data.val_windows", "16",
               "--model.model_kwargs", '{"depth": 2, "embed_dim": 32, "num_heads": 2, "dropout": 0.1}']  # fmt: skip
     text = text_file.parent / "short_verse.txt"
     text.write_text(_verse(lines=60, seed=1))
@@ -292,11 +292,11 @@ def test_a_resumed_run_keeps_its_seed_whatever_the_new_process_was_seeded_with(t
 
 def test_a_run_resumed_with_another_lr_trains_at_it(text_file, tmp_path, caplog):
     """As after a NaN loss: 3 steps at lr 3e-3, resumed with 1.5e-3: the schedule keeps its shape at half the height."""
-    common = ["--model.warmup_steps", "2", "--model.lr_decay_steps", "6", "--model.min_lr", "0"]
+    common = ["--model.schedule.warmup_steps", "2", "--model.schedule.decay_steps", "6", "--model.schedule.min_lr", "0"]
     fit(tmp_path, text_file, "--trainer.max_steps", "3", *common)
     with caplog.at_level("INFO", logger="vit"):
-        cli = fit(tmp_path, text_file, "--trainer.max_steps", "6", "--ckpt_path", "last", "--model.lr", "1.5e-3",
-                  "--trainer.callbacks+=tests.faults.RecordLR", *common)  # fmt: skip
+        cli = fit(tmp_path, text_file, "--trainer.max_steps", "6", "--ckpt_path", "last",
+                  "--model.optimizer.lr", "1.5e-3", "--trainer.callbacks+=tests.faults.RecordLR", *common)  # fmt: skip
     assert "resuming with peak lr 0.0015 instead of the checkpoint's 0.003" in caplog.text
     lrs = next(cb for cb in cli.trainer.callbacks if hasattr(cb, "lrs")).lrs
     assert lrs == pytest.approx({step: 1.5e-3 * warmup_cosine_steps(step, 2, 6, 0.0) for step in (3, 4, 5)}, rel=1e-9)

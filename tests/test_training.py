@@ -55,7 +55,7 @@ def test_every_config_parses_and_prints_its_resolved_form(config, capsys):
 
 def test_command_line_overrides_config_values(capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(ROOT / "configs/default.yaml"), "--model.lr", "3e-4",
+        main(["fit", "--config", str(ROOT / "configs/default.yaml"), "--model.optimizer.lr", "3e-4",
               "--trainer.max_epochs", "5", "--print_config"])  # fmt: skip
     printed = capsys.readouterr().out
     assert "lr: 0.0003" in printed and "max_epochs: 5" in printed
@@ -64,7 +64,8 @@ def test_command_line_overrides_config_values(capsys):
 @pytest.mark.parametrize(
     ("typo", "message"),
     [
-        (["--model.lrr", "1e-3"], "--model.lrr is not an option of vit.lit.ImageClassifier; did you mean --model.lr?"),
+        (["--model.lrr", "1e-3"], "--model.lrr is not an option of vit.lit.ImageClassifier; did you mean "
+                                  "--model.optimizer.lr?"),
         (["--data.batchsize", "8"], "--data.batchsize is not an option of vit.data.DigitsDataModule; did you mean "
                                     "--data.batch_size?"),
         (["--trainer.max_epoch", "1"], "unknown option --trainer.max_epoch; did you mean --trainer.max_epochs?"),
@@ -91,7 +92,7 @@ def test_configs_laid_over_the_vit_change_only_what_they_say(capsys):
     hybrid = resolved("configs/cifar10_vit.yaml", "configs/cifar10_hybrid.yaml")
     assert hybrid["data"] == vit["data"]
     assert {k: v for k, v in long["data"]["init_args"].items() if vit["data"]["init_args"][k] != v} == {
-        "cutmix_alpha": 1.0, "mixup_prob": 0.5}  # fmt: skip
+        "mixup": {"mixup_alpha": 0.0, "cutmix_alpha": 1.0, "prob": 0.5, "switch_prob": 0.5}}  # fmt: skip
     assert long["model"] == vit["model"]  # the long runs' model is the config's (3 blocks)
     changed = {k for k, v in hybrid["model"]["init_args"].items() if vit["model"]["init_args"][k] != v}
     assert changed == {"model_kwargs"}  # the 6-block ViT it was measured with, plus the stem
@@ -104,7 +105,7 @@ def test_a_config_that_only_changes_options_run_alone_says_what_it_lays_over(cap
         main(["fit", "--config", str(ROOT / "configs/cifar10_vit_long.yaml"), "--print_config"])
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("error: --data.cutmix_alpha is given but no data class is: a config that only")
+    assert last.startswith("error: --data.mixup.cutmix_alpha is given but no data class is: a config that only")
     assert "--config configs/cifar10_vit.yaml --config configs/cifar10_vit_long.yaml" in last
 
 
@@ -160,7 +161,7 @@ def test_an_option_a_class_refuses_is_its_own_message_not_a_dump(tmp_path, capsy
             "--data.root", str(folder), "--data.val_dir", "val", "--data.img_size", "96"]  # fmt: skip
     last = _last_error_line(args, capsys, 1)
     assert last.startswith("error: data.img_size 96 is above 64, where the image folder trains with random resized")
-    assert "--data.crop pad_crop" in last and "--data.in_memory false" in last
+    assert "--data.augment.crop pad_crop" in last and "--data.in_memory false" in last
 
 
 def test_image_size_and_class_count_are_set_once_on_the_data_and_reach_the_model(tmp_path, capsys):
@@ -200,7 +201,7 @@ def test_image_size_and_class_count_are_set_once_on_the_data_and_reach_the_model
 
 
 def test_default_job_learns_and_leaves_checkpoints_that_rebuild_the_model(tmp_path):
-    cli = fit("configs/default.yaml", tmp_path, "--trainer.max_epochs", "6", "--model.warmup_epochs", "1")
+    cli = fit("configs/default.yaml", tmp_path, "--trainer.max_epochs", "6", "--model.schedule.warmup_epochs", "1")
     ckpt = cli.trainer.checkpoint_callback
     # 10 classes, 360 images: chance is 0.10 +- 0.016; after 6 epochs 0.28 (1 thread) and 0.32 (2) measured here
     assert float(ckpt.best_model_score) > 0.2
@@ -250,7 +251,7 @@ def test_the_cpu_finetune_config_moves_a_tiny_imagenet_run_to_cifar10(tmp_path, 
     source = pretrained.trainer.checkpoint_callback.last_model_path
     with caplog.at_level(logging.INFO, logger="vit"):
         cli = fit(
-            "configs/finetune/tiny_to_cifar10_cpu.yaml", tmp_path / "ft", "--model.init_from", source,
+            "configs/finetune/tiny_to_cifar10_cpu.yaml", tmp_path / "ft", "--model.finetune.init_from", source,
             "--data.root", str(cifar), *few[:6], "--trainer.limit_train_batches", "0",
             "--trainer.limit_val_batches", "1",
         )  # fmt: skip
@@ -298,7 +299,11 @@ def test_lr_is_scaled_by_the_global_batch_and_follows_the_schedule(tmp_path):
         def on_train_batch_start(self, trainer, *args):
             seen.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    module = ImageClassifier("vit_nano_patch4_16", lr=1e-3, lr_base_batch_size=32, warmup_epochs=1, min_lr=0.0)
+    module = ImageClassifier(
+        "vit_nano_patch4_16",
+        optimizer={"lr": 1e-3, "lr_base_batch_size": 32},
+        schedule={"warmup_epochs": 1, "min_lr": 0.0},
+    )
     data = DigitsDataModule(batch_size=64, num_workers=0)
     trainer = quiet_trainer(tmp_path, max_epochs=2, callbacks=[RecordLR()])
     trainer.fit(module, data)
@@ -339,7 +344,7 @@ def test_mixup_applies_to_training_batches_only(tmp_path):
         def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
             targets["val"] = batch[1]
 
-    data = DigitsDataModule(batch_size=32, num_workers=0, mixup_alpha=0.8, cutmix_alpha=1.0)
+    data = DigitsDataModule(batch_size=32, num_workers=0, mixup={"mixup_alpha": 0.8, "cutmix_alpha": 1.0})
     trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, callbacks=[Spy()])
     trainer.fit(ImageClassifier(num_classes=10), data)
     assert targets["train"].shape == (32, 10) and targets["train"].dtype == torch.float32
@@ -350,10 +355,12 @@ def test_mixup_applies_to_training_batches_only(tmp_path):
 def _recipe() -> tuple[ImageClassifier, DigitsDataModule]:
     """Every source of randomness on: dropout, drop-path, augmentation, Mixup/CutMix."""
     module = ImageClassifier(
-        "vit_nano_patch4_16", {"drop_path_rate": 0.2, "proj_drop_rate": 0.1}, num_classes=10, lr=2e-3,
-        warmup_epochs=0.5, label_smoothing=0.1,
+        "vit_nano_patch4_16", {"drop_path_rate": 0.2, "proj_drop_rate": 0.1}, num_classes=10, label_smoothing=0.1,
+        optimizer={"lr": 2e-3}, schedule={"warmup_epochs": 0.5},
     )  # fmt: skip
-    data = DigitsDataModule(batch_size=64, num_workers=0, randaugment_ops=1, mixup_alpha=0.8, cutmix_alpha=1.0)
+    data = DigitsDataModule(
+        batch_size=64, num_workers=0, augment={"randaugment_ops": 1}, mixup={"mixup_alpha": 0.8, "cutmix_alpha": 1.0}
+    )
     return module, data
 
 

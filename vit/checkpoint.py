@@ -9,7 +9,7 @@ and adapts the weights to the model: the position embedding is resampled to the 
 grid, the head is re-initialised for a new class count, and the CLS token / final norm follow a
 switch between CLS and average pooling. Every key that is resampled, re-initialised, renamed or
 dropped is logged by name; a mismatch that cannot be adapted is an error naming the key and both
-shapes. The training config calls it as `--model.init_from PATH_OR_NAME`.
+shapes. The training config calls it as `--model.finetune.init_from PATH_OR_NAME`.
 
 Checkpoint files are untrusted input: a pickle can run arbitrary code when it is loaded, so we
 only use `torch.load(weights_only=True)` (tensors, dicts, numbers, strings) or safetensors.
@@ -237,7 +237,7 @@ def _timm_pretrained(name: str) -> dict[str, torch.Tensor]:
         raise RuntimeError(
             f"could not get timm's pretrained weights for {name!r} ({type(e).__name__}: {e}). Offline, download "
             f"them elsewhere (e.g. https://huggingface.co/timm/{name}, model.safetensors) and pass the file: "
-            "--model.init_from /path/to/model.safetensors"
+            "--model.finetune.init_from /path/to/model.safetensors"
         ) from e
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -10,6 +11,7 @@ import pkgutil
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from vit.fault_tolerance import (
     stop_message,
     stop_signal,
 )
+from vit.options import option_groups
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +53,51 @@ def _checkpoint_dirpath(default_root_dir: str | None) -> str:
 LINKED_FROM_DATA = ("img_size", "num_classes")
 # Model options a run resumed from a checkpoint file may change (the optimizer state is rescaled to
 # the new lr: vit.training.rescale_lr); any other differing option is refused.
-RESUMABLE_MODEL_OPTIONS = ("lr",)
+RESUMABLE_MODEL_OPTIONS = ("optimizer.lr",)
 
 
 def _plain(value: Any) -> Any:
-    """Config values as comparable plain data (tuples and lists alike, namespaces as dicts)."""
+    """Config values as comparable plain data (tuples and lists alike, namespaces and option groups as dicts)."""
     if hasattr(value, "as_dict"):
         value = value.as_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def _by_dotted_name(values: dict[str, Any], groups: set[str]) -> dict[str, Any]:
+    """Options by name, each group's fields by their own (`optimizer.lr`); model_kwargs stays one value."""
+    flat: dict[str, Any] = {}
+    for name, value in values.items():
+        if name in groups and isinstance(value, dict):
+            flat.update({f"{name}.{field}": v for field, v in value.items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _null_group_fields(args: list[str]) -> list[str]:
+    """`--model.finetune.layer_decay null` as `--model.finetune "{layer_decay: null}"`: jsonargparse
+    (4.53) reads `null` given to a group's field of a subclass's init_args as the text "None",
+    which a float field refuses and a str field keeps; given as the group's mapping it is None, and
+    the group's other fields keep their values."""
+    pattern = re.compile(r"--(model|data)\.(?!init_args\.|dict_kwargs\.)(\w+)\.(\w+)(?:=(null|None))?$")
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        match = pattern.match(arg) if isinstance(arg, str) else None
+        value = match and (match[4] or (args[i + 1] if i + 1 < len(args) and match[4] is None else None))
+        if match and value in ("null", "None") and match[2] != "model_kwargs":
+            out += [f"--{match[1]}.{match[2]}", f"{{{match[3]}: null}}"]
+            i += 1 if match[4] else 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def _differs(given: Any, saved: Any) -> bool:
@@ -109,10 +145,14 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
     group = re.search(r'Parser key "([\w.]+)"', message)
     if missing and group:
         return f"--{group[1]} {missing[1]}: {_no_such_class(missing[1])}"
-    unknown = re.search(r"Problem with given class_path '([\w.]+)':\s*(?:Option|Key) '([\w.]+)' is not", message)
+    unknown = re.search(
+        r"Problem with given class_path '([\w.]+)':\s*(?:(?:Option|Key) '([\w.]+)' is not"
+        r"|unrecognized arguments: --([\w.]+)|Parser key \"(\w+)\":\s*Unable to load config)",
+        message,
+    )
     group = re.search(r'Parser key "([\w.]+)"', message)
     if unknown and group:
-        class_path, option = unknown.groups()
+        class_path, option = unknown[1], unknown[2] or unknown[3] or unknown[4]
         try:
             cls = _class(class_path)
         except (ImportError, AttributeError):
@@ -126,7 +166,17 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
         # The class's and its bases' __init__ arguments: jsonargparse follows **kwargs up the bases.
         params = [p for c in cls.__mro__ if "__init__" in vars(c) for p in inspect.signature(c.__init__).parameters]
         choices = [f"--{group[1]}.{p}" for p in params if p not in ("self", "args", "kwargs")]
-        return f"--{group[1]}.{option} is not an option of {class_path}{_suggest(f'--{group[1]}.{option}', choices)}"
+        renamed = getattr(cls, "RENAMED", {}).get(option)
+        if renamed is not None:  # a config or command line from before the option groups
+            return f"--{group[1]}.{option} is now --{group[1]}.{renamed} (the options of {class_path} are grouped)"
+        if unknown[4]:  # a value for a whole group
+            return f"--{group[1]}.{option} is a group of options: set one as --{group[1]}.{option}.NAME VALUE"
+        groups = option_groups(cls)
+        choices += [f"--{group[1]}.{name}.{f.name}" for name, kind in groups.items() for f in dataclasses.fields(kind)]
+        leaves = {choice.rsplit(".", 1)[-1]: choice for choice in reversed(choices)}  # a group's field by its name
+        close = difflib.get_close_matches(option.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
+        hint = f"; did you mean {leaves[close[0]]}?" if close else ""
+        return f"--{group[1]}.{option} is not an option of {class_path}{hint}"
     unrecognized = re.search(r"unrecognized arguments: (.*)", message, re.IGNORECASE)
     if unrecognized:
         options = [a for a in unrecognized[1].split() if a.startswith("--")]
@@ -283,20 +333,26 @@ class TrainCLI(LightningCLI):
                 f"checkpoint {ckpt_path} is incomplete ({Path(ckpt_path).stat().st_size} bytes: empty or "
                 "truncated, e.g. by a full disk or a kill while it was written); resume from another one"
             )
-        given = self._model_options_given(subcommand)
+        model_class = self._model_class_of(subcommand)
+        groups = set(option_groups(model_class)) if model_class is not None else set()
+        given = self._model_options_given(subcommand, groups)
         saved = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters", {})
+        saved_class = _class(saved["_class_path"]) if "_class_path" in saved else model_class
+        upgrade = getattr(saved_class, "upgrade_hparams", None)  # a checkpoint from before the option groups
+        saved = upgrade(saved) if upgrade is not None else dict(saved)
+        flat_saved = _by_dotted_name(_plain(saved), groups)
         conflicts = [
-            f"model.{name} is {value!r} here but {_plain(saved[name])!r} in the checkpoint"
+            f"model.{name} is {value!r} here but {flat_saved[name]!r} in the checkpoint"
             for name, value in given.items()
-            if name in saved and name not in RESUMABLE_MODEL_OPTIONS and _differs(value, _plain(saved[name]))
+            if name in flat_saved and name not in RESUMABLE_MODEL_OPTIONS and _differs(value, flat_saved[name])
         ]
         if conflicts:
             raise CheckpointConflictError(
                 f"--ckpt_path {named} resumes the run it was saved from, but " + "; ".join(conflicts)
                 + ". Drop these options to resume as it was, or start a new run from its weights with "
-                f"--model.init_from {ckpt_path}"
+                f"--model.finetune.init_from {ckpt_path}"
             )  # fmt: skip
-        super()._parse_ckpt_path()  # a new self.config, with the checkpoint's model options
+        self._use_checkpoint_options(subcommand, saved)
         init_args = self.config[subcommand].model.init_args
         for name in RESUMABLE_MODEL_OPTIONS:
             if name in given:
@@ -304,6 +360,21 @@ class TrainCLI(LightningCLI):
         for name in LINKED_FROM_DATA:
             init_args.pop(name, None)
         return None
+
+    def _use_checkpoint_options(self, subcommand: str, hparams: dict[str, Any]) -> None:
+        """Lightning's reading of a checkpoint's model options into the config (LightningCLI's
+        _parse_ckpt_path), from the hyperparameters as upgrade_hparams left them."""
+        hparams = dict(hparams)
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+
+    def _model_class_of(self, subcommand: str) -> type | None:
+        class_path = getattr(self.config[subcommand].get("model"), "class_path", None)
+        return _class(class_path) if class_path else None
 
     def _resolve_last(self, config: Any) -> Path | None:
         checkpoint = config.get("checkpoint")
@@ -318,30 +389,36 @@ class TrainCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self._cli_args = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else []
-        super().parse_arguments(parser, args)
+        nulled = _null_group_fields(self._cli_args)
+        if nulled == self._cli_args:
+            return super().parse_arguments(parser, args)
+        with warnings.catch_warnings():  # the arguments are the command line's, rewritten
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            return super().parse_arguments(parser, nulled)
 
-    def _model_options_given(self, subcommand: str) -> dict[str, Any]:
-        """The model's init_args the user set: named on the command line, or differing from the
-        class's defaults (in a config file)."""
+    def _model_options_given(self, subcommand: str, groups: set[str]) -> dict[str, Any]:
+        """The model's options the user set, by dotted name (`optimizer.lr`): named on the command
+        line, or differing from the class's defaults (in a config file)."""
         model = self.config[subcommand].get("model")
         class_path, init_args = getattr(model, "class_path", None), getattr(model, "init_args", None)
         if not class_path or init_args is None:
             return {}
-        defaults = {
-            k: _plain(p.default)
-            for k, p in inspect.signature(_class(class_path)).parameters.items()
-            if p.default is not inspect.Parameter.empty
-        }
-        values = _plain(init_args)
-        named = {
-            arg.split("=")[0].removeprefix("--model.").removeprefix("init_args.").split(".")[0]
-            for arg in getattr(self, "_cli_args", [])
-            if isinstance(arg, str) and arg.startswith("--model.")
-        }
+        signature = inspect.signature(_class(class_path)).parameters
+        defaults = _by_dotted_name(
+            {k: _plain(p.default) for k, p in signature.items() if p.default is not inspect.Parameter.empty}, groups
+        )
+        values = _by_dotted_name(_plain(init_args), groups)
+        named = set()
+        for arg in getattr(self, "_cli_args", []):
+            if isinstance(arg, str) and arg.startswith("--model."):
+                parts = arg.split("=")[0].removeprefix("--model.").removeprefix("init_args.").split(".")
+                named.add(".".join(parts[:2]) if parts[0] in groups else parts[0])
         return {
             k: v
             for k, v in values.items()
-            if k in defaults and (v != defaults[k] or k in named) and k not in LINKED_FROM_DATA
+            if k.split(".")[0] in signature
+            and (k not in defaults or v != defaults[k] or k in named)
+            and k not in LINKED_FROM_DATA
         }
 
     def fit(self, model: Any, **kwargs: Any) -> None:

@@ -107,7 +107,7 @@ def nan_advice(directory: str | Path) -> str:
     """What to do after a NaN: resume from the last good checkpoint in `directory`, if there is one
     (every checkpoint written holds finite weights), with a lower learning rate or clipping."""
     remedies = (
-        "a lower learning rate ({how}--model.lr <lower>{note}), gradient clipping "
+        "a lower learning rate ({how}--model.optimizer.lr <lower>{note}), gradient clipping "
         "(--trainer.gradient_clip_val 1.0), or check the data."
     )
     checkpoint = last_good(directory)

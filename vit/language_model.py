@@ -8,8 +8,7 @@ vocabulary, so `scripts/sample.py` needs only the .ckpt file.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +16,7 @@ import torch.nn.functional as F
 from vit.data.text import CharTokenizer
 from vit.gpt import GPT
 from vit.registry import create_model, model_config
-from vit.schedule import warmup_cosine_steps
-from vit.training import TrainingTask
+from vit.training import Optimizer, Schedule, TrainingTask
 
 
 class LanguageModel(TrainingTask):
@@ -29,13 +27,14 @@ class LanguageModel(TrainingTask):
         model_kwargs: overrides of its GPTConfig (depth, embed_dim, dropout, ...); vocab_size comes
             from the vocabulary and block_size, unless given, from the datamodule.
         vocab: the tokenizer's characters; None takes the datamodule's (a checkpoint stores it).
-        lr, min_lr: peak and final learning rate; warmup_steps of linear warmup, then cosine decay
-            until lr_decay_steps (None: the run's last step, trainer.max_steps).
-        weight_decay, betas: AdamW's (nanoGPT: 0.1, (0.9, 0.99) for small character models).
+        optimizer, schedule: vit.training.Optimizer and Schedule; nanoGPT's for small character
+            models by default: AdamW at lr 1e-3, weight decay 0.1, betas (0.9, 0.99), 100 warmup
+            steps, cosine to 1e-4 at the run's last step (or schedule.decay_steps).
         aux_loss_weight: weight of a mixture-of-experts model's load-balancing loss (GPTConfig
             num_experts > 1) in the training loss; train/loss stays the language-modelling loss.
     """
 
+    RENAMED: ClassVar[dict[str, str]] = {**TrainingTask.RENAMED, "lr_decay_steps": "schedule.decay_steps"}
     monitor = "val/loss"  # the metric TrainCLI's ModelCheckpoint keeps the best of, and its mode
     monitor_mode = "min"
 
@@ -44,15 +43,12 @@ class LanguageModel(TrainingTask):
         model_name: str = "gpt_char_cpu",
         model_kwargs: dict[str, Any] | None = None,
         vocab: str | None = None,
-        lr: float = 1e-3,
-        min_lr: float = 1e-4,
-        warmup_steps: int = 100,
-        lr_decay_steps: int | None = None,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.99),
+        optimizer: Optimizer = Optimizer(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99)),
+        schedule: Schedule = Schedule(warmup_steps=100, min_lr=1e-4),
         aux_loss_weight: float = 0.01,
     ) -> None:
         super().__init__()
+        optimizer, schedule = self.set_options(optimizer=optimizer, schedule=schedule)  # as plain dicts
         self.save_hyperparameters()
         self.model: GPT | None = None
         if vocab is not None:
@@ -109,12 +105,6 @@ class LanguageModel(TrainingTask):
             self.log("train/aux_loss", aux)
             loss = loss + self.hparams.aux_loss_weight * aux
         return loss
-
-    def lr_schedule(self, min_ratio: float) -> Callable[[int], float]:
-        """Warmup over warmup_steps, then cosine until lr_decay_steps (None: the run's last step)."""
-        hp = self.hparams
-        total = hp.lr_decay_steps or int(self.trainer.estimated_stepping_batches)
-        return lambda step: warmup_cosine_steps(step, hp.warmup_steps, total, min_ratio)
 
     # -- evaluation ---------------------------------------------------------------------------
 

@@ -8,13 +8,12 @@ layer-wise lr decay and frozen parts for fine-tuning; optional weight EMA. What 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
@@ -23,16 +22,82 @@ from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
 from vit.data.images import MISSING
 from vit.fault_tolerance import CheckpointConflictError
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
-from vit.optim import MuonAdamW, split_muon_groups
 from vit.registry import create_model, model_config
-from vit.schedule import find_budget, stepwise, training_progress, warmup_cosine, warmup_cosine_steps
-from vit.training import TrainingTask, adamw, can_fuse, param_groups
+from vit.schedule import stepwise, training_progress
+from vit.training import Optimizer, Schedule, TrainingTask, param_groups
 
 
 def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:
     """Top-k accuracy over samples (micro), synced across processes; torchmetrics' default is
     the per-class (macro) mean, which is not what papers report."""
     return MulticlassAccuracy(num_classes, top_k=min(top_k, num_classes), average="micro")
+
+
+@dataclasses.dataclass(frozen=True)
+class FineTune:
+    """Starting from trained weights (`model.finetune`).
+
+    Args:
+        init_from: start from these weights (our .ckpt, a timm .pth/.bin/.safetensors, a Google
+            .npz, or timm:<name>), adapted to the model (position embedding resampled, new head);
+            see vit.checkpoint.load_pretrained.
+        layer_decay: layer-wise lr decay for ViTs (e.g. 0.75: BEiT, MAE); head_lr: the head's own
+            lr (also scaled by the batch size with optimizer.lr_base_batch_size).
+        freeze_backbone: train only the head (a linear probe); freeze_blocks: freeze the patch and
+            position embeddings and the first K blocks. Frozen parts run in eval mode.
+    """
+
+    init_from: str | None = None
+    layer_decay: float | None = None
+    head_lr: float | None = None
+    freeze_backbone: bool = False
+    freeze_blocks: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+    """Knowledge distillation (DeiT, Touvron et al. 2021) from a frozen teacher (`model.distillation`).
+
+    Args:
+        teacher: any vit.checkpoint.load_model source (our .ckpt, a state dict with `teacher_model`
+            naming its architecture, e.g. the CIFAR ResNet-56 .th files, or timm:<name>). It sees
+            the same augmented batch as the student and runs outside the checkpoint (not saved,
+            not trained). A ViT with `distilled: true` learns the teacher on its distillation
+            token's head and the labels on its class head (DeiT); any other model learns both on
+            its one output.
+        teacher_model: the teacher's architecture, for a state dict that does not name it.
+        kind: "hard" (cross-entropy to the teacher's top class, DeiT's best) or "soft" (KL
+            divergence to the teacher's softmax at temperature tau, Hinton et al.).
+        alpha: the teacher term's weight; the label term gets 1 - alpha (DeiT: 0.5).
+    """
+
+    teacher: str
+    teacher_model: str | None = None
+    kind: str = "hard"
+    alpha: float = 0.5
+    tau: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.teacher:
+            raise ValueError("distillation needs a teacher (distillation.teacher: a checkpoint file or timm:<name>)")
+        if self.kind not in ("hard", "soft"):
+            raise ValueError(f"distillation.kind must be 'hard' or 'soft', got {self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """How the model runs, not what it learns (`model.speed`).
+
+    Args:
+        compile: run the model through torch.compile (the checkpoint keeps the plain weights).
+        channels_last: keep conv weights and input batches in NHWC memory order, which oneDNN and
+            cuDNN convolutions run faster (ResNet-20 training on an AVX2 CPU: +9%); same results.
+        grad_checkpointing: recompute block activations in backward (ViT-L/H at larger batches).
+    """
+
+    compile: bool = False
+    channels_last: bool = False
+    grad_checkpointing: bool = False
 
 
 class ImageClassifier(TrainingTask):
@@ -47,49 +112,49 @@ class ImageClassifier(TrainingTask):
             naming both. Without the CLI, num_classes None takes the datamodule's when training
             starts, and img_size None keeps the model's (model_kwargs, else the registry's). Models
             without an img_size (the convolutional ResNets) take any size and ignore it.
-        optimizer: "adamw", "sgd" (momentum, nesterov) or "muon" (Muon on the transformer blocks'
-            weight matrices, AdamW on the rest, one lr: vit.optim.MuonAdamW).
-        lr: peak learning rate; with lr_base_batch_size set it is scaled by global_batch / lr_base_batch_size.
-        warmup_epochs: linear warmup length (fractions allowed), then cosine decay to min_lr;
-            warmup_steps, when given, counts optimizer steps instead; warmup_fraction, when given,
-            is a fraction of the whole run (of its steps, or of a vit.schedule.WallClockBudget),
-            so it scales with max_epochs or the budget. A warmup longer than half the run is cut
-            to half, with a warning.
+        optimizer, schedule: vit.training.Optimizer and Schedule (AdamW at lr 1e-3, no warmup,
+            cosine to 0 by default).
+        finetune: FineTune: the weights to start from, layer-wise lr decay, frozen parts.
+        distillation: Distillation from a teacher; None trains on the labels alone.
+        speed: Speed: torch.compile, channels-last, gradient checkpointing.
         label_smoothing: for the cross-entropy loss (works with Mixup's soft targets too).
         tta_flip: evaluate (validation, test, predict) on the mean of the logits of the image and
             its mirror image.
         ema_decay: keep an exponential moving average of the weights; validation also reports it.
-        compile: run the model through torch.compile (the checkpoint keeps the plain weights).
-        channels_last: keep conv weights and input batches in NHWC memory order, which oneDNN and
-            cuDNN convolutions run faster (ResNet-20 training on an AVX2 CPU: +9%); same results.
-        grad_checkpointing: recompute block activations in backward (ViT-L/H at larger batches).
-        init_from: start from these weights (our .ckpt, a timm .pth/.bin/.safetensors, a Google .npz,
-            or timm:<name>), adapted to the model (position embedding resampled, new head); see
-            vit.checkpoint.load_pretrained.
-        layer_decay: layer-wise lr decay for fine-tuning ViTs (e.g. 0.75); head_lr: the head's own lr
-            (also scaled by the batch size).
-        freeze_backbone: train only the head (a linear probe); freeze_blocks: freeze the patch and
-            position embeddings and the first K blocks. Frozen parts run in eval mode.
         aux_loss_weight: weight of a mixture-of-experts model's load-balancing loss
             (`model.aux_loss()`, logged as train/aux_loss) in the training loss; 0.01 as in Switch.
-        teacher: knowledge distillation (DeiT, Touvron et al. 2021) from this frozen model, any
-            `vit.checkpoint.load_model` source (our .ckpt, a state dict with `teacher_model` naming
-            its architecture, e.g. the CIFAR ResNet-56 .th files, or timm:<name>). It sees the same
-            augmented batch as the student. A ViT with `distilled: true` learns the teacher on its
-            distillation token's head and the labels on its class head (DeiT); any other model
-            learns both on its one output. It runs outside the checkpoint (not saved, not trained).
-        distillation: "hard" (cross-entropy to the teacher's top class, DeiT's best) or "soft"
-            (KL divergence to the teacher's softmax at temperature distillation_tau, Hinton et al.).
-        distillation_alpha: the teacher term's weight; the label term gets 1 - alpha (DeiT: 0.5).
         patch_drop_schedule: [[progress, rate], ...]: the ViT's patch dropout rate from each point of
             the run (a fraction of its steps, or of its WallClockBudget) on, replacing its
             patch_drop_rate; e.g. [[0, 0.5], [0.8, 0.0]] trains the last 20% on every patch, the
             token count it is evaluated on (FLIP's unmasked tuning, on the clock).
         whiten_patch_embed: at the start of a fresh run (not a resumed one), set the ViT's patchify
             conv to whiten the patches of the first training batch (vit.layers.whiten_patch_embed_,
-            airbench's init of its first conv); every rank takes rank 0's. Not with init_from (it
-            would replace the pretrained patch embedding) nor with a conv stem.
+            airbench's init of its first conv); every rank takes rank 0's. Not with
+            finetune.init_from (it would replace the pretrained patch embedding) nor with a conv stem.
+
+    A group given in Python as a dict changes only the fields it names, e.g.
+    `ImageClassifier("resnet20", optimizer={"name": "sgd", "lr": 0.1})`.
     """
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        **TrainingTask.RENAMED,
+        "init_from": "finetune.init_from",
+        "layer_decay": "finetune.layer_decay",
+        "head_lr": "finetune.head_lr",
+        "freeze_backbone": "finetune.freeze_backbone",
+        "freeze_blocks": "finetune.freeze_blocks",
+        "teacher": "distillation.teacher",
+        "teacher_model": "distillation.teacher_model",
+        "distillation": "distillation.kind",
+        "distillation_alpha": "distillation.alpha",
+        "distillation_tau": "distillation.tau",
+        "compile": "speed.compile",
+        "channels_last": "speed.channels_last",
+        "grad_checkpointing": "speed.grad_checkpointing",
+    }
+    finetune: FineTune
+    distillation: Distillation | None
+    speed: Speed
 
     def __init__(
         self,
@@ -97,48 +162,31 @@ class ImageClassifier(TrainingTask):
         model_kwargs: dict[str, Any] | None = None,
         num_classes: int | None = None,
         img_size: int | None = None,
-        optimizer: str = "adamw",
-        lr: float = 1e-3,
-        lr_base_batch_size: int | None = None,
-        weight_decay: float = 0.05,
-        betas: tuple[float, float] = (0.9, 0.999),
-        momentum: float = 0.9,
-        warmup_epochs: float = 0.0,
-        warmup_steps: int | None = None,
-        warmup_fraction: float | None = None,
-        min_lr: float = 0.0,
+        optimizer: Optimizer = Optimizer(),
+        schedule: Schedule = Schedule(),
+        finetune: FineTune = FineTune(),
+        distillation: Distillation | None = None,
+        speed: Speed = Speed(),
         label_smoothing: float = 0.0,
         tta_flip: bool = False,
         ema_decay: float | None = None,
-        compile: bool = False,
-        channels_last: bool = False,
-        grad_checkpointing: bool = False,
-        init_from: str | None = None,
-        layer_decay: float | None = None,
-        head_lr: float | None = None,
-        freeze_backbone: bool = False,
-        freeze_blocks: int = 0,
         aux_loss_weight: float = 0.01,
-        teacher: str | None = None,
-        teacher_model: str | None = None,
-        distillation: str = "hard",
-        distillation_alpha: float = 0.5,
-        distillation_tau: float = 1.0,
         patch_drop_schedule: list[tuple[float, float]] | None = None,
         whiten_patch_embed: bool = False,
     ) -> None:
         super().__init__()
-        if optimizer not in ("adamw", "sgd", "muon"):
-            raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'muon', got {optimizer!r}")
-        if distillation not in ("hard", "soft"):
-            raise ValueError(f"distillation must be 'hard' or 'soft', got {distillation!r}")
+        optimizer, schedule, finetune, distillation, speed = self.set_options(
+            optimizer=optimizer, schedule=schedule, finetune=finetune, distillation=distillation, speed=speed
+        )  # the hyperparameters hold the groups as plain dicts
         if patch_drop_schedule is not None and not all(0 <= rate < 1 for _, rate in patch_drop_schedule):
             raise ValueError(f"patch_drop_schedule rates must be in [0, 1), got {patch_drop_schedule}")
-        if (model_kwargs or {}).get("distilled") and teacher is None:
-            raise ValueError("model_kwargs.distilled trains a distillation head, which needs a teacher (model.teacher)")
-        if whiten_patch_embed and init_from:
+        if (model_kwargs or {}).get("distilled") and self.distillation is None:
             raise ValueError(
-                "whiten_patch_embed would replace the patch embedding init_from loads; use one or the other"
+                "model_kwargs.distilled trains a distillation head, which needs a teacher (model.distillation.teacher)"
+            )
+        if whiten_patch_embed and self.finetune.init_from:
+            raise ValueError(
+                "whiten_patch_embed would replace the patch embedding finetune.init_from loads; use one or the other"
             )
         self.save_hyperparameters()
         self._patch_drop_schedule = sorted((float(p), float(r)) for p, r in patch_drop_schedule or [])
@@ -146,6 +194,13 @@ class ImageClassifier(TrainingTask):
         self.model: nn.Module | None = None
         if num_classes is not None:
             self.configure_model()
+
+    @classmethod
+    def upgrade_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        upgraded = super().upgrade_hparams(hparams)
+        if isinstance(upgraded.get("distillation"), Mapping) and upgraded["distillation"].get("teacher") is None:
+            upgraded["distillation"] = None  # an old checkpoint trained without a teacher
+        return upgraded
 
     def configure_model(self) -> None:
         """Build the model, once; num_classes comes from the datamodule unless it was given."""
@@ -159,14 +214,15 @@ class ImageClassifier(TrainingTask):
             hp.num_classes = datamodule.num_classes
         self.model_kwargs = self._resolved_model_kwargs()
         self.model = create_model(hp.model_name, **self.model_kwargs)
-        if hp.channels_last:
+        if self.speed.channels_last:
             self.model.to(memory_format=torch.channels_last)
         self.has_aux_loss = any(isinstance(m, MoE) for m in self.model.modules())
-        self.__dict__["_teacher"] = self._load_teacher() if hp.teacher else None  # outside the module tree
-        if hp.teacher and getattr(self.model, "dist_token", None) is not None:
+        distill = self.distillation
+        self.__dict__["_teacher"] = self._load_teacher(distill) if distill else None  # outside the module tree
+        if distill and getattr(self.model, "dist_token", None) is not None:
             self.model.set_distilled_training(True)
-        if hp.init_from:
-            load_pretrained(self.model, hp.init_from)
+        if self.finetune.init_from:
+            load_pretrained(self.model, self.finetune.init_from)
         self._freeze()
         if hp.patch_drop_schedule and not isinstance(getattr(self.model, "patch_drop", None), PatchDropout):
             raise ValueError(f"patch_drop_schedule needs a ViT (a model with patch dropout); {hp.model_name} has none")
@@ -175,7 +231,7 @@ class ImageClassifier(TrainingTask):
             raise ValueError(
                 f"whiten_patch_embed needs a ViT with a patchify conv; {hp.model_name} has none (or a stem)"
             )
-        if hp.grad_checkpointing:
+        if self.speed.grad_checkpointing:
             if not hasattr(self.model, "set_grad_checkpointing"):
                 raise ValueError(f"{hp.model_name} does not support grad_checkpointing (only the ViTs do)")
             self.model.set_grad_checkpointing(True)
@@ -184,7 +240,7 @@ class ImageClassifier(TrainingTask):
             self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(hp.ema_decay), use_buffers=True)
             self.ema.requires_grad_(False)  # not trained by the optimizer; DDP must not wait for its grads
         # Kept out of the module tree so checkpoints hold the plain model's weights, not `_orig_mod.` copies.
-        self.__dict__["_compiled"] = torch.compile(self.model) if hp.compile else None
+        self.__dict__["_compiled"] = torch.compile(self.model) if self.speed.compile else None
         self.train_acc1 = accuracy(hp.num_classes, top_k=1)
         self.val_acc1 = accuracy(hp.num_classes, top_k=1)
         self.val_acc5 = accuracy(hp.num_classes, top_k=5)
@@ -192,17 +248,19 @@ class ImageClassifier(TrainingTask):
         self.test_acc1 = accuracy(hp.num_classes, top_k=1)
         self.test_acc5 = accuracy(hp.num_classes, top_k=5)
 
-    def _load_teacher(self) -> nn.Module:
+    def _load_teacher(self, distill: Distillation) -> nn.Module:
         """The frozen teacher, in eval mode and NHWC order (faster convolutions), checked against
         the student's class count."""
         hp = self.hparams
-        teacher = load_model(hp.teacher, hp.teacher_model).requires_grad_(False).eval()
+        teacher = load_model(distill.teacher, distill.teacher_model).requires_grad_(False).eval()
         classes = getattr(teacher, "num_classes", None)
         if classes is None:  # the CIFAR / torchvision ResNets: their classifier's width
             head = next((m for name, m in teacher.named_children() if name in HEAD_NAMES), None)
             classes = getattr(head, "out_features", None)
         if classes != hp.num_classes:
-            raise ValueError(f"the teacher {hp.teacher} predicts {classes} classes but the model has {hp.num_classes}")
+            raise ValueError(
+                f"the teacher {distill.teacher} predicts {classes} classes but the model has {hp.num_classes}"
+            )
         return teacher.to(memory_format=torch.channels_last)
 
     def on_fit_start(self) -> None:
@@ -239,16 +297,16 @@ class ImageClassifier(TrainingTask):
             )
 
     def _freeze(self) -> None:
-        hp = self.hparams
-        if hp.freeze_backbone:
-            for name, p in self.model.named_parameters():
-                p.requires_grad_(is_head(name))
+        name, options = self.hparams.model_name, self.finetune
+        if options.freeze_backbone:
+            for param_name, p in self.model.named_parameters():
+                p.requires_grad_(is_head(param_name))
             if not any(p.requires_grad for p in self.model.parameters()):
-                raise ValueError(f"freeze_backbone: {hp.model_name} has no head named {' / '.join(HEAD_NAMES)}")
-        if hp.freeze_blocks:
+                raise ValueError(f"freeze_backbone: {name} has no head named {' / '.join(HEAD_NAMES)}")
+        if options.freeze_blocks:
             if not hasattr(self.model, "blocks"):
-                raise ValueError(f"freeze_blocks needs a model with transformer blocks, not {hp.model_name}")
-            frozen = [self.model.patch_embed, *self.model.blocks[: hp.freeze_blocks]]
+                raise ValueError(f"freeze_blocks needs a model with transformer blocks, not {name}")
+            frozen = [self.model.patch_embed, *self.model.blocks[: options.freeze_blocks]]
             for module in frozen:
                 module.requires_grad_(False)
             for name in ("cls_token", "pos_embed"):
@@ -273,7 +331,7 @@ class ImageClassifier(TrainingTask):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model = self._compiled if self._compiled is not None else self.model
-        if self.hparams.channels_last and x.ndim == 4:
+        if self.speed.channels_last and x.ndim == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return model(x)
 
@@ -290,18 +348,18 @@ class ImageClassifier(TrainingTask):
     ) -> torch.Tensor:
         """(1 - alpha) * label loss on the class logits + alpha * teacher loss on the distillation
         logits (a distilled ViT's second head; otherwise the same logits)."""
-        hp = self.hparams
+        options = self.distillation
         logits, dist = outputs if isinstance(outputs, tuple) else (outputs, outputs)
         with torch.no_grad():
             teacher = self._teacher(x.contiguous(memory_format=torch.channels_last)).float()
-        if hp.distillation == "hard":
+        if options.kind == "hard":
             teacher_loss = F.cross_entropy(dist, teacher.argmax(dim=-1))
         else:
-            tau = hp.distillation_tau
+            tau = options.tau
             student, soft = F.log_softmax(dist / tau, dim=-1), F.log_softmax(teacher / tau, dim=-1)
             teacher_loss = F.kl_div(student, soft, reduction="batchmean", log_target=True) * tau * tau
         self.log("train/teacher_loss", teacher_loss)
-        return (1 - hp.distillation_alpha) * self.loss(logits, target) + hp.distillation_alpha * teacher_loss
+        return (1 - options.alpha) * self.loss(logits, target) + options.alpha * teacher_loss
 
     # -- training -----------------------------------------------------------------------------
 
@@ -334,74 +392,11 @@ class ImageClassifier(TrainingTask):
         if self.ema is not None:
             self.ema.update_parameters(self.model)
 
-    def peak_lr(self) -> float:
-        return self.hparams.lr * self.lr_scale()
-
-    def lr_scale(self) -> float:
-        """global batch / lr_base_batch_size when the latter is set (linear lr scaling), else 1."""
-        base = self.hparams.lr_base_batch_size
-        return self.global_batch_size() / base if base else 1.0
-
-    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        hp = self.hparams
-        head_lr = hp.head_lr * self.lr_scale() if hp.head_lr is not None else None
-        groups = param_groups(self.model, hp.weight_decay, lr, hp.layer_decay, head_lr)
-        if hp.optimizer == "adamw":
-            return adamw(groups, lr, tuple(hp.betas), self.trainer)
-        if hp.optimizer == "muon":
-            hidden = {p for name, p in self.model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
-            return MuonAdamW(split_muon_groups(groups, hidden), lr, tuple(hp.betas), fused=can_fuse(self.trainer))
-        return torch.optim.SGD(groups, lr=lr, momentum=hp.momentum, nesterov=True)
-
-    def lr_schedule(self, min_ratio: float) -> Callable[[int], float]:
-        """Warmup then cosine over the run's steps, or, with a WallClockBudget, over its time."""
-        hp = self.hparams
-        budget = find_budget(self.trainer)
-        if budget is not None:  # the schedule follows the clock and ends with the budget
-            if hp.warmup_steps is not None or hp.warmup_epochs:
-                raise ValueError("with a WallClockBudget, give the warmup as warmup_fraction (of the budget)")
-            warmup = self._cap_warmup(hp.warmup_fraction or 0.0, 1.0)
-            return lambda step: warmup_cosine(budget.progress(), warmup, min_ratio)
-        total = int(self.trainer.estimated_stepping_batches)
-        warmup = hp.warmup_steps
-        if hp.warmup_fraction is not None:
-            warmup = round(hp.warmup_fraction * total)
-        elif warmup is None:
-            warmup = round(hp.warmup_epochs * self._steps_per_epoch())
-        warmup = self._cap_warmup(warmup, total)
-        return lambda step: warmup_cosine_steps(step, warmup, total, min_ratio)
-
-    def _steps_per_epoch(self) -> int:
-        """Optimizer steps in one epoch. A run bounded by max_steps alone (max_epochs -1) has not
-        built its train loader yet (estimated_stepping_batches is max_steps): build it to count."""
-        trainer = self.trainer
-        if trainer.num_training_batches == math.inf:
-            trainer.fit_loop.setup_data()  # the loader's resume position is read when the epoch starts
-        batches = trainer.num_training_batches
-        if batches == math.inf:  # an iterable without a length: the whole run counts as one epoch
-            return int(trainer.estimated_stepping_batches)
-        return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
-
-    def _cap_warmup(self, warmup: float, total: float) -> float:
-        """A warmup longer than half the run leaves no time to learn at the peak rate and decay: cut it.
-        A run without training steps (limit_train_batches 0, to validate a checkpoint) has none to cut."""
-        if 0 < total / 2 < warmup:
-            rank_zero_warn(
-                f"warmup ({warmup:g}) is longer than half the run ({total:g}); using {total / 2:g}. "
-                "Give it as model.warmup_fraction to scale it with the run's length."
-            )
-            return type(warmup)(total / 2)
-        return warmup
-
-    def global_batch_size(self) -> int:
-        """Images per optimizer step: the configured batch, or the whole (per-process) training set
-        where that is smaller, as the loader then gives."""
-        data, world = self.trainer.datamodule, self.trainer.world_size
-        per_device = data.batch_size if data is not None else 1
-        train = getattr(data, "train_set", None)
-        if train is not None:
-            per_device = min(per_device, math.ceil(len(train) / world))
-        return per_device * world * self.trainer.accumulate_grad_batches
+    def param_groups(self, lr: float) -> list[dict[str, Any]]:
+        """With finetune.layer_decay and head_lr: early blocks move less, the head at its own rate."""
+        options = self.finetune
+        head_lr = options.head_lr * self.lr_scale() if options.head_lr is not None else None
+        return param_groups(self.model, self.optimizer.weight_decay, lr, options.layer_decay, head_lr)
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -468,7 +463,7 @@ class ImageClassifier(TrainingTask):
                 raise CheckpointConflictError(
                     f"{path} was trained on {trained}, but {now}: a resumed run must see the same classes in the "
                     "same order (each output of the head is one class). Put the class folders back as they were, "
-                    f"or train on these classes from its weights with --model.init_from {path}"
+                    f"or train on these classes from its weights with --model.finetune.init_from {path}"
                 )
         super().on_load_checkpoint(checkpoint)
 

@@ -10,7 +10,7 @@ compute with bfloat16 parameters while gradients are reduced in float32. Checkpo
 a directory per checkpoint (`last.ckpt/`) with one file per process, written to a temporary name
 and renamed, and never with non-finite weights; `--ckpt_path last` resumes from them on any number
 of processes. `consolidate` turns one into a single `.ckpt` that `vit.checkpoint.load_model` and
-`--model.init_from` read.
+`--model.finetune.init_from` read.
 
 Why not Lightning's FSDPStrategy (FSDP1, `auto_wrap_policy={Block}`): with torch 2.14 it refuses
 to run without a GPU (`RuntimeError: FSDP needs a non-CPU accelerator device`, and Lightning's
@@ -131,15 +131,15 @@ def check_shardable(task: Any, model: nn.Module | None) -> None:
             "ShardedStrategy shards models made of vit.layers.Block (the ViTs, the GPT); "
             f"{type(model).__name__} has none: use strategy ddp"
         )
-    hp = getattr(task, "hparams", {})
-    if hp.get("optimizer") == "muon":
-        raise ValueError("optimizer muon needs whole weight matrices; with ShardedStrategy use adamw or sgd")
+    optimizer, speed = getattr(task, "optimizer", None), getattr(task, "speed", None)
+    if getattr(optimizer, "name", None) == "muon":
+        raise ValueError("optimizer.name muon needs whole weight matrices; with ShardedStrategy use adamw or sgd")
     if getattr(task, "ema", None) is not None:
         raise ValueError("ema_decay keeps an unsharded copy of the model; it is not supported with ShardedStrategy")
     if getattr(task, "_teacher", None) is not None:
         raise ValueError("distillation (teacher) is not supported with ShardedStrategy")
-    if hp.get("compile"):
-        raise ValueError("compile is not supported with ShardedStrategy here (not tested); use strategy ddp")
+    if getattr(speed, "compile", False):
+        raise ValueError("speed.compile is not supported with ShardedStrategy here (not tested); use strategy ddp")
 
 
 def mixed_precision(precision: str) -> Any:
@@ -193,7 +193,7 @@ def sharded_checkpoint_complete(path: str | Path) -> bool:
 def consolidate(folder: str | Path, out: str | Path) -> Path:
     """One `.ckpt` file from a sharded checkpoint directory, in the layout of a single-process run
     (`state_dict`, `optimizer_states`, the hyperparameters and our `vit` metadata), so
-    `vit.checkpoint.load_model(out)` rebuilds the model and `--model.init_from out` starts from it.
+    `vit.checkpoint.load_model(out)` rebuilds the model and `--model.finetune.init_from out` starts from it.
 
     Read with Lightning's loader for distributed checkpoints (the whole model in CPU memory).
     Lightning's own `python -m lightning.pytorch.utilities.consolidate_checkpoint` expects
@@ -208,7 +208,7 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
     if not folder.is_dir():
         raise ValueError(
             f"{folder} is a file, not a sharded checkpoint directory: it is one checkpoint already "
-            "(vit.checkpoint.load_model and --model.init_from read it as it is)"
+            "(vit.checkpoint.load_model and --model.finetune.init_from read it as it is)"
         )
     if not sharded_checkpoint_complete(folder):
         raise ValueError(
@@ -228,7 +228,7 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Consolidate a sharded checkpoint directory (vit.sharding.ShardedStrategy) into one .ckpt file "
-        "that vit.checkpoint.load_model and --model.init_from read."
+        "that vit.checkpoint.load_model and --model.finetune.init_from read."
     )
     parser.add_argument("folder", type=Path, help="the sharded checkpoint, e.g. runs/x/checkpoints/last.ckpt")
     parser.add_argument("out", type=Path, help="the file to write, e.g. vit_h14.ckpt")

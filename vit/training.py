@@ -10,15 +10,19 @@ makes resuming from a checkpoint exact.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
+import math
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from vit.checkpoint import is_head
@@ -32,8 +36,64 @@ from vit.fault_tolerance import (
     non_finite,
     trainer_checkpoint_dir,
 )
+from vit.optim import MuonAdamW, split_muon_groups
+from vit.options import set_option_groups, upgrade
+from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
 
 log = logging.getLogger(__name__)
+
+
+# -- the recipe's option groups ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """The optimizer (`model.optimizer.name`).
+
+    Args:
+        name: "adamw"; "sgd" (momentum, Nesterov); or "muon" (Muon on the transformer blocks'
+            weight matrices, AdamW on the rest, one lr: vit.optim.MuonAdamW).
+        lr: the peak learning rate; with lr_base_batch_size set it is scaled by
+            global_batch / lr_base_batch_size (linear scaling: a recipe keeps its rate per image
+            on any number of GPUs). A run resumed with another lr trains at it.
+        weight_decay: decoupled; none on norms, biases, position embeddings and the CLS token.
+        betas: AdamW's (and Muon's AdamW part's). momentum: SGD's.
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    lr_base_batch_size: int | None = None
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd", "muon"):
+            raise ValueError(f"optimizer.name must be 'adamw', 'sgd' or 'muon', got {self.name!r}")
+        object.__setattr__(self, "betas", tuple(self.betas))  # a list when read from YAML
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The learning rate's shape over the run (`model.schedule`): linear warmup from ~0 to the
+    peak, then cosine decay to min_lr at the run's end (by steps, or by a
+    vit.schedule.WallClockBudget's time).
+
+    Args:
+        warmup_epochs: warmup length in epochs (fractions allowed); warmup_steps, when given,
+            counts optimizer steps instead; warmup_fraction, when given, is a fraction of the whole
+            run (of its steps, or of its budget), so it scales with max_epochs or the budget. A
+            warmup longer than half the run is cut to half, with a warning.
+        min_lr: the rate at the end.
+        decay_steps: end the cosine at this step instead of the run's last (nanoGPT's
+            lr_decay_iters); min_lr after it.
+    """
+
+    warmup_epochs: float = 0.0
+    warmup_steps: int | None = None
+    warmup_fraction: float | None = None
+    min_lr: float = 0.0
+    decay_steps: int | None = None
 
 
 def global_seed() -> int:
@@ -60,18 +120,62 @@ class TrainingTask(L.LightningModule):
       each optimizer step by a LambdaLR with the task's multiplier (`lr_schedule`).
     - the callbacks every run carries (`default_callbacks`).
 
-    A task saves its hyperparameters, which include model_name, lr, min_lr, weight_decay and
-    betas; builds `self.model` and `self.model_kwargs` in `configure_model`; and implements
-    `lr_schedule`.
+    A task's options are its `model_name` and `model_kwargs`, its `optimizer` (Optimizer) and
+    `schedule` (Schedule) groups, and its own; it stores its groups with `set_options` and saves
+    its hyperparameters, then builds `self.model` and `self.model_kwargs` in `configure_model`.
+    Checkpoints saved before the options were grouped still load: `RENAMED` maps each old option
+    to its place (upgrade_hparams).
     """
 
     model: nn.Module | None
     model_kwargs: dict[str, Any]
+    optimizer: Optimizer  # the options; the torch optimizer is self.optimizers()
+    schedule: Schedule
+    # Flat options of checkpoints from before the groups, and where each went.
+    RENAMED: ClassVar[dict[str, str]] = {
+        "optimizer": "optimizer.name",
+        "lr": "optimizer.lr",
+        "lr_base_batch_size": "optimizer.lr_base_batch_size",
+        "weight_decay": "optimizer.weight_decay",
+        "betas": "optimizer.betas",
+        "momentum": "optimizer.momentum",
+        "warmup_epochs": "schedule.warmup_epochs",
+        "warmup_steps": "schedule.warmup_steps",
+        "warmup_fraction": "schedule.warmup_fraction",
+        "min_lr": "schedule.min_lr",
+    }
 
     def __init__(self) -> None:
         super().__init__()
         self.seed: int | None = None
         self._batch_idx = 0  # for the NaN guard's message
+
+    def set_options(self, **groups: Any) -> tuple[dict[str, Any] | None, ...]:
+        """The option groups given to __init__ set on self; returned as the plain dicts the
+        hyperparameters hold (vit.options.set_option_groups)."""
+        return set_option_groups(self, **groups)
+
+    @classmethod
+    def upgrade_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """A checkpoint's hyperparameters in today's form: flat options of older checkpoints
+        (`lr`, `optimizer: adamw`, ...) moved into their groups (`RENAMED`); others unchanged."""
+        return upgrade(hparams, cls.RENAMED)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's load_from_checkpoint, also for checkpoints from before the option groups:
+        those are read once, their hyperparameters upgraded, and loaded from memory."""
+        if isinstance(checkpoint_path, (str, os.PathLike)):
+            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+            saved = checkpoint.get("hyper_parameters", {})
+            upgraded = cls.upgrade_hparams(saved)
+            if upgraded != saved:
+                checkpoint["hyper_parameters"] = upgraded
+                buffer = io.BytesIO()
+                torch.save(checkpoint, buffer)
+                buffer.seek(0)
+                checkpoint_path = buffer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def setup(self, stage: str) -> None:
         # Before a checkpoint is read: on_load_checkpoint then puts the resumed run's seed in its place.
@@ -109,20 +213,85 @@ class TrainingTask(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         lr = self.peak_lr()
         optimizer = self.make_optimizer(lr)
-        min_ratio = self.hparams.min_lr / lr if lr > 0 else 0.0
+        min_ratio = self.schedule.min_lr / lr if lr > 0 else 0.0
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_schedule(min_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def peak_lr(self) -> float:
-        return self.hparams.lr
+        return self.optimizer.lr * self.lr_scale()
+
+    def lr_scale(self) -> float:
+        """global batch / lr_base_batch_size when the latter is set (linear lr scaling), else 1."""
+        base = self.optimizer.lr_base_batch_size
+        return self.global_batch_size() / base if base else 1.0
+
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step: the configured batch, or the whole (per-process) training set
+        where that is smaller, as the loader then gives."""
+        data, world = self.trainer.datamodule, self.trainer.world_size
+        per_device = getattr(data, "batch_size", 1) if data is not None else 1
+        train = getattr(data, "train_set", None)
+        if train is not None:
+            per_device = min(per_device, math.ceil(len(train) / world))
+        return per_device * world * self.trainer.accumulate_grad_batches
+
+    def param_groups(self, lr: float) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups (vit.training.param_groups); a task may shape the rates."""
+        return param_groups(self.model, self.optimizer.weight_decay, lr)
 
     def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        hp = self.hparams
-        return adamw(param_groups(self.model, hp.weight_decay, lr), lr, tuple(hp.betas), self.trainer)
+        options, groups = self.optimizer, self.param_groups(lr)
+        if options.name == "adamw":
+            return adamw(groups, lr, options.betas, self.trainer)
+        if options.name == "muon":
+            hidden = {p for name, p in self.model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
+            return MuonAdamW(split_muon_groups(groups, hidden), lr, options.betas, fused=can_fuse(self.trainer))
+        return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, nesterov=True)
 
     def lr_schedule(self, min_ratio: float) -> Callable[[int], float]:
-        """The multiplier of the peak rate at each optimizer step, ending at min_ratio."""
-        raise NotImplementedError
+        """The multiplier of the peak rate at each optimizer step, ending at min_ratio: warmup then
+        cosine over the run's steps (or to schedule.decay_steps), or, with a WallClockBudget, over
+        its time."""
+        schedule = self.schedule
+        budget = find_budget(self.trainer)
+        if budget is not None:  # the schedule follows the clock and ends with the budget
+            if schedule.warmup_steps is not None or schedule.warmup_epochs or schedule.decay_steps is not None:
+                raise ValueError(
+                    "with a WallClockBudget, give the warmup as schedule.warmup_fraction (of the budget), "
+                    "and no decay_steps"
+                )
+            warmup = self._cap_warmup(schedule.warmup_fraction or 0.0, 1.0)
+            return lambda step: warmup_cosine(budget.progress(), warmup, min_ratio)
+        total = schedule.decay_steps or int(self.trainer.estimated_stepping_batches)
+        warmup = schedule.warmup_steps
+        if schedule.warmup_fraction is not None:
+            warmup = round(schedule.warmup_fraction * total)
+        elif warmup is None:
+            warmup = round(schedule.warmup_epochs * self._steps_per_epoch())
+        warmup = self._cap_warmup(warmup, total)
+        return lambda step: warmup_cosine_steps(step, warmup, total, min_ratio)
+
+    def _steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch. A run bounded by max_steps alone (max_epochs -1) has not
+        built its train loader yet (estimated_stepping_batches is max_steps): build it to count."""
+        trainer = self.trainer
+        if trainer.num_training_batches == math.inf:
+            trainer.fit_loop.setup_data()  # the loader's resume position is read when the epoch starts
+        batches = trainer.num_training_batches
+        if batches == math.inf:  # an iterable without a length: the whole run counts as one epoch
+            return int(trainer.estimated_stepping_batches)
+        return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+
+    def _cap_warmup(self, warmup: float, total: float) -> float:
+        """A warmup longer than half the run leaves no time to learn at the peak rate and decay: cut it.
+        A run without training steps (limit_train_batches 0, to validate a checkpoint) has none to cut."""
+        if 0 < total / 2 < warmup:
+            rank_zero_warn(
+                f"warmup ({warmup:g}) is longer than half the run ({total:g}); using {total / 2:g}. "
+                "Give it as model.schedule.warmup_fraction to scale it with the run's length."
+            )
+            return type(warmup)(total / 2)
+        return warmup
 
     # -- checkpoints and callbacks --------------------------------------------------------------
 
@@ -144,10 +313,10 @@ class TrainingTask(L.LightningModule):
         if saved_peak is not None:  # the peak rate follows lr and, with lr_base_batch_size, the global batch
             rescale_lr(checkpoint, self.peak_lr() / saved_peak, f"peak lr {self.peak_lr():g}", f"{saved_peak:g}")
         else:  # a checkpoint from before vit_peak_lr was saved: the lr option alone
-            old = checkpoint.get("hyper_parameters", {}).get("lr")
+            old = self.upgrade_hparams(checkpoint.get("hyper_parameters", {})).get("optimizer", {}).get("lr")
             if old:
-                rescale_lr(checkpoint, self.hparams.lr / old, f"lr {self.hparams.lr:g}", f"{old:g}")
-        checkpoint.setdefault("hyper_parameters", {})["lr"] = self.hparams.lr
+                lr = self.optimizer.lr
+                rescale_lr(checkpoint, lr / old, f"lr {lr:g}", f"{old:g}")
 
     def configure_callbacks(self) -> list[Callback]:
         return default_callbacks(self.trainer)

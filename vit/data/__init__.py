@@ -1,5 +1,6 @@
 """Datasets, augmentation and LightningDataModules: image classification and character-level text."""
 
+from vit.data.augment import Augment
 from vit.data.datamodules import (
     CIFARDataModule,
     DigitsDataModule,
@@ -9,9 +10,11 @@ from vit.data.datamodules import (
     TinyImageNetDataModule,
 )
 from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
+from vit.data.mixup import Mixup
 from vit.data.text import CharTokenizer, TextDataModule
 
 __all__ = [
+    "Augment",
     "CIFARDataModule",
     "CharTokenizer",
     "CorruptImageError",
@@ -20,6 +23,7 @@ __all__ = [
     "ImageDataModule",
     "ImageFiles",
     "ImageFolderDataModule",
+    "Mixup",
     "StreamingDataModule",
     "TextDataModule",
     "TinyImageNetDataModule",

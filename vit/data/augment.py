@@ -15,12 +15,51 @@ the per-sample path's distribution, op for op (tests/test_augment.py compares th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+CROPS = ("rrc", "pad_crop", "resize")
+
+
+@dataclasses.dataclass(frozen=True)
+class Augment:
+    """A training image's augmentation (`data.augment`), the same on every data path: per sample
+    (vit.data.transforms), in batches of decoded files (vit.data.device) or of images in memory.
+
+    Args:
+        crop: "rrc" (random resized crop, ImageNet), "pad_crop" (resize, pad by crop_padding,
+            random crop back: CIFAR) or "resize" (no crop). None (image folders only): follows
+            img_size (vit.data.ImageFolderDataModule).
+        crop_scale: the random resized crop's range of area fractions.
+        crop_padding: pad_crop's padding; None (image folders only): img_size // 8.
+        hflip: a horizontal flip with probability 1/2 (off for digits and text).
+        randaugment_ops / randaugment_magnitude: RandAugment's ops per image (0 = off) and their
+            strength (0..10).
+        cutout: side of a square zeroed at a random place in each image (in_memory only).
+    """
+
+    crop: str | None = "rrc"
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_padding: int | None = 4
+    hflip: bool = True
+    randaugment_ops: int = 0
+    randaugment_magnitude: float = 9.0
+    cutout: int = 0
+
+    def __post_init__(self) -> None:
+        if self.crop is not None and self.crop not in CROPS:
+            raise ValueError(f"augment.crop must be one of {CROPS}, got {self.crop!r}")
+        object.__setattr__(self, "crop_scale", tuple(self.crop_scale))  # a list when read from YAML
+
+    @property
+    def randaugment(self) -> tuple[int, float]:
+        return self.randaugment_ops, self.randaugment_magnitude
+
 
 # Each image's parameters, drawn before the batch reaches the device: its crop box, flip (0/1), then
 # RandAugment's RA_COLUMNS.

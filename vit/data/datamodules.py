@@ -7,6 +7,7 @@ Mixup/CutMix; a subclass only says where its images and labels come from.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -18,14 +19,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from vit.data.augment import batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
+from vit.data.augment import Augment, batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
 from vit.data.device import DEVICE_CROPS, EncodedFiles, collate_encoded, decode_and_augment
 from vit.data.images import ImageArrays, ImageFiles, readable_class_names, scan_image_folder, scan_tiny_imagenet
 from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
-from vit.data.mixup import MixupCutmix
+from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.sampling import ChunkedSampler, ResumableSampler, mix_seed, resumable_loader, run_seed
 from vit.data.streaming import StreamingImages
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
+from vit.options import set_option_groups
 from vit.schedule import stepwise, training_progress
 
 log = logging.getLogger(__name__)
@@ -50,10 +52,8 @@ class ImageDataModule(L.LightningDataModule):
         batch_size: per process (the global batch is batch_size x devices x nodes).
         num_workers: loader processes; None picks one less than the CPUs available per GPU (max 8).
         pin_memory: None -> on when CUDA is available. persistent_workers: None -> on when num_workers > 0.
-        crop: "rrc" (random resized crop), "pad_crop" (pad + random crop, CIFAR) or "resize".
-        randaugment_ops / randaugment_magnitude: RandAugment-like ops per image (0 = off) and strength (0..10).
-        mixup_alpha / cutmix_alpha: Beta parameters (0 = off); mixup_prob: fraction of batches mixed;
-            mixup_switch_prob: chance of CutMix when both are on.
+        augment: vit.data.Augment: crop, flip, RandAugment, cutout (each datamodule its own defaults).
+        mixup: vit.data.Mixup: Mixup / CutMix of training batches (off by default).
         eval_crop_pct: eval resize is img_size / eval_crop_pct before the centre crop.
         mean / std: the per-channel normalisation of pixels in [0, 1]. Kept, with eval_crop_pct, as
             attributes of the same names: what turns a model input back into the image (rollout).
@@ -64,14 +64,28 @@ class ImageDataModule(L.LightningDataModule):
         in_memory: decode every image once into a uint8 tensor (cached in cache_dir) and augment
             whole batches on the training device (vit.data.memory): crop "pad_crop" or "resize",
             hflip, RandAugment, cutout and Mixup/CutMix. cache_dir None: `<default_root_dir>/cache`.
-        cutout: side of a square zeroed at a random place in each training image (in_memory only).
         train_sizes: progressive resizing, in_memory only: [[progress, size], ...] trains at `size`
             from that fraction of the run on (e.g. [[0, 16], [0.5, 24], [0.75, 32]]); validation
             stays at img_size. The model must accept other sizes (rope/sincos2d, or dynamic_img_size).
         device_decode: image files only: loader workers read the encoded bytes, and the batch is
             decoded, cropped (crop "rrc" or "resize"), flipped, RandAugmented and normalised on the
             training device (vit.data.device).
+
+    A group given in Python as a dict changes only the fields it names of the class's default,
+    e.g. `CIFARDataModule(augment={"cutout": 8})` keeps its pad-crop.
     """
+
+    # Options from before the groups, and where each went (the CLI names the new place).
+    RENAMED: ClassVar[dict[str, str]] = {
+        **{name: f"augment.{name}" for name in ("crop", "crop_scale", "crop_padding", "hflip", "cutout")},
+        **{name: f"augment.{name}" for name in ("randaugment_ops", "randaugment_magnitude")},
+        "mixup_alpha": "mixup.mixup_alpha",
+        "cutmix_alpha": "mixup.cutmix_alpha",
+        "mixup_prob": "mixup.prob",
+        "mixup_switch_prob": "mixup.switch_prob",
+    }
+    augment: Augment
+    mixup: Mixup
 
     num_classes: int
     # The classes' names in label order, as people read them; checkpoints carry them, so exports
@@ -85,16 +99,8 @@ class ImageDataModule(L.LightningDataModule):
         num_workers: int | None = None,
         pin_memory: bool | None = None,
         persistent_workers: bool | None = None,
-        crop: str = "rrc",
-        crop_scale: tuple[float, float] = (0.08, 1.0),
-        crop_padding: int = 4,
-        hflip: bool = True,
-        randaugment_ops: int = 0,
-        randaugment_magnitude: float = 9.0,
-        mixup_alpha: float = 0.0,
-        cutmix_alpha: float = 0.0,
-        mixup_prob: float = 1.0,
-        mixup_switch_prob: float = 0.5,
+        augment: Augment = Augment(),
+        mixup: Mixup = Mixup(),
         eval_crop_pct: float = 1.0,
         mean: tuple[float, float, float] = IMAGENET_MEAN,
         std: tuple[float, float, float] = IMAGENET_STD,
@@ -102,7 +108,6 @@ class ImageDataModule(L.LightningDataModule):
         val_holdout: float = 0,
         in_memory: bool = False,
         cache_dir: str | None = None,
-        cutout: int = 0,
         train_sizes: list[tuple[float, int]] | None = None,
         device_decode: bool = False,
     ) -> None:
@@ -113,32 +118,26 @@ class ImageDataModule(L.LightningDataModule):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.persistent_workers = self.num_workers > 0 if persistent_workers is None else persistent_workers
         self.skip_corrupt = skip_corrupt
-        self.train_transform = train_transform(
-            img_size, crop, crop_scale, crop_padding, hflip, randaugment_ops, randaugment_magnitude, mean, std
-        )
+        set_option_groups(self, augment=augment, mixup=mixup)
+        augment, crop = self.augment, self.augment.crop
+        self.train_transform = train_transform(img_size, augment, mean, std)
         self.eval_transform = eval_transform(img_size, eval_crop_pct, mean, std)
-        self.mixup_options = dict(
-            mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, prob=mixup_prob, switch_prob=mixup_switch_prob
-        )
         self.val_holdout = val_holdout
         self.in_memory, self.cache_dir = in_memory, cache_dir
-        self.crop, self.crop_scale, self.crop_padding = crop, crop_scale, crop_padding
-        self.hflip, self.cutout = hflip, cutout
-        self.randaugment = (randaugment_ops, randaugment_magnitude)
         self.eval_crop_pct, self.mean, self.std = eval_crop_pct, mean, std
         self.train_sizes = sorted((float(p), int(size)) for p, size in train_sizes) if train_sizes else None
-        if not in_memory and (cutout or train_sizes):
+        if not in_memory and (augment.cutout or train_sizes):
             raise ValueError("cutout and train_sizes are batch augmentations: they need in_memory=True")
         if in_memory and crop not in ("pad_crop", "resize"):
             raise ValueError(
-                f"in_memory=True augments batches with crop 'pad_crop' or 'resize'; got crop={crop!r} "
+                f"in_memory=True augments batches with augment.crop 'pad_crop' or 'resize'; got {crop!r} "
                 "(use in_memory=False for it)"
             )
         self.device_decode = device_decode
         if device_decode and (in_memory or crop not in DEVICE_CROPS):
             raise ValueError(
                 f"device_decode decodes image files on the training device and crops with {' or '.join(DEVICE_CROPS)}; "
-                f"got in_memory={in_memory}, crop={crop!r}"
+                f"got in_memory={in_memory}, augment.crop={crop!r}"
             )
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
@@ -164,28 +163,29 @@ class ImageDataModule(L.LightningDataModule):
 
     def describe_transforms(self) -> tuple[str, str]:
         """One line each for what training and evaluation do to an image (logged at setup)."""
-        size, padding = self.img_size, self.crop_padding
+        size, augment, padding = self.img_size, self.augment, self.augment.crop_padding
         device = ["decode on the training device"] if self.device_decode else []
         if self.in_memory:  # decoded once at the eval geometry, then augmented in batches
             train = [f"decode once at {size} (shorter side, centre crop)"]
-            train += [f"pad {padding} + random crop {size}"] if self.crop == "pad_crop" else []
-        elif self.crop == "rrc":
-            train = [*device, f"random resized crop {size} (scale {self.crop_scale[0]:g}-{self.crop_scale[1]:g})"]
-        elif self.crop == "pad_crop":
+            train += [f"pad {padding} + random crop {size}"] if augment.crop == "pad_crop" else []
+        elif augment.crop == "rrc":
+            low, high = augment.crop_scale
+            train = [*device, f"random resized crop {size} (scale {low:g}-{high:g})"]
+        elif augment.crop == "pad_crop":
             train = [f"resize {size}x{size}, pad {padding} + random crop {size}"]
         else:
             train = [*device, f"resize {size}x{size}"]
-        train += ["flip"] if self.hflip else []
-        ops, magnitude = self.randaugment
+        train += ["flip"] if augment.hflip else []
+        ops, magnitude = augment.randaugment
         train += [f"RandAugment {ops} ops at magnitude {magnitude:g}"] if ops > 0 else []
-        train += [f"cutout {self.cutout}"] if self.cutout else []
+        train += [f"cutout {augment.cutout}"] if augment.cutout else []
         train.append("normalise")
-        options = self.mixup_options
-        if self.mixup_enabled:
-            share = "per batch" if options["prob"] >= 1 else f"on {options['prob']:.0%} of batches"
-            mixing = f"Mixup {options['mixup_alpha']:g} / CutMix {options['cutmix_alpha']:g}"
-            if options["mixup_alpha"] > 0 and options["cutmix_alpha"] > 0:
-                mixing += f" (CutMix on {options['switch_prob']:.0%})"
+        mixup = self.mixup
+        if mixup.enabled:
+            share = "per batch" if mixup.prob >= 1 else f"on {mixup.prob:.0%} of batches"
+            mixing = f"Mixup {mixup.mixup_alpha:g} / CutMix {mixup.cutmix_alpha:g}"
+            if mixup.mixup_alpha > 0 and mixup.cutmix_alpha > 0:
+                mixing += f" (CutMix on {mixup.switch_prob:.0%})"
             train.append(f"{mixing} {share}")
         if self.train_sizes:
             train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.train_sizes))
@@ -210,8 +210,7 @@ class ImageDataModule(L.LightningDataModule):
             return dataset
         if not isinstance(dataset, ImageFiles):
             raise ValueError(f"device_decode reads image files; {type(self).__name__} holds decoded arrays")
-        return EncodedFiles(dataset, train, self.crop, self.crop_scale, self.hflip, self.eval_crop_pct,
-                            self.skip_corrupt, self.randaugment)  # fmt: skip
+        return EncodedFiles(dataset, train, self.augment, self.eval_crop_pct, self.skip_corrupt)
 
     def train_dataloader(self) -> DataLoader:
         seed = run_seed(self.trainer)
@@ -291,23 +290,24 @@ class ImageDataModule(L.LightningDataModule):
         if self.in_memory:
             batch = self._augment_in_memory(batch)
         trainer = self.trainer
-        if trainer is None or not trainer.training or not self.mixup_enabled:
+        if trainer is None or not trainer.training or not self.mixup.enabled:
             return batch
         x, y = batch
         rng = np.random.default_rng(mix_seed(run_seed(trainer), trainer.global_step, trainer.global_rank, 1))
-        return MixupCutmix(self.num_classes, **self.mixup_options)(x, y, rng)
+        return MixupCutmix(self.num_classes, self.mixup)(x, y, rng)
 
     def _augment_in_memory(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if len(batch) == 2:  # evaluation: uint8 at img_size, normalise only
             return normalize(batch[0], self.mean, self.std), batch[1]
         x, y, seed = batch  # training, with the batch's augmentation seed
         generator = torch.Generator(device=x.device).manual_seed(int(seed))
-        padding = self.crop_padding if self.crop == "pad_crop" else 0
-        x = batch_augment(x, generator, padding, self.hflip)
-        if self.randaugment[0] > 0:  # before cutout, as RandAugment precedes random erasing in timm
-            params = draw_rand_augment(np.random.default_rng(mix_seed(int(seed), 2)), *self.randaugment, count=len(x))
-            x = rand_augment(x, torch.from_numpy(params))
-        x = batch_augment(x, generator, cutout=self.cutout)  # the generator's draws in the order of one call
+        augment = self.augment
+        padding = augment.crop_padding if augment.crop == "pad_crop" else 0
+        x = batch_augment(x, generator, padding, augment.hflip)
+        if augment.randaugment_ops > 0:  # before cutout, as RandAugment precedes random erasing in timm
+            rng = np.random.default_rng(mix_seed(int(seed), 2))
+            x = rand_augment(x, torch.from_numpy(draw_rand_augment(rng, *augment.randaugment, count=len(x))))
+        x = batch_augment(x, generator, cutout=augment.cutout)  # the generator's draws in the order of one call
         x = normalize(x, self.mean, self.std)
         return resize_batch(x, self.train_size()), y
 
@@ -318,10 +318,6 @@ class ImageDataModule(L.LightningDataModule):
         progress = training_progress(self.trainer)
         return int(stepwise(self.train_sizes, progress))
 
-    @property
-    def mixup_enabled(self) -> bool:
-        return self.mixup_options["mixup_alpha"] > 0 or self.mixup_options["cutmix_alpha"] > 0
-
 
 class DigitsDataModule(ImageDataModule):
     """The offline default: scikit-learn's bundled 8x8 handwritten digits (1,797 images, 10 classes),
@@ -331,12 +327,10 @@ class DigitsDataModule(ImageDataModule):
         self,
         val_fraction: float = 0.2,
         img_size: int = 16,
-        crop: str = "pad_crop",
-        crop_padding: int = 2,
-        hflip: bool = False,  # digits are not mirror-symmetric
+        augment: Augment = Augment(crop="pad_crop", crop_padding=2, hflip=False),  # digits are not mirror-symmetric
         **kwargs: Any,
     ) -> None:
-        super().__init__(img_size=img_size, crop=crop, crop_padding=crop_padding, hflip=hflip, **kwargs)
+        super().__init__(img_size=img_size, augment=augment, **kwargs)
         self.val_fraction = val_fraction
         self.num_classes = 10
         self.class_names = [str(digit) for digit in range(10)]
@@ -369,12 +363,12 @@ class CIFARDataModule(ImageDataModule):
         dataset: str = "cifar10",
         download: bool = True,
         img_size: int = 32,
-        crop: str = "pad_crop",
+        augment: Augment = Augment(crop="pad_crop"),
         **kwargs: Any,
     ) -> None:
         if dataset not in self._FOLDERS:
             raise ValueError(f"dataset must be 'cifar10' or 'cifar100', got {dataset!r}")
-        super().__init__(img_size=img_size, crop=crop, **kwargs)
+        super().__init__(img_size=img_size, augment=augment, **kwargs)
         self.root, self.dataset, self.download = Path(root), dataset, download
         self.num_classes = 10 if dataset == "cifar10" else 100
 
@@ -415,12 +409,13 @@ class CIFARDataModule(ImageDataModule):
 class ImageFolderDataModule(ImageDataModule):
     """ImageNet-style trees: `root/<train_dir>/<class>/*` and `root/<val_dir>/<class>/*`.
 
-    The crop follows the image size unless it is given. Small images (img_size <= 64: CIFAR,
-    digits, Tiny-ImageNet-sized) get the CIFAR module's augmentation: resize, pad by img_size // 8
-    (`crop_padding`; 4 px at 32) and a random crop back, plus a flip. ImageNet's random resized crop
-    (scale 0.08-1) would keep as little as 8% of a 32-pixel image. Larger images get that random
-    resized crop (`crop_scale`) and a flip. `hflip: false` for images that are not mirror-symmetric
-    (digits, text). The pipelines are logged when the data is set up.
+    The crop follows the image size unless it is given (`augment.crop`). Small images (img_size <=
+    64: CIFAR, digits, Tiny-ImageNet-sized) get the CIFAR module's augmentation: resize, pad by
+    img_size // 8 (`augment.crop_padding`; 4 px at 32) and a random crop back, plus a flip.
+    ImageNet's random resized crop (scale 0.08-1) would keep as little as 8% of a 32-pixel image.
+    Larger images get that random resized crop (`augment.crop_scale`) and a flip.
+    `augment.hflip: false` for images that are not mirror-symmetric (digits, text). The pipelines
+    are logged when the data is set up.
 
     `eval_crop_pct=None` follows the training crop: 0.875 after random-resized-crop training (the
     ImageNet convention, objects at the scale training saw them), 1.0 (the whole image) after
@@ -433,12 +428,12 @@ class ImageFolderDataModule(ImageDataModule):
         train_dir: str = "train",
         val_dir: str = "val",
         img_size: int = 224,
-        crop: str | None = None,
-        crop_padding: int | None = None,
+        augment: Augment = Augment(crop=None, crop_padding=None),  # following img_size
         eval_crop_pct: float | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**folder_crop(img_size, crop, crop_padding, eval_crop_pct, kwargs), **kwargs)
+        set_option_groups(self, augment=augment)
+        super().__init__(**folder_crop(img_size, self.augment, eval_crop_pct, kwargs), **kwargs)
         self.root, self.train_dir, self.val_dir = Path(root), train_dir, val_dir
         # Scan the class folders now: the CLI links num_classes to the model's at instantiation (vit.cli).
         self.classes, self._train_samples = scan_image_folder(self.root / train_dir)
@@ -454,28 +449,30 @@ class ImageFolderDataModule(ImageDataModule):
 
 
 def folder_crop(
-    img_size: int, crop: str | None, crop_padding: int | None, eval_crop_pct: float | None, options: dict[str, Any]
+    img_size: int, augment: Augment, eval_crop_pct: float | None, options: dict[str, Any]
 ) -> dict[str, Any]:
     """An image folder's geometry options with the defaults that follow img_size (ImageFolderDataModule)."""
+    crop, crop_padding = augment.crop, augment.crop_padding
     if crop is None:
         crop = "pad_crop" if img_size <= SMALL_IMAGE else "rrc"
         if crop == "pad_crop" and options.get("device_decode"):
             raise ValueError(
                 f"data.img_size {img_size} is at most {SMALL_IMAGE}, where the image folder trains with pad + "
-                "random crops by default, which device_decode does not do: set --data.crop rrc (or resize) to keep "
-                "device_decode, or --data.device_decode false"
+                "random crops by default, which device_decode does not do: set --data.augment.crop rrc (or resize) "
+                "to keep device_decode, or --data.device_decode false"
             )
         if crop == "rrc" and options.get("in_memory"):
             raise ValueError(
                 f"data.img_size {img_size} is above {SMALL_IMAGE}, where the image folder trains with random "
                 "resized crops by default, which in_memory=True does not do (it augments whole batches): set "
-                "--data.crop pad_crop (or resize) to keep in_memory, or --data.in_memory false"
+                "--data.augment.crop pad_crop (or resize) to keep in_memory, or --data.in_memory false"
             )
     if crop_padding is None:
         crop_padding = max(1, img_size // 8)
     if eval_crop_pct is None:
         eval_crop_pct = 0.875 if crop == "rrc" else 1.0
-    return dict(img_size=img_size, crop=crop, crop_padding=crop_padding, eval_crop_pct=eval_crop_pct)
+    augment = dataclasses.replace(augment, crop=crop, crop_padding=crop_padding)
+    return dict(img_size=img_size, augment=augment, eval_crop_pct=eval_crop_pct)
 
 
 class StreamingDataModule(ImageDataModule):
@@ -498,15 +495,15 @@ class StreamingDataModule(ImageDataModule):
         train_dir: str = "train",
         val_dir: str = "val",
         img_size: int = 224,
-        crop: str | None = None,
-        crop_padding: int | None = None,
+        augment: Augment = Augment(crop=None, crop_padding=None),  # following img_size
         eval_crop_pct: float | None = None,
         shuffle_window: int = 8,
         chunk_cache_dir: str | None = None,
         chunk_cache_size: str | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**folder_crop(img_size, crop, crop_padding, eval_crop_pct, kwargs), **kwargs)
+        set_option_groups(self, augment=augment)
+        super().__init__(**folder_crop(img_size, self.augment, eval_crop_pct, kwargs), **kwargs)
         self.root, self.train_dir, self.val_dir = root.rstrip("/"), train_dir, val_dir
         self.shuffle_window, self.stream_cache = shuffle_window, (chunk_cache_dir, chunk_cache_size)
         # Read the training split's index now: the CLI links num_classes to the model's at instantiation.
@@ -537,11 +534,10 @@ class TinyImageNetDataModule(ImageDataModule):
         self,
         root: str = "data/tiny-imagenet-200",
         img_size: int = 64,
-        crop: str = "rrc",
-        crop_scale: tuple[float, float] = (0.35, 1.0),
+        augment: Augment = Augment(crop_scale=(0.35, 1.0)),
         **kwargs: Any,
     ) -> None:
-        super().__init__(img_size=img_size, crop=crop, crop_scale=crop_scale, **kwargs)
+        super().__init__(img_size=img_size, augment=augment, **kwargs)
         self.root = Path(root)
         self.classes, self._train_samples = scan_tiny_imagenet(self.root, "train")
         self.num_classes = len(self.classes)

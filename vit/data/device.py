@@ -30,6 +30,7 @@ from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from vit.data.augment import (
     RA_COLUMNS,
     RA_START,
+    Augment,
     center_crop_box,
     crop_resize_flip,
     draw_rand_augment,
@@ -63,29 +64,24 @@ class EncodedFiles(ImageFiles):
     ResumableSampler yields them (by index alone in evaluation); corrupt files are handled as
     ImageFiles handles them (`substitute` in training, a stand-in that is not scored in evaluation).
 
-    `train`: a random resized crop (`crop` "rrc", area fraction in `scale`) or the whole image
-    (`crop` "resize"), with `hflip` a flip with probability 1/2, and `randaugment` (ops, magnitude)
-    RandAugment's ops, drawn from the sample seed; otherwise the evaluation crop (center_crop_box of
-    `crop_pct`).
+    `train`: `augment`'s random resized crop (crop "rrc") or the whole image (crop "resize"), flip
+    and RandAugment ops, drawn from the sample seed; otherwise the evaluation crop (center_crop_box
+    of `crop_pct`).
     """
 
     def __init__(
         self,
         source: ImageFiles | Sequence[Sample],
         train: bool,
-        crop: str = "rrc",
-        scale: tuple[float, float] = (0.08, 1.0),
-        hflip: bool = True,
+        augment: Augment = Augment(),
         crop_pct: float = 1.0,
         skip_corrupt: bool = False,
-        randaugment: tuple[int, float] = (0, 9.0),
     ) -> None:
-        if crop not in DEVICE_CROPS:
-            raise ValueError(f"device_decode crops with {' or '.join(DEVICE_CROPS)}, not {crop!r}")
+        if augment.crop not in DEVICE_CROPS:
+            raise ValueError(f"device_decode crops with {' or '.join(DEVICE_CROPS)}, not {augment.crop!r}")
         self.source = source if isinstance(source, ImageFiles) else ImageFiles(source)
         super().__init__(self.source.samples, skip_corrupt=skip_corrupt, substitute=train)
-        self.train, self.crop, self.scale, self.hflip, self.crop_pct = train, crop, tuple(scale), hflip, crop_pct
-        self.randaugment = randaugment
+        self.train, self.augment, self.crop_pct = train, augment, crop_pct
 
     def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int, torch.Tensor]:
         index, seed = item if isinstance(item, tuple) else (item, None)
@@ -112,9 +108,10 @@ class EncodedFiles(ImageFiles):
         else:
             rng = np.random.default_rng(seed)
             whole = (0, 0, height, width)
-            box = random_resized_crop_box(rng, height, width, self.scale) if self.crop == "rrc" else whole
-            flip = int(self.hflip and rng.random() < 0.5)
-            ra = draw_rand_augment(rng, *self.randaugment)[0]
+            augment = self.augment
+            box = random_resized_crop_box(rng, height, width, augment.crop_scale) if augment.crop == "rrc" else whole
+            flip = int(augment.hflip and rng.random() < 0.5)
+            ra = draw_rand_augment(rng, *augment.randaugment)[0]
         return torch.tensor([*box, flip, *ra, index], dtype=torch.float64)
 
 

@@ -7,27 +7,39 @@ label smoothing is left to the loss (`F.cross_entropy(label_smoothing=...)` acce
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 
+@dataclasses.dataclass(frozen=True)
+class Mixup:
+    """Mixup and CutMix of training batches (`data.mixup`; timm's names).
+
+    Args:
+        mixup_alpha / cutmix_alpha: the Beta distributions' parameter (0 = off; DeiT: 0.8 / 1.0).
+        prob: the fraction of batches mixed. switch_prob: the chance of CutMix when both are on.
+    """
+
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    prob: float = 1.0
+    switch_prob: float = 0.5
+
+    @property
+    def enabled(self) -> bool:
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
+
+
 class MixupCutmix:
-    def __init__(
-        self,
-        num_classes: int,
-        mixup_alpha: float = 0.8,
-        cutmix_alpha: float = 1.0,
-        prob: float = 1.0,
-        switch_prob: float = 0.5,
-    ) -> None:
-        if mixup_alpha <= 0 and cutmix_alpha <= 0:
+    def __init__(self, num_classes: int, options: Mixup) -> None:
+        if not options.enabled:
             raise ValueError("MixupCutmix needs mixup_alpha > 0 or cutmix_alpha > 0")
         self.num_classes = num_classes
-        self.mixup_alpha = mixup_alpha
-        self.cutmix_alpha = cutmix_alpha
-        self.prob = prob
-        self.switch_prob = switch_prob
+        self.mixup_alpha, self.cutmix_alpha = options.mixup_alpha, options.cutmix_alpha
+        self.prob, self.switch_prob = options.prob, options.switch_prob
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Images (B, C, H, W) and int labels (B,) -> mixed images and soft targets (B, classes)."""

@@ -7,12 +7,10 @@ import albumentations as A
 import cv2
 from albumentations.pytorch import ToTensorV2
 
-from vit.data.augment import SHARPEN_LIGHTNESS, rand_augment_ranges
+from vit.data.augment import CROPS, SHARPEN_LIGHTNESS, Augment, rand_augment_ranges
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-CROPS = ("rrc", "pad_crop", "resize")
 
 
 def rand_augment_ops(magnitude: float) -> list[A.BasicTransform]:
@@ -43,33 +41,30 @@ def rand_augment_ops(magnitude: float) -> list[A.BasicTransform]:
 
 def train_transform(
     img_size: int,
-    crop: str = "rrc",
-    crop_scale: tuple[float, float] = (0.08, 1.0),
-    crop_padding: int = 4,
-    hflip: bool = True,
-    randaugment_ops: int = 0,
-    randaugment_magnitude: float = 9.0,
+    augment: Augment = Augment(),
     mean: tuple[float, ...] = IMAGENET_MEAN,
     std: tuple[float, ...] = IMAGENET_STD,
 ) -> A.Compose:
-    """crop: "rrc" (random resized crop, ImageNet), "pad_crop" (resize, pad, random crop: CIFAR)
-    or "resize" (no crop)."""
-    if crop == "rrc":
-        ops = [A.RandomResizedCrop(size=(img_size, img_size), scale=tuple(crop_scale), interpolation=cv2.INTER_CUBIC)]
-    elif crop == "pad_crop":
+    """The per-sample training pipeline: augment's crop, flip and RandAugment (cutout is a batch
+    augmentation: vit.data.augment), then normalise."""
+    if augment.crop == "rrc":
+        ops = [A.RandomResizedCrop(size=(img_size, img_size), scale=augment.crop_scale, interpolation=cv2.INTER_CUBIC)]
+    elif augment.crop == "pad_crop":
+        side = img_size + 2 * augment.crop_padding
         ops = [
             A.Resize(img_size, img_size, interpolation=cv2.INTER_CUBIC),
-            A.PadIfNeeded(img_size + 2 * crop_padding, img_size + 2 * crop_padding, border_mode=cv2.BORDER_CONSTANT),
+            A.PadIfNeeded(side, side, border_mode=cv2.BORDER_CONSTANT),
             A.RandomCrop(img_size, img_size),
         ]
-    elif crop == "resize":
+    elif augment.crop == "resize":
         ops = [A.Resize(img_size, img_size, interpolation=cv2.INTER_CUBIC)]
     else:
-        raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
-    if hflip:
+        raise ValueError(f"crop must be one of {CROPS}, got {augment.crop!r}")
+    if augment.hflip:
         ops.append(A.HorizontalFlip(p=0.5))
-    if randaugment_ops > 0:
-        ops.append(A.SomeOf(rand_augment_ops(randaugment_magnitude), n=randaugment_ops, replace=False, p=1.0))
+    if augment.randaugment_ops > 0:
+        ra = rand_augment_ops(augment.randaugment_magnitude)
+        ops.append(A.SomeOf(ra, n=augment.randaugment_ops, replace=False, p=1.0))
     return A.Compose([*ops, A.Normalize(mean=mean, std=std), ToTensorV2()])
 
 

@@ -590,6 +590,7 @@ def section_data(bench: Bench) -> Section:
     import cv2
     import torchvision.transforms.v2 as T
 
+    from vit.data.augment import Augment
     from vit.data.images import read_rgb
     from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, train_transform
 
@@ -626,7 +627,7 @@ def section_data(bench: Bench) -> Section:
                 files = reencoded_copies(files, reencode, Path(tmp.name))
             decoded = [read_rgb(f) for f in files]
             tensors = [torch.tensor(a).permute(2, 0, 1).contiguous() for a in decoded]
-            alb = train_transform(size, crop=crop, crop_scale=(0.08, 1.0), randaugment_ops=2)
+            alb = train_transform(size, Augment(crop=crop, crop_scale=(0.08, 1.0), randaugment_ops=2))
             if crop == "rrc":
                 crop_ops = [T.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=T.InterpolationMode.BICUBIC)]
             else:

@@ -175,11 +175,11 @@ def model_speed(case: DataCase, compile: bool) -> tuple[float, str]:
 
     with tempfile.TemporaryDirectory() as workdir:
         cli = build(case, workdir)
-    hp, batch = cli.model.hparams, cli.datamodule.batch_size
-    fit = FitCase("model", hp.model_name, case.steps + case.warmup, batch, case.device, compile=compile,
-                  channels_last=hp.channels_last, img_size=cli.datamodule.img_size)  # fmt: skip
+    name, batch = cli.model.hparams.model_name, cli.datamodule.batch_size
+    fit = FitCase("model", name, case.steps + case.warmup, batch, case.device, compile=compile,
+                  channels_last=cli.model.speed.channels_last, img_size=cli.datamodule.img_size)  # fmt: skip
     row, _ = run_fit(fit)
-    return row.img_per_s, f"{hp.model_name}, batch {batch}, synthetic tensors on the device"
+    return row.img_per_s, f"{name}, batch {batch}, synthetic tensors on the device"
 
 
 def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
@@ -189,7 +189,7 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as workdir:
         timer = ["--trainer.callbacks+=vit.training.StepTimer", f"--trainer.callbacks.warmup={case.warmup}"]
         with _quiet():
-            cli = main(["fit", *case.args(workdir, "--model.compile", str(compile).lower(), *timer)])
+            cli = main(["fit", *case.args(workdir, "--model.speed.compile", str(compile).lower(), *timer)])
     timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
     if cli.trainer.global_step != case.steps:
         raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")

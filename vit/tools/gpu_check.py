@@ -157,16 +157,16 @@ def run_fit(case: FitCase) -> tuple[Row, str | None]:
     also the process group's backend (None on one device)."""
     import lightning as L
 
-    from vit.lit import ImageClassifier
+    from vit.lit import ImageClassifier, Speed
     from vit.registry import model_config
-    from vit.training import StepTimer
+    from vit.training import Optimizer, Schedule, StepTimer
 
     cuda = case.device == "cuda"
     img_size = _side(case.img_size or getattr(model_config(case.model), "img_size", 224))
     sized = hasattr(model_config(case.model), "img_size")
     task = ImageClassifier(
-        case.model, num_classes=1000, img_size=img_size if sized else None, compile=case.compile,
-        channels_last=case.channels_last, lr=1e-4, warmup_steps=0,
+        case.model, num_classes=1000, img_size=img_size if sized else None, optimizer=Optimizer(lr=1e-4),
+        schedule=Schedule(warmup_steps=0), speed=Speed(compile=case.compile, channels_last=case.channels_last),
     )  # fmt: skip
     flops = 3 * forward_flops(task.model, img_size)
     strategy: Any = case.strategy

@@ -1,6 +1,6 @@
-"""A task's options come in groups (optimizer, schedule, finetune, distillation, speed): each group
-is one dataclass with its defaults and checks, the config nests it, and checkpoints saved while
-the options were flat still load, resume and evaluate."""
+"""A task's and a datamodule's options come in groups (optimizer, schedule, finetune, distillation,
+speed; augment, mixup): each group is one dataclass with its defaults and checks, the config nests
+it, and checkpoints saved while the options were flat still load, resume and evaluate."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from tests.conftest import ROOT
 from tests.test_fault_tolerance import QUIET
 from vit.cli import TrainCLI, main
+from vit.data import Augment, DigitsDataModule, Mixup
 from vit.language_model import LanguageModel
 from vit.lit import Distillation, FineTune, ImageClassifier, Speed
 from vit.training import Optimizer, Schedule
@@ -168,3 +169,13 @@ def test_recorded_study_options_are_reported_under_todays_names():
         "--model.optimizer.name", "muon", "--model.optimizer.lr", "4e-3", "--model.optimizer", "{lr: 1e-3}",
         "--data.augment.crop", "rrc", "--data.mixup", "{prob: 0.5}",
     ]  # fmt: skip
+
+
+def test_a_datamodules_groups_keep_its_own_defaults_for_the_fields_not_named(tmp_path):
+    digits = DigitsDataModule(augment={"randaugment_ops": 2}, mixup={"cutmix_alpha": 1.0})
+    assert digits.augment == Augment(crop="pad_crop", crop_padding=2, hflip=False, randaugment_ops=2)
+    assert digits.mixup == Mixup(cutmix_alpha=1.0)
+    cli = TrainCLI(args=default_run(tmp_path, "--data.augment.randaugment_ops", "2")[1:], run=False)
+    assert cli.datamodule.augment == digits.augment  # the command line names one field; the rest are the digits'
+    with pytest.raises(ValueError, match=r"augment\.crop must be one of"):
+        DigitsDataModule(augment={"crop": "center"})

@@ -31,7 +31,7 @@ import yaml
 from lightning.pytorch import LightningDataModule, Trainer
 
 from benchmarks.report import data_root, machine, markdown_table, write_report
-from vit.cli import TrainCLI, _show_our_logs
+from vit.cli import TrainCLI, show_our_logs
 from vit.data import ImageDataModule
 from vit.lit import ImageClassifier
 from vit.schedule import find_budget
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
         *args.overrides,
     ]  # fmt: skip
     torch.set_float32_matmul_precision("high")
-    _show_our_logs()
+    show_our_logs()
     cli = TrainCLI(args=cli_args, run=False, save_config_kwargs={"overwrite": True})  # the clock starts here
     trainer, model, data = cli.trainer, cli.model, cli.datamodule
     # What the run really used (the config file may change later): model and data options, precision.

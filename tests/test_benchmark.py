@@ -64,7 +64,7 @@ def test_models_option_and_mfu_against_a_given_peak() -> None:
     # On a GPU the peak is the data sheet's; here a made-up 1 TFLOP/s, so MFU = GFLOP/s / 1000.
     bench = Bench(
         device=torch.device("cpu"), dtype=torch.float32, compile=False, quick=True, reps=1, warmup=1,
-        data_root=Path("."), min_sample_s=0.01, matmul_gflops=50.0, peak_gflops=1000.0,
+        data_root=Path("."), min_sample_s=0.01, matmul_gflops=50.0, peak_tflops=1.0,
         vit_cases=[("vit_nano_patch4_16", 4, 2)],
     )  # fmt: skip
     section = section_vit(bench)

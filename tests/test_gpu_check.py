@@ -14,7 +14,8 @@ import torch
 
 from tests.conftest import ROOT
 from vit.registry import create_model
-from vit.tools.gpu_check import Row, format_table, forward_flops, main, mfu, peak_tflops
+from vit.tools.flops import forward_flops, mfu, peak_tflops
+from vit.tools.gpu_check import Row, format_table, main
 
 CPU_DEBUG = ["--device", "cpu", "--steps", "3", "--batch", "4", "--model", "vit_nano_patch4_16",
              "--resnet", "resnet18", "--resnet-img-size", "32"]  # fmt: skip

@@ -10,25 +10,11 @@ import re
 import pytest
 import torch
 
-from benchmarks import ablate, budget, compare, finetune_study
+from benchmarks import ablate, budget, finetune_study
 from tests.conftest import shared_path, write_image_folder
 from vit import create_model
 
 pytestmark = pytest.mark.slow
-
-
-def test_vit_vs_resnet_comparison_writes_a_row_per_model(tmp_path):
-    root = shared_path("data/cifar10")
-    out = tmp_path / "table.md"
-    results = compare.main([
-        "--data-root", str(root), "--val-dir", "test", "--epochs", "1", "--limit-batches", "2",
-        "--batch-size", "8", "--num-workers", "0", "--workdir", str(tmp_path / "runs"), "--out", str(out),
-        "--models", "vit=configs/cifar10_vit.yaml", "resnet20=configs/cifar10_resnet.yaml",
-    ])  # fmt: skip
-    assert [r.model_name for r in results] == ["vit_micro_patch4_32", "resnet20"]
-    table = out.read_text()
-    assert re.search(r"\| vit \| `vit_micro_patch4_32` \| 0\.60M \| 1 \|", table)
-    assert re.search(r"\| resnet20 \| `resnet20` \| 0\.27M \| 1 \|", table)
 
 
 def test_finetune_study_runs_every_row_and_reports_the_jpeg_recovery(tmp_path):

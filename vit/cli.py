@@ -456,7 +456,7 @@ class TrainCLI(LightningCLI):
 def main(args: list[str] | None = None) -> Any:
     # Tensor cores: TF32 matmuls on Ampere+ GPUs; no effect on CPU.
     torch.set_float32_matmul_precision("high")
-    _show_our_logs()
+    show_our_logs()
     TrainCLI.argv = ["scripts/train.py", *args] if args is not None else sys.argv
     try:
         cli = TrainCLI(
@@ -502,7 +502,7 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _show_our_logs() -> None:
+def show_our_logs() -> None:
     """Our INFO lines (e.g. which checkpoint keys were resampled or re-initialised) on stderr."""
     logger = logging.getLogger("vit")
     if not logger.handlers:

@@ -386,7 +386,7 @@ class StepTimer(Callback):
 class Throughput(Callback):
     """Training images per second, data loading included and validation excluded: logged per
     epoch as `train/img_per_s` (the mean over ranks) and, for the whole run, `images_per_second`,
-    which benchmarks/compare.py and benchmarks/finetune_study.py read after `fit`.
+    which benchmarks/finetune_study.py reads after `fit`.
 
     Kept beside Lightning's ThroughputMonitor, which reports something else: rates over its last
     `window_size` batches (each window leaving out its first batch's time), to a logger only, on

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import vit
 from vit.layers import Attention
+from vit.tools.flops import count_flops, mfu, peak_tflops
 from vit.tools.machine import cpu_name, markdown_table
 from vit.vision_transformer import timm_kwargs
 
@@ -81,7 +81,7 @@ class Bench:
     data_root: Path
     min_sample_s: float = 0.5  # a timed sample repeats short calls until it lasts this long
     matmul_gflops: float | None = None  # the same-run matmul rate utilisation is measured against
-    peak_gflops: float | None = None  # the GPU's data-sheet bf16 peak (MFU), None on a CPU or unknown GPU
+    peak_tflops: float | None = None  # the GPU's data-sheet bf16 peak (MFU), None on a CPU or unknown GPU
     vit_cases: list[tuple[str, int, int]] | None = None  # --models; None: the device's default cases
 
     def sync(self) -> None:
@@ -149,13 +149,6 @@ def rate(seconds: list[float], items: int) -> dict[str, float]:
 def paired_ratio(ours: list[float], theirs: list[float]) -> dict[str, float]:
     """Speed ratio ours/theirs per repetition (their time / our time), then median and min-max."""
     return spread([t / o for o, t in zip(ours, theirs, strict=True)])
-
-
-def count_flops(fn: Callable[[], object]) -> int:
-    """FLOPs of one call (matmuls, convolutions, attention; 2 per multiply-add), as torch counts them."""
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
 
 
 def peak_memory(bench: Bench, fn: Callable[[], object]) -> int:
@@ -286,7 +279,7 @@ def section_vit(bench: Bench) -> Section:
             row[f"{key}_gflop_per_img"] = flops[key] / 1e9
             row[f"{key}_gflop_s"] = flops[key] * row[f"{key}_img_s"]["median"] / 1e9
             row[f"{key}_util"] = row[f"{key}_gflop_s"] / bench.matmul_gflops
-            row[f"{key}_mfu"] = row[f"{key}_gflop_s"] / bench.peak_gflops if bench.peak_gflops else None
+            row[f"{key}_mfu"] = mfu(row[f"{key}_img_s"]["median"], flops[key], bench.peak_tflops)
         row["ratio_infer"] = paired_ratio(times["ours_infer"], times["timm_infer"])
         row["ratio_train"] = paired_ratio(times["ours_train"], times["timm_train"])
         rows.append(row)
@@ -296,7 +289,7 @@ def section_vit(bench: Bench) -> Section:
         del ours, theirs, fns
     header = ["model", "tokens", "batch inf/train", "inference img/s ours", "timm", "**ours/timm**"]
     header += ["training img/s ours", "timm", "**ours/timm**", "GFLOP/s ours inf/train", "util. inf/train"]
-    if bench.peak_gflops:
+    if bench.peak_tflops:
         header += ["MFU ours inf/train", "timm"]
     table = [
         [
@@ -317,7 +310,7 @@ def section_vit(bench: Bench) -> Section:
                 f"{100 * r['ours_infer_mfu']:.1f}% / {100 * r['ours_train_mfu']:.1f}%",
                 f"{100 * r['timm_infer_mfu']:.1f}% / {100 * r['timm_train_mfu']:.1f}%",
             ]
-            if bench.peak_gflops
+            if bench.peak_tflops
             else []
         )
         for r in rows
@@ -331,10 +324,10 @@ def section_vit(bench: Bench) -> Section:
         f"utilisation is against {bench.matmul_gflops:.0f} GFLOP/s, the best rate of a large matmul timed in this run. "
         "Ours counts fewer FLOPs than timm (the last block computes the CLS token only; see the JSON).",
     ]
-    if bench.peak_gflops:
+    if bench.peak_tflops:
         notes.append(
             f"MFU (model FLOPs utilisation) = each model's own counted GFLOP/s over the GPU's data-sheet dense "
-            f"bf16 peak, {bench.peak_gflops / 1e3:.1f} TFLOP/s (`vit.tools.gpu_check.PEAK_BF16_TFLOPS`)."
+            f"bf16 peak, {bench.peak_tflops:.1f} TFLOP/s (`vit.tools.flops.PEAK_BF16_TFLOPS`)."
         )
     return Section("ViT: ours vs timm", header, table, rows, notes)
 
@@ -828,10 +821,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vit_cases=parse_models(args.models) if args.models else None,
     )
     if bench.device.type == "cuda" and bench.dtype == torch.bfloat16:
-        from vit.tools.gpu_check import peak_tflops
-
-        tflops = peak_tflops(torch.cuda.get_device_name(bench.device))
-        bench.peak_gflops = tflops * 1e3 if tflops else None
+        bench.peak_tflops = peak_tflops(torch.cuda.get_device_name(bench.device))
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report: dict[str, Any] = {
         "command": command.strip(),

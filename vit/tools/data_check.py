@@ -206,7 +206,7 @@ def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, 
     of the model alone. Each recipe also with `device_decode` the other way, and from the tree
     converted to streaming chunks (`case.root`-streaming, written on first use; eager), labelled."""
     from vit.tools.convert_streaming import convert_image_folder
-    from vit.tools.gpu_check import forward_flops
+    from vit.tools.flops import forward_flops
 
     name = recipe_name(case.config)
     with tempfile.TemporaryDirectory() as workdir:

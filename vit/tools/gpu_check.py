@@ -37,57 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.flop_counter import FlopCounterMode
 
-# Dense (no sparsity) bfloat16 tensor-core peaks with float32 accumulation, TFLOP/s, from NVIDIA's
-# data sheets; matched against torch.cuda.get_device_name(), first match wins.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    (r"H100.*PCIe", 756.0),
-    (r"H100 NVL", 835.0),
-    (r"H100|H200|GH200", 989.4),
-    (r"A100", 312.0),
-    (r"L40S", 362.0),
-    (r"\bL4\b", 121.0),
-    (r"RTX 4090", 165.2),
-    (r"RTX 3090(?! Ti)", 71.0),
-)
-
-
-def peak_tflops(device_name: str) -> float | None:
-    """The GPU's dense bf16 peak from PEAK_BF16_TFLOPS, or None for a GPU (or CPU) not in it."""
-    for pattern, tflops in PEAK_BF16_TFLOPS:
-        if re.search(pattern, device_name):
-            return tflops
-    return None
-
-
-def forward_flops(model: nn.Module, img_size: int, device: torch.device | str = "cpu") -> int:
-    """FLOPs of the model's forward pass on one image (matmuls, convolutions, attention; 2 per
-    multiply-add). Attention is counted on the explicit path (q k^T and the weights times v, the
-    FLOPs the fused kernels do too), because torch counts no CPU attention kernel."""
-    fused = {m: m.fused_attn for m in model.modules() if hasattr(m, "fused_attn")}
-    training = model.training
-    try:
-        for m in fused:
-            m.fused_attn = False
-        model.eval()
-        x = torch.zeros(1, 3, img_size, img_size, device=device)
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(x)
-        return counter.get_total_flops()
-    finally:
-        model.train(training)
-        for m, value in fused.items():
-            m.fused_attn = value
-
-
-def mfu(img_per_s: float, train_flops_per_img: float, peak: float | None, devices: int = 1) -> float | None:
-    """Model FLOPs utilisation: achieved training FLOP/s over `devices` x `peak` TFLOP/s."""
-    if peak is None:
-        return None
-    return img_per_s * train_flops_per_img / (peak * 1e12 * devices)
+from vit.tools.flops import forward_flops, mfu, peak_tflops
 
 
 @dataclass

@@ -1,17 +1,40 @@
-"""README's Python examples run as written (each ```python block, in order, in one namespace)."""
+"""README's and the docs pages' Python examples run as written (each page's ```python blocks, in
+order, in one namespace), and their links to files in the repository lead somewhere."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.conftest import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks(path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M)
 
 
 def test_every_python_block_of_the_readme_runs():
-    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    blocks = python_blocks(ROOT / "README.md")
     assert blocks, "README has no ```python block"
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
     attns, logits = namespace["attns"], namespace["logits"]
     assert logits.shape == (2, 10) and len(attns) == 12 and attns[0].shape == (2, 6, 197, 197)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES[1:] if python_blocks(p)], ids=lambda p: p.name)
+def test_every_python_block_of_a_docs_page_runs(page):
+    namespace: dict = {}
+    for block in python_blocks(page):
+        exec(compile(block, str(page), "exec"), namespace)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_to_repository_files_lead_to_files(page):
+    targets = re.findall(r"\]\((?!https?:)([^)#]+)(?:#[^)]*)?\)", page.read_text())
+    missing = [t for t in targets if not (page.parent / t).exists()]
+    assert not missing, f"{page.name} links to files that do not exist: {missing}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -18,7 +19,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_finetune_study_runs_every_row_and_reports_the_jpeg_recovery(tmp_path):
-    root, resnet56 = shared_path("data/cifar10"), shared_path("weights/resnet56-4bfd9763.th")
+    shared, resnet56 = shared_path("data/cifar10"), shared_path("weights/resnet56-4bfd9763.th")
+    root = tmp_path / "cifar10"  # 20 real images a class and split: the study decodes its data into memory
+    for folder in sorted(shared.glob("*/*")):
+        (root / folder.relative_to(shared)).mkdir(parents=True)
+        for image in sorted(folder.iterdir())[:20]:
+            shutil.copy(image, root / image.relative_to(shared))
     pretrained = create_model(  # what configs/tiny_imagenet_vit.yaml trains
         "vit_micro_patch8_64", num_classes=200, posemb="sincos2d", global_pool="avg", class_token=False
     )

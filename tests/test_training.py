@@ -245,14 +245,15 @@ def test_the_cpu_finetune_config_moves_a_tiny_imagenet_run_to_cifar10(tmp_path, 
     """configs/finetune/tiny_to_cifar10_cpu.yaml: a 200-class Tiny-ImageNet run becomes a 10-class
     CIFAR-10 model at the backbone's 64 px, by config alone: same blocks, new head."""
     tiny, cifar = shared_path("data/tiny-imagenet-200"), shared_path("data/cifar10")
-    few = ["--data.batch_size", "16", "--data.num_workers", "0", "--trainer.max_epochs", "1",
-           "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]  # fmt: skip
+    # Per-sample loading: decoding both datasets into memory would take a minute.
+    few = ["--data.batch_size", "16", "--data.num_workers", "0", "--trainer.max_epochs", "1", "--data.in_memory",
+           "false", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]  # fmt: skip
     pretrained = fit("configs/tiny_imagenet_vit.yaml", tmp_path / "pre", "--data.root", str(tiny), *few)
     source = pretrained.trainer.checkpoint_callback.last_model_path
     with caplog.at_level(logging.INFO, logger="vit"):
         cli = fit(
             "configs/finetune/tiny_to_cifar10_cpu.yaml", tmp_path / "ft", "--model.finetune.init_from", source,
-            "--data.root", str(cifar), *few[:6], "--trainer.limit_train_batches", "0",
+            "--data.root", str(cifar), *few[:8], "--trainer.limit_train_batches", "0",
             "--trainer.limit_val_batches", "1",
         )  # fmt: skip
     assert "reinitialised head.weight" in caplog.text

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
-    """The optimizer (`model.optimizer.name`).
+    """The optimizer (`model.optimizer`).
 
     Args:
         name: "adamw"; "sgd" (momentum, Nesterov); or "muon" (Muon on the transformer blocks'

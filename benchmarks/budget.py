@@ -206,6 +206,7 @@ def report(args: argparse.Namespace) -> str:
     # Speeds differ between machines, so each one gets its own table; a machine keeps one number in
     # every table (its order of first appearance in the results file), as the readings refer to it.
     number = {m: i for i, m in enumerate(dict.fromkeys(r["machine"] for r in rows), 1)}
+    lines += summary([r for r in rows if r["split"] == "test"], number)
     for split, title in (("test", "Final runs (test set, scored once)"), ("val", "Tuning runs (held-out validation)")):
         chosen = [r for r in rows if r["split"] == split]
         for m in sorted(dict.fromkeys(r["machine"] for r in chosen), key=number.__getitem__):
@@ -230,6 +231,30 @@ def report(args: argparse.Namespace) -> str:
         print(f"no test-set runs yet: {args.plot} not drawn")
     print(text)
     return text
+
+
+def summary(final: list[dict], number: dict[str, int]) -> list[str]:
+    """The results first: each machine's best test top-1 per model and budget, one row per model."""
+    if not final:
+        return []
+    budgets = sorted({r["minutes"] for r in final})
+    best: dict[tuple[int, str], dict[float, float]] = {}
+    for r in final:
+        cell = best.setdefault((number[r["machine"]], r["name"]), {})
+        cell[r["minutes"]] = max(cell.get(r["minutes"], 0.0), r["top1"])
+    header = ("machine", "model", *(f"{m:g} min" for m in budgets))
+    rows = [
+        (str(machine), name, *(f"{100 * by[m]:.2f}%" if m in by else "-" for m in budgets))
+        for (machine, name), by in sorted(best.items())
+    ]
+    return [
+        "## Summary: test top-1 against the budget",
+        "",
+        "The best final run of each model on each machine (its recipe and every run: the tables below).",
+        "",
+        *markdown_table(header, rows, align="ll" + "r" * len(budgets)),
+        "",
+    ]
 
 
 SEED_HEADER = (

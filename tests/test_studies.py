@@ -100,15 +100,16 @@ def test_ablation_runs_train_on_the_clock_and_report_a_row_each(tmp_path, keep_t
     verse = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
     (data / "tinyshakespeare.txt").write_text(verse * 50)
     out, md = tmp_path / "out", tmp_path / "ablations.md"
-    common = ["--seconds", "2", "--data-root", str(data), "--out", str(out)]
+    common = ["--seconds", "4", "--data-root", str(data), "--out", str(out)]
     text = ablate.main(["text", "--variant", "rope", *common])
-    images = ablate.main(["images", "--variant", "qk_norm", *common])
-    assert 1.5 <= text["train_seconds"] < 3 and 1.5 <= images["train_seconds"] < 3  # the clock stops training
+    images = ablate.main(["images", "--variant", "qk_norm", "--holdout", "30", *common])
+    for run in (text, images):  # the clock, started before the data is read, stops training
+        assert run["steps"] > 0 and 0 < run["train_seconds"] < 4 and run["wall_seconds"] < 60
     assert text["val_loss"] < math.log(len(set(verse)))  # learnt more than the uniform guess
     assert text["val_loss_at_4x_context"] is not None  # rope runs beyond its training context
-    assert images["steps"] > 0 and images["val_top1"] * 60 == pytest.approx(round(images["val_top1"] * 60))  # of 60
-    assert images["epochs"] == pytest.approx(images["samples"] / 120)  # all 120 training images, decoded once
-    assert len(list((out / "cache").glob("images-*.npz"))) == 2  # train and test, cached by vit.data.memory
+    assert images["val_images"] == 30 and images["val_top1"] * 30 == pytest.approx(round(images["val_top1"] * 30))
+    assert images["epochs"] == pytest.approx(images["samples"] / 90)  # the 90 training images not held out
+    assert len(list((out / "cache").glob("images-*.npz"))) == 2  # the two splits, decoded once (vit.data.memory)
 
     md.write_text("old tables" + ablate.NOTES_MARKER + "\nA note.\n")
     ablate.main(["report", "--out", str(out), "--report", str(md)])
@@ -133,10 +134,16 @@ def test_budget_report_numbers_each_machine_once_and_plots_each_recipe_as_its_ow
     text = out.read_text()
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings == [
+        "## Summary: test top-1 against the budget",
         "## Final runs (test set, scored once), machine 2",
         "## Tuning runs (held-out validation), machine 1",
         "## Tuning runs (held-out validation), machine 2",
     ]
+    # the summary leads: each machine's best final run per model and budget
+    summary = budget.summary([row("test", "B"), row("test", "B") | {"top1": 0.8}, row("test", "A") | {"minutes": 30}],
+                             {"A": 1, "B": 2})  # fmt: skip
+    assert summary[4:8] == ["| machine | model | 10 min | 30 min |", "|---|---|---:|---:|",
+                            "| 1 | vit | - | 77.00% |", "| 2 | vit | 80.00% | - |"]  # fmt: skip
     # the plot: one curve per model and recipe, seeds averaged, a recipe change never averaged in
     rows = [row("test", "B") | {"minutes": m, "top1": t, "seed": seed, "overrides": o}
             for m, t, seed, o in ((10, 0.77, 0, []), (10, 0.75, 1, []), (30, 0.82, 0, []),

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from vit.data.text import CharTokenizer
 from vit.gpt import GPT
+from vit.options import set_option_groups
 from vit.registry import create_model, model_config
 from vit.training import Optimizer, Schedule, TrainingTask
 
@@ -48,7 +49,7 @@ class LanguageModel(TrainingTask):
         aux_loss_weight: float = 0.01,
     ) -> None:
         super().__init__()
-        optimizer, schedule = self.set_options(optimizer=optimizer, schedule=schedule)  # as plain dicts
+        optimizer, schedule = set_option_groups(self, optimizer=optimizer, schedule=schedule)  # as plain dicts
         self.save_hyperparameters()
         self.model: GPT | None = None
         if vocab is not None:

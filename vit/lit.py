@@ -22,6 +22,7 @@ from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
 from vit.data.images import MISSING
 from vit.fault_tolerance import CheckpointConflictError
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
+from vit.options import set_option_groups
 from vit.registry import create_model, model_config
 from vit.schedule import stepwise, training_progress
 from vit.training import Optimizer, Schedule, TrainingTask, param_groups
@@ -175,8 +176,8 @@ class ImageClassifier(TrainingTask):
         whiten_patch_embed: bool = False,
     ) -> None:
         super().__init__()
-        optimizer, schedule, finetune, distillation, speed = self.set_options(
-            optimizer=optimizer, schedule=schedule, finetune=finetune, distillation=distillation, speed=speed
+        optimizer, schedule, finetune, distillation, speed = set_option_groups(
+            self, optimizer=optimizer, schedule=schedule, finetune=finetune, distillation=distillation, speed=speed
         )  # the hyperparameters hold the groups as plain dicts
         if patch_drop_schedule is not None and not all(0 <= rate < 1 for _, rate in patch_drop_schedule):
             raise ValueError(f"patch_drop_schedule rates must be in [0, 1), got {patch_drop_schedule}")

@@ -37,7 +37,7 @@ from vit.fault_tolerance import (
     trainer_checkpoint_dir,
 )
 from vit.optim import MuonAdamW, split_muon_groups
-from vit.options import set_option_groups, upgrade
+from vit.options import upgrade
 from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class TrainingTask(L.LightningModule):
     - the callbacks every run carries (`default_callbacks`).
 
     A task's options are its `model_name` and `model_kwargs`, its `optimizer` (Optimizer) and
-    `schedule` (Schedule) groups, and its own; it stores its groups with `set_options` and saves
+    `schedule` (Schedule) groups, and its own; it stores its groups with vit.options.set_option_groups and saves
     its hyperparameters, then builds `self.model` and `self.model_kwargs` in `configure_model`.
     Checkpoints saved before the options were grouped still load: `RENAMED` maps each old option
     to its place (upgrade_hparams).
@@ -149,11 +149,6 @@ class TrainingTask(L.LightningModule):
         super().__init__()
         self.seed: int | None = None
         self._batch_idx = 0  # for the NaN guard's message
-
-    def set_options(self, **groups: Any) -> tuple[dict[str, Any] | None, ...]:
-        """The option groups given to __init__ set on self; returned as the plain dicts the
-        hyperparameters hold (vit.options.set_option_groups)."""
-        return set_option_groups(self, **groups)
 
     @classmethod
     def upgrade_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:

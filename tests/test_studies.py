@@ -77,13 +77,15 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
     assert tuned["machine"] == final["machine"] + "; host B"
     out, plot = tmp_path / "budget.md", tmp_path / "budget.png"
     budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(plot)])
-    table = out.read_text()
+    # the summary leads with the final run of the one machine that has one; every run is beside it
+    assert f"| ResNet-20 | 0.27M | {100 * final['top1']:.2f}% |" in out.read_text()
+    table = (tmp_path / "budget_runs.md").read_text()
     assert "## Final runs (test set, scored once), machine 2" in table  # the tuned row's host came first
     assert f"## Tuning runs (held-out validation), machine 1\n\nMachine: {tuned['machine']}." in table
     assert re.search(r"\| resnet20 \(`resnet20`\) \| `configs/cifar10_resnet.yaml` \| --data.batch_size 16 \|", table)
     assert f"| resnet20 (`resnet20`) | `configs/cifar10_resnet.yaml` + `{overlay}` | --model.ema_decay 1.0 |" in table
     assert f"| {100 * tuned['top1']:.2f}% (EMA {100 * tuned['top1_ema']:.2f}%) |" in table
-    assert plot.stat().st_size > 1000
+    assert plot.stat().st_size > 1000 and (tmp_path / "budget_machines.png").stat().st_size > 1000
 
 
 @pytest.fixture
@@ -120,43 +122,48 @@ def test_ablation_runs_train_on_the_clock_and_report_a_row_each(tmp_path, keep_t
     assert report.endswith(ablate.NOTES_MARKER + "\nA note.\n") and "old tables" not in report
 
 
-def test_budget_report_numbers_each_machine_once_and_plots_each_recipe_as_its_own_curve(tmp_path):
-    def row(split: str, machine: str) -> dict:
-        return {"split": split, "machine": machine, "name": "vit", "model_name": "vit_micro_patch4_32",
-                "config": "c.yaml", "overrides": [], "params": 1.2e6, "minutes": 10, "seed": 0, "epochs": 8.0,
-                "img_per_s": 600.0, "wall_minutes": 10.0, "top1": 0.77, "top1_flip": None}  # fmt: skip
+def test_budget_report_leads_with_one_machine_and_keeps_every_run_beside_it(tmp_path):
+    def row(split: str, machine: str, name: str = "vit", minutes: int = 10, top1: float = 0.77, **kw) -> dict:
+        return {"split": split, "machine": machine, "name": name, "model_name": "m", "config": "c.yaml",
+                "overrides": [], "params": 1.2e6, "minutes": minutes, "seed": 0, "epochs": 8.0, "img_per_s": 600.0,
+                "wall_minutes": 10.0, "top1": top1, "top1_flip": None, "date": "2026-11-25 10:00"} | kw  # fmt: skip
 
-    results = tmp_path / "budget.jsonl"  # machine A only tuned; B has final runs and tuning runs
-    rows = [row("val", "A"), row("val", "B"), row("test", "B")]
+    bf16 = {"overrides": ["--trainer.precision", "bf16-mixed"]}
+    rows = [
+        row("val", "A, 2 threads"),  # A only tuned: numbered first, in no summary
+        row("test", "B, 2 threads", "resnet20", 10, 0.85),
+        row("test", "B, 2 threads", "resnet20", 30, 0.88),
+        row("test", "B, 2 threads", "vit", 10, 0.78, date="2026-11-25 09:00"),
+        row("test", "B, 2 threads", "vit", 10, 0.80, date="2026-11-25 11:00", params=0.6e6),  # newest: the shipped
+        row("test", "B, 2 threads", "vit-cutmix", 30, 0.83, params=0.6e6),  # a ViT recipe: the ViT's 30 minutes
+        row("test", "C, 2 threads", "resnet20", 10, 0.80),  # fewer cells than B: not the headline
+        row("test", "C, 2 threads", "vit", 10, 0.70, **bf16),  # C ran the ViT in both precisions
+        row("test", "C, 2 threads", "vit", 30, 0.75, date="2026-11-25 12:00"),
+    ]  # fmt: skip
+    results, out = tmp_path / "budget.jsonl", tmp_path / "b.md"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "b.md"
     budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(tmp_path / "b.png")])
     text = out.read_text()
-    headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings == [
-        "## Summary: test top-1 against the budget",
+    assert text.index("machine 2:\nB, 2 threads), fp32,") < text.index("## Every machine")
+    lead = [line for line in text.splitlines() if line.startswith(("| ResNet-20 |", "| ViT |"))][:2]
+    assert lead == ["| ResNet-20 | 1.20M | 85.00% | 88.00% |", "| ViT | 0.60M | 80.00% | 83.00% |"]
+    assert "- ViT: `c.yaml` (10, 30 min)" in text and "![Test top-1 against the budget, machine 2](b.png)" in text
+    assert "| 3 | ViT (bf16) | 70.00% | - |" in text and "| 3 | ViT (fp32) | - | 75.00% |" in text
+    assert "| 1 |" not in text.split("## Every machine")[1]  # the tuned-only machine has no final runs
+    assert "[b_runs.md](b_runs.md)" in text
+    runs = (tmp_path / "b_runs.md").read_text()
+    assert [line for line in runs.splitlines() if line.startswith("## ")] == [
         "## Final runs (test set, scored once), machine 2",
+        "## Final runs (test set, scored once), machine 3",
         "## Tuning runs (held-out validation), machine 1",
-        "## Tuning runs (held-out validation), machine 2",
     ]
-    # the summary leads: each machine's best final run per model and budget
-    summary = budget.summary([row("test", "B"), row("test", "B") | {"top1": 0.8}, row("test", "A") | {"minutes": 30}],
-                             {"A": 1, "B": 2})  # fmt: skip
-    assert summary[4:8] == ["| machine | model | 10 min | 30 min |", "|---|---|---:|---:|",
-                            "| 1 | vit | - | 77.00% |", "| 2 | vit | 80.00% | - |"]  # fmt: skip
-    # the plot: one curve per model and recipe, seeds averaged, a recipe change never averaged in
-    rows = [row("test", "B") | {"minutes": m, "top1": t, "seed": seed, "overrides": o}
-            for m, t, seed, o in ((10, 0.77, 0, []), (10, 0.75, 1, []), (30, 0.82, 0, []),
-                                  (10, 0.79, 0, ["--trainer.precision", "bf16-mixed"]))]  # fmt: skip
-    # every machine with final runs gets its own panel, numbered as in the tables
-    titles = budget.plot([*rows, row("test", "A")], tmp_path / "p.png", {"A": 1, "B": 2})
-    assert titles == ["machine 1: A", "machine 2: B"] and (tmp_path / "p.png").stat().st_size > 1000
-    curves = budget.curves(rows)
-    assert curves.keys() == {"vit (1.20M)", "vit (1.20M), trainer.precision bf16-mixed"}
-    assert [(m, round(t, 6)) for m, t in curves["vit (1.20M)"]] == [(10, 76.0), (30, 82.0)]
-    assert [(m, round(t, 6)) for m, t in curves["vit (1.20M), trainer.precision bf16-mixed"]] == [(10, 79.0)]
-    # the config changed its model (fewer blocks): its own curve
-    assert budget.curves([*rows, rows[0] | {"params": 0.6e6, "top1": 0.78}]).keys() == curves.keys() | {"vit (0.60M)"}
+    assert budget.headline_machine([r for r in rows if r["split"] == "test"]) == "B, 2 threads"
+    # the plots: the headline machine's lines, annotated; one panel per machine with final runs
+    assert budget.plot_headline(rows[1:6], "B, 2 threads", tmp_path / "h.png", {}) == (
+        "CIFAR-10 in a fixed time: B, 2 threads, fp32"
+    )
+    assert budget.plot(rows[1:], tmp_path / "p.png", {"B, 2 threads": 2, "C, 2 threads": 3}) == [
+        "machine 2: B", "machine 3: C"]  # fmt: skip
 
 
 def test_budget_report_puts_seeds_side_by_side_with_each_recipes_difference_from_vit(tmp_path):
@@ -173,7 +180,7 @@ def test_budget_report_puts_seeds_side_by_side_with_each_recipes_difference_from
     results, out = tmp_path / "budget.jsonl", tmp_path / "b.md"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(tmp_path / "b.png")])
-    text = out.read_text()
+    text = (tmp_path / "b_runs.md").read_text()
     five, ten = text.split("## Seeds side by side: 5 minutes, held-out validation, machine 1")[1].split(
         "## Seeds side by side: 10 minutes, held-out validation, machine 1"
     )
@@ -186,3 +193,30 @@ def test_budget_report_puts_seeds_side_by_side_with_each_recipes_difference_from
         "| vit-nodrop (`m`, 1.00M) | `c.yaml` | --trainer.precision bf16-mixed --x 0 | 77.50, 78.50 | 78.00% | 1.00 "
         "| 79.00% | 10.5 | 1000 | -1.50 |",
     ]
+
+
+def test_a_lever_is_compared_with_the_config_of_its_day():
+    """When the config changed its model (6 blocks -> 3), each lever's `vs vit` is against the config's
+    runs nearest in time, not against today's config."""
+
+    def row(name: str, params: float, seed: int, top1: float, date: str) -> dict:
+        return {"split": "val", "machine": "A", "name": name, "model_name": "m", "config": "c.yaml",
+                "overrides": [] if name == "vit" else ["--y", "1"], "params": params, "minutes": 10, "seed": seed,
+                "epochs": 10.0, "img_per_s": 1000.0, "wall_minutes": 10.0, "top1": top1, "top1_flip": None,
+                "date": date}  # fmt: skip
+
+    rows = [
+        row("vit", 1.2e6, 0, 0.75, "2026-11-25 10:00"),
+        row("vit", 1.2e6, 1, 0.75, "2026-11-25 10:10"),
+        row("vit-ema", 1.2e6, 0, 0.74, "2026-11-25 10:20"),
+        row("vit-ema", 1.2e6, 1, 0.74, "2026-11-25 10:30"),
+        row("vit", 0.6e6, 0, 0.78, "2026-11-26 02:00"),
+        row("vit", 0.6e6, 1, 0.78, "2026-11-26 02:10"),
+        row("vit-wd0", 0.6e6, 0, 0.77, "2026-11-26 02:20"),
+        row("vit-wd0", 0.6e6, 1, 0.775, "2026-11-26 02:30"),
+    ]
+    lines = budget.seed_tables(rows, {"A": 1}, short=True)  # fmt: skip
+    assert lines[0] == "## Each lever at 10 minutes, two seeds or more (held-out validation, machine 1)"
+    vs = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[-1].removesuffix(" |") for line in lines
+          if line.startswith("| vit")}  # fmt: skip
+    assert vs == {"vit (0.60M)": "-", "vit-wd0 (0.60M)": "-0.75", "vit (1.20M)": "-", "vit-ema (1.20M)": "-1.00"}

@@ -200,8 +200,17 @@ def test_image_size_and_class_count_are_set_once_on_the_data_and_reach_the_model
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {message}")
 
 
-def test_default_job_learns_and_leaves_checkpoints_that_rebuild_the_model(tmp_path):
+def shape(text: str) -> list[str]:
+    """Lines with their paths and numbers blanked: what `make train` prints, whatever the run."""
+    return [re.sub(r"\d+", "N", re.sub(r"[^\s()]*/", "P/", line)) for line in text.strip("\n").splitlines()]
+
+
+def test_default_job_learns_and_leaves_checkpoints_that_rebuild_the_model(tmp_path, capsys):
     cli = fit("configs/default.yaml", tmp_path, "--trainer.max_epochs", "6", "--model.schedule.warmup_epochs", "1")
+    # it ends by printing what README's quick start shows, line for line
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"prints\s+where everything went:\n\n```\n(.*?)```", readme, re.S)[1]
+    assert shape(capsys.readouterr().out.split("\nDone.\n")[-1]) == shape(shown)[1:]
     ckpt = cli.trainer.checkpoint_callback
     # 10 classes, 360 images: chance is 0.10 +- 0.016; after 6 epochs 0.28 (1 thread) and 0.32 (2) measured here
     assert float(ckpt.best_model_score) > 0.2

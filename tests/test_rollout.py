@@ -416,7 +416,7 @@ def test_export_of_a_dataset_split_from_a_config(tmp_path):
     argv = ["--checkpoint", str(ckpt), "--config", str(ROOT / "configs/default.yaml"), "--split", "val"]
     out = export.main([*argv, "--limit", "3", "--out", str(tmp_path / "out"), "--panel-size", "32"])
     assert sorted(p.name for p in out.glob("*.npy")) == [f"0000{i}_val_0000{i}.npy" for i in range(3)]
-    assert (out / "index.html").read_text().count("(true: ") == 3  # the split's labels are shown
+    assert (out / "index.html").read_text().count(">true: ") == 3  # the split's labels are shown
 
 
 def test_export_from_a_config_sees_images_as_its_datamodule_declares(tmp_path):

@@ -1,5 +1,5 @@
-"""Export attention-rollout maps: per image a PNG (original | heatmap | overlay, top classes) and the
-raw patch-grid map as .npy, plus an index.html gallery of the run.
+"""Export attention-rollout maps: per image a PNG (original | heatmap | overlay) and the raw
+patch-grid map as .npy, plus an index.html gallery of the run that labels them and a gallery.png.
 
     vit-rollout --checkpoint runs/tiny_pretrain/checkpoints/last.ckpt photos/ cat.jpg
     vit-rollout --checkpoint runs/x/last.ckpt --config configs/tiny_imagenet_vit.yaml \
@@ -18,7 +18,10 @@ with the map resized to it bilinearly. `--method` takes any of `vit.rollout.METH
 separated by commas: then every image gets one panel and one map per method (`<image>_<method>.png` /
 `.npy`), and the gallery shows an image's methods side by side in one row. `gallery.png` puts every
 image and method on one page (the image, then each method's overlay; `--sheet-size` pixels a cell).
-Predictions are labelled with the class names the checkpoint carries (or the config's data gives).
+Predictions (on the page and on gallery.png) are labelled with the class names the checkpoint
+carries (or the config's data gives). An image's true class is shown next to them where it is
+known: the dataset's label with --config, or, for image files, the name of the folder holding the
+image when a class has that name (an image-folder layout such as `cifar10/test/cat/0006.jpg`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import html
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,11 +57,24 @@ METHOD_NAMES = {
 
 @dataclass
 class Item:
-    """One image to explain: a name for its files, how to read it, its label if known."""
+    """One image to explain: a name for its files, how to read it, its label if known and the name
+    of the folder it was found in (its class in an image-folder layout)."""
 
     name: str
     read: Callable[[], np.ndarray]
     label: int | None = None
+    folder: str | None = None
+
+
+@dataclass
+class Entry:
+    """One image of the gallery: its name, top classes with their probabilities, true class if known,
+    and its (method, file stem) pairs in the order the methods were given."""
+
+    name: str
+    predictions: list[tuple[str, float]]
+    true: str | None
+    files: list[tuple[str, str]]
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -94,7 +111,15 @@ def items_from_paths(paths: list[str]) -> list[Item]:
             files.append(p)
         else:
             raise FileNotFoundError(f"image {p} does not exist")
-    return [Item(f.stem, lambda f=f: read_rgb(f)) for f in files]
+    return [Item(f.stem, lambda f=f: read_rgb(f), folder=Path(os.path.abspath(f)).parent.name) for f in files]
+
+
+def label_by_folder(items: list[Item], class_names: list[str]) -> None:
+    """Give an unlabelled item the class its folder is named after, if one is (image-folder layout)."""
+    index = {name: c for c, name in enumerate(class_names)}
+    for item in items:
+        if item.label is None and item.folder in index:
+            item.label = index[item.folder]
 
 
 def items_from_config(config: str, split: str, data_root: str | None) -> tuple[list[Item], list[str] | None, dict]:
@@ -173,11 +198,13 @@ def export(args: argparse.Namespace) -> Path:
     if class_names is not None and len(class_names) != model.num_classes:
         raise ValueError(f"{len(class_names)} class names for a model with {model.num_classes} classes")
     items = items[: args.limit] if args.limit else items
+    if class_names is not None:
+        label_by_folder(items, class_names)
     transform = eval_transform(model.patch_embed.img_size[0], settings["crop_pct"], settings["mean"], settings["std"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name_of = (lambda c: class_names[c]) if class_names else str
-    entries, sheet_rows = [], []
+    entries, sheet_rows, panel_size = [], [], (0, 0)
     progress = tqdm(total=len(items), desc="rollout", unit="img")
     for batch in batches(items, args.batch_size):
         images = [_read(item) for item in batch]
@@ -192,22 +219,23 @@ def export(args: argparse.Namespace) -> Path:
         for j, (item, image, p) in enumerate(zip(batch, images, probs, strict=True)):
             stem = f"{len(entries):05d}_{item.name}"
             top = p.topk(min(args.topk, len(p)))
-            lines = [f"{name_of(int(c))}: {float(v):.2f}" for v, c in zip(top.values, top.indices, strict=True)]
-            if item.label is not None:
-                lines.append(f"(true: {name_of(item.label)})")
+            predictions = [(name_of(int(c)), float(v)) for v, c in zip(top.values, top.indices, strict=True)]
+            true = None if item.label is None else name_of(item.label)
             view = model_view(image, settings["crop_pct"])
             files = []
-            for method in args.method:  # one method: <stem>.png; several: <stem>_<method>.png, titled
+            for method in args.method:  # one method: <stem>.png; several: <stem>_<method>.png
                 file_stem = stem if len(args.method) == 1 else f"{stem}_{method}"
-                title = [] if len(args.method) == 1 else [METHOD_NAMES[method]]
-                render_panel(view, maps[method][j], title + lines, args.panel_size).save(out / f"{file_stem}.png")
+                panel = render_panel(view, maps[method][j], [], args.panel_size)
+                panel.save(out / f"{file_stem}.png")
+                panel_size = panel.size
                 np.save(out / f"{file_stem}.npy", maps[method][j].astype(np.float32))
                 files.append((method, file_stem))
-            entries.append((item.name, lines, files))
-            sheet_rows.append((view, [maps[method][j] for method in args.method], lines))
+            entries.append(Entry(item.name, predictions, true, files))
+            lines = [f"{name}: {prob:.2f}" for name, prob in predictions]
+            sheet_rows.append((view, [maps[method][j] for method in args.method], lines + _true_line(true)))
             progress.update()
     progress.close()
-    write_gallery(out, entries, args)
+    write_gallery(out, entries, panel_size, args)
     contact_sheet(sheet_rows, [METHOD_NAMES[m] for m in args.method], args.sheet_size).save(out / "gallery.png")
     return out
 
@@ -219,51 +247,84 @@ def _read(item: Item) -> np.ndarray:
     return image
 
 
-def _figure(file_stem: str, caption: str) -> str:
+def _true_line(true: str | None) -> list[str]:
+    return [] if true is None else [f"true: {true}"]
+
+
+def _caption(entry: Entry) -> str:
+    """The image's name, its top classes and its true class, on one line that wraps as needed."""
+    parts = [f"{html.escape(name)}: {prob:.2f}" for name, prob in entry.predictions]
+    if entry.true is not None:
+        right = entry.predictions[0][0] == entry.true
+        verdict, mark = ("right", "&#10003;") if right else ("wrong", "&#10007;")
+        parts.append(f'<span class="{verdict}">true: {html.escape(entry.true)} {mark}</span>')
+    return f'<p class="caption"><b>{html.escape(entry.name)}</b> ' + " &middot; ".join(parts) + "</p>"
+
+
+def _figure(file_stem: str, width: int, height: int, method: str | None) -> str:
+    """A panel scaled to its column (width/height give the aspect ratio before it loads), titled
+    with the method's name when the row shows several, and a link to its raw map."""
     stem = html.escape(file_stem)
+    title = "" if method is None else f"<b>{html.escape(METHOD_NAMES[method])}</b> &middot; "
     return (
-        f'<figure><a href="{stem}.png"><img src="{stem}.png" loading="lazy"></a>'
-        f'<figcaption>{caption}<br><a href="{stem}.npy">map (.npy)</a></figcaption></figure>'
+        f'<figure><a href="{stem}.png"><img src="{stem}.png" width="{width}" height="{height}" alt="{stem}"'
+        ' loading="lazy"></a>'
+        f'<figcaption>{title}<a href="{stem}.npy">map (.npy)</a></figcaption></figure>'
     )
 
 
-def write_gallery(
-    out: Path, entries: list[tuple[str, list[str], list[tuple[str, str]]]], args: argparse.Namespace
-) -> None:
-    """index.html: every image's panel with its name, predictions and a link to the raw map; with
-    several methods, one row per image holding its panels side by side, methods in the order given."""
+def write_gallery(out: Path, entries: list[Entry], panel_size: tuple[int, int], args: argparse.Namespace) -> None:
+    """index.html, one static page: each image's name, predictions and true class, then its panel,
+    or with several methods its panels side by side, methods in the order given.
+
+    Every label is printed once, as HTML text, and the panel PNGs carry none: text in the page
+    reflows, follows the browser's font size and can be searched and copied, where text drawn into
+    a panel shrinks with it (gallery.png is the picture with its labels drawn in). Panels scale
+    down to their column, so a row fits the window's width without scrolling sideways; on a narrow
+    screen an image's panels stack.
+    """
+    methods = args.method
     what = ", ".join(
         METHOD_NAMES[m] + (f" ({args.head_fusion} fusion, discard {args.discard_ratio})" if m == "attention" else "")
-        for m in args.method
+        for m in methods
     )
-    captions = [f"<b>{html.escape(name)}</b><br>{'<br>'.join(map(html.escape, lines))}" for name, lines, _ in entries]
-    if len(args.method) == 1:
-        columns = f"repeat(auto-fill, minmax({3 * args.panel_size}px, 1fr))"
-        figures = "\n".join(
-            _figure(files[0][1], caption) for (_, _, files), caption in zip(entries, captions, strict=True)
-        )
-    else:  # a row per image: its caption, then one figure per method
-        columns = "1fr"
-        figures = "\n".join(
-            f'<section><p>{caption}</p><div class="row">'
-            + "".join(_figure(file_stem, f"<b>{html.escape(METHOD_NAMES[m])}</b>") for m, file_stem in files)
-            + "</div></section>"
-            for (_, _, files), caption in zip(entries, captions, strict=True)
-        )
+    width, height = panel_size  # the PNGs' own, for the aspect ratio
+    several = len(methods) > 1
+    sections = "\n".join(
+        f'<section>{_caption(entry)}<div class="row">'
+        + "".join(_figure(stem, width, height, method if several else None) for method, stem in entry.files)
+        + "</div></section>"
+        for entry in entries
+    )
+    # one method: as many images a row as fit at 26em or more each; several: an image a row, its
+    # methods in equal columns (stacked below 48em)
+    images_per_row = "minmax(0, 1fr)" if several else "repeat(auto-fill, minmax(min(100%, 26em), 1fr))"
     page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>Attention rollout: {html.escape(args.checkpoint)}</title>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Explanation maps: {html.escape(args.checkpoint)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1em; }}
-main {{ display: grid; grid-template-columns: {columns}; gap: 1em; }}
-.row {{ display: grid; grid-template-columns: repeat({len(args.method)}, {3 * args.panel_size}px); gap: 1em; }}
-section p {{ margin: 0.2em 0; }}
-figure {{ margin: 0; }} img {{ width: 100%; image-rendering: auto; }} figcaption {{ font-size: 0.9em; }}
+h1 {{ font-size: 1.4em; margin: 0 0 0.3em; }}
+.about {{ margin: 0 0 1em; color: #333; overflow-wrap: anywhere; }}
+main {{ display: grid; grid-template-columns: {images_per_row}; gap: 1.2em 1.5em; }}
+section {{ min-width: 0; }}
+.caption {{ margin: 0 0 0.3em; }}
+.row {{ display: grid; grid-template-columns: repeat({len(methods)}, minmax(0, 1fr)); gap: 0.8em; }}
+@media (max-width: 48em) {{ .row {{ grid-template-columns: minmax(0, 1fr); }} }}
+figure {{ margin: 0; min-width: 0; }}
+img {{ display: block; max-width: 100%; height: auto; }}
+figcaption {{ font-size: 0.9em; margin-top: 0.2em; }}
+.right {{ color: #060; }} .wrong {{ color: #b00; }}
 </style></head><body>
-<h1>Attention rollout</h1>
-<p>{html.escape(args.checkpoint)} &middot; {html.escape(what)} &middot; start layer {args.start_layer}
-&middot; {len(entries)} images &middot; each panel: original | heatmap | overlay</p>
+<h1>Explanation maps</h1>
+<p class="about">{html.escape(args.checkpoint)} &middot; {html.escape(what)} &middot; start layer {args.start_layer}
+&middot; {len(entries)} images<br>
+Each panel: the image as the model saw it | the map (blue low, red high) | the map over the image.
+Above it: the top classes with their probabilities, and the true class where it is known
+(&#10003; when it is the top one, &#10007; when not).</p>
 <main>
-{figures}
+{sections}
 </main></body></html>
 """
     (out / "index.html").write_text(page)

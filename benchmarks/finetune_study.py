@@ -102,36 +102,50 @@ def study(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+NOTES_MARKER = "<!-- notes: everything below this line is kept when the tables are regenerated -->"
+
+
 def to_markdown(rows: list[Row], args: argparse.Namespace, command: str) -> str:
-    lines = [
-        "# Fine-tuning studies",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Data: `{args.cifar_root}` "
-        "(CIFAR-10 re-encoded as JPEG quality 75: train 50,000 / test 10,000; comparable with each other, not "
-        "with papers' CIFAR-10 tables). Top-1 is on the full test split after the last epoch.",
-        "",
-    ]
+    """The tables, the command that measured them, the machine, then what the columns mean."""
+    lines = ["# Fine-tuning studies", ""]
     lines += markdown_table(
         ("study", "setting", "epochs", "train img/s", "wall (min)", "test top-1", "overrides"),
         [
             (r.study, r.setting, r.epochs, f"{r.img_per_s:.0f}" if r.img_per_s else "-", f"{r.wall_minutes:.1f}",
-             f"{r.top1:.2f}%", f"`{r.overrides}`")
+             f"{r.top1:.2f}%", f"`{r.overrides}`" if r.overrides else "(config as is)")
             for r in rows
         ],
+        "llrrrrl",
     )  # fmt: skip
     resnet = [r for r in rows if r.study.startswith("ResNet")]
     if len(resnet) == 2:
         before, after = resnet[0].top1, resnet[1].top1
         lost = RESNET_PNG_TOP1 - before
-        lines += [
-            "",
-            f"JPEG shift: the ResNet-56 checkpoint reaches {RESNET_PNG_TOP1}% on the original PNG test set (as "
-            f"published) and {before:.2f}% on the JPEG copy, {lost:.2f} points lost. After the fine-tune: "
-            f"{after:.2f}%, recovering {after - before:.2f} points = {100 * (after - before) / lost:.0f}% of the loss.",
-        ]
-    return "\n".join(lines) + "\n"
+        lines += [""]
+        lines += markdown_table(
+            ("JPEG shift, ResNet-56", "PNG test set (published)", "JPEG test set", "lost", "after the fine-tune",
+             "recovered"),
+            [("test top-1", f"{RESNET_PNG_TOP1}%", f"{before:.2f}%", f"{lost:.2f} points", f"{after:.2f}%",
+              f"{after - before:.2f} points ({100 * (after - before) / lost:.0f}% of the loss)")],
+            "lrrrrr",
+        )  # fmt: skip
+    lines += [
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}.",
+        "",
+        f"- Data: `{args.cifar_root}`, CIFAR-10 re-encoded as JPEG quality 75 (train 50,000 / test 10,000): "
+        "the rows compare with each other, not with papers' CIFAR-10 tables.",
+        "- *test top-1*: the full test split after the last epoch. *wall*: the whole `scripts/train.py` call, "
+        "data loading included. *overrides*: the options on top of the study's config "
+        f"(`{VIT_CONFIG}` for the ViT, `{RESNET_CONFIG}` for the ResNet).",
+        "",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -155,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     rows = study(args)
     command = "python -m benchmarks.finetune_study " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(write_report(args.out, to_markdown(rows, args, command)).read_text())
+    print(write_report(args.out, to_markdown(rows, args, command), NOTES_MARKER).read_text())
     return rows
 
 

@@ -208,35 +208,17 @@ def _score(row: dict, key: str, percent: bool = False) -> str:
     return f"{row[key]:.3f} ± {row[key + '_se']:.3f}"
 
 
+def _command(result: dict) -> str:
+    """The command that measured a result; JSONs written before the script became a module name its old path."""
+    return result["command"].replace("python scripts/rollout_eval.py", "python -m benchmarks.rollout_eval")
+
+
 def section(result: dict) -> list[str]:
-    """One model's part of the report: what was measured, how, and the table."""
+    """One model's part of the report: the table, the command that measured it, the machine, then
+    what was scored."""
     boxes = result["off_centre_images"] is not None
     lo, hi = result["images_per_class"]
     per_class = f"{lo}" if lo == hi else f"{lo}-{hi}"
-    lines = [
-        f"## `{result['checkpoint']}`",
-        "",
-        f"{result['model']}, {result['reg_tokens']} register tokens, {result['global_pool']} pooling. "
-        f"{result['num_images']:,} {result['dataset']} {result['split']} images ({per_class} per class, "
-        f"seed {result['seed']}): clean top-1 **{100 * result['clean_top1']:.2f}%**. "
-        f"Patch tokens with outlier norms (last block's output, > {result['outlier_factor']:g}x the image's "
-        f"median): **{100 * result['outlier_norm_fraction']:.2f}%** of {result['patch_tokens']:,}.",
-    ]
-    if boxes:
-        lines.append(
-            f"Off-centre subset (box holds none of the image's central pixels, box centre "
-            f">= {result['off_centre_min_dist']:g} px from the image centre): "
-            f"**{result['off_centre_images']:,}** of {result['num_images']:,} images."
-        )
-    lines += [
-        "",
-        "```bash",
-        result["command"],
-        "```",
-        "",
-        f"{result['seconds'] / 60:.1f} min on {result['machine']}.",
-        "",
-    ]
     header = ["method", "positive AUC ↓", "negative AUC ↑", "deletion AUC ↓", "insertion AUC ↑"]
     if boxes:
         header += ["pointing ↑", "pointing, off-centre ↑", "energy ↑", "energy, off-centre ↑"]
@@ -248,21 +230,39 @@ def section(result: dict) -> list[str]:
             cells += [_score(row, k, True) for k in ("pointing", "pointing_off_centre", "energy", "energy_off_centre")]
         cells.append(f"{row['ms_per_image']:.2f}")
         table.append(cells)
-    return lines + markdown_table(header, table, "l" + "r" * (len(header) - 1)) + [""]
-
-
-def side_by_side(results: list[dict]) -> list[str]:
-    """Every model's scores in one table per test, a column per model, so a method compares across
-    models (with and without registers, one dataset and another) at a glance; a model's own section
-    below has the standard errors and the command. A method a run did not score shows "-"."""
-    lines = ["## Side by side", ""]
-    for i, r in enumerate(results, 1):
+    lines = [
+        f"## `{result['checkpoint']}`",
+        "",
+        *markdown_table(header, table, "l" + "r" * (len(header) - 1)),
+        "",
+        "```bash",
+        _command(result),
+        "```",
+        "",
+        f"Machine: {result['machine']}; {result['seconds'] / 60:.1f} min.",
+        "",
+        f"- Model: {result['model']}, {result['reg_tokens']} register tokens, {result['global_pool']} pooling; "
+        f"clean top-1 **{100 * result['clean_top1']:.2f}%** on these images.",
+        f"- Images: {result['num_images']:,} {result['dataset']} {result['split']} images ({per_class} per class, "
+        f"seed {result['seed']}).",
+        f"- Patch tokens with outlier norms (last block's output, > {result['outlier_factor']:g}x the image's "
+        f"median): **{100 * result['outlier_norm_fraction']:.2f}%** of {result['patch_tokens']:,}.",
+    ]
+    if boxes:
         lines.append(
-            f"- ({i}) `{r['checkpoint']}`: {r['dataset']}, {r['reg_tokens']} register tokens, clean top-1 "
-            f"{100 * r['clean_top1']:.2f}% on {r['num_images']:,} images, patch tokens with outlier norms "
-            f"{100 * r['outlier_norm_fraction']:.2f}%"
+            f"- Off-centre subset (box holds none of the image's central pixels, box centre "
+            f">= {result['off_centre_min_dist']:g} px from the image centre): "
+            f"**{result['off_centre_images']:,}** of {result['num_images']:,} images."
         )
-    lines.append("")
+    return [*lines, ""]
+
+
+def side_by_side(results: list[dict], command: str | None) -> list[str]:
+    """Every model's scores in one table per test, a column per model, so a method compares across
+    models (with and without registers, one dataset and another) at a glance; then the command that
+    wrote the report and the models. A model's own section below has the standard errors and the
+    command that measured it. A method a run did not score shows "-"."""
+    lines = []
     known = [*METHODS, *VARIANTS, *BASELINES]
     present = {name for r in results for name in r["rows"]}
     names = [n for n in known if n in present] + sorted(present - set(known))
@@ -282,18 +282,33 @@ def side_by_side(results: list[dict]) -> list[str]:
             table.append(cells)
         header = ["method", *(f"({i}) {r['dataset']}, {r['reg_tokens']} reg" for i, r in columns)]
         lines += [f"**{title}**", "", *markdown_table(header, table, "l" + "r" * len(columns)), ""]
-    return lines
+    if command:
+        lines += ["```bash", command, "```", ""]
+    models = [
+        (f"({i})", f"`{r['checkpoint']}`", r["dataset"], r["reg_tokens"], f"{r['num_images']:,}",
+         f"{100 * r['clean_top1']:.2f}%", f"{100 * r['outlier_norm_fraction']:.2f}%", r["machine"].split(";")[0])
+        for i, r in enumerate(results, 1)
+    ]  # fmt: skip
+    header = ("model", "checkpoint", "dataset", "register tokens", "images", "clean top-1",
+              "patch tokens with outlier norms", "machine")  # fmt: skip
+    return lines + markdown_table(header, models, "lllrrrrl") + [""]
 
 
-def markdown(results: list[dict]) -> str:
+def markdown(results: list[dict], command: str | None = None) -> str:
+    """The report: with several models, their scores side by side and the command that wrote it
+    (`command`); each model's section; what the scores mean."""
     datasets = sorted({r["dataset"] for r in results})
     better = ", ".join(f"{key} {ARROW[way]}" for key, way in BETTER.items())
-    lines = [
-        f"# Which explanation map is faithful? {', '.join(datasets)}",
+    lines = [f"# Which explanation map is faithful? {', '.join(datasets)}", ""]
+    if len(results) > 1:
+        lines += side_by_side(results, command)
+    for result in results:
+        lines += section(result)
+    lines += [
+        "## The scores",
         "",
-        "Written by `benchmarks/rollout_eval.py`; every number is also in the JSON next to the command.",
-        "",
-        f"Direction of better (↓ lower, ↑ higher): {better}. ± is one standard error over the images.",
+        f"Direction of better (↓ lower, ↑ higher): {better}. ± is one standard error over the images. Every "
+        "number is also in the JSON the command names.",
         "",
         "- **positive / negative AUC** (Chefer et al. 2021): top-1 against the labels as 0%, 10%, ..., 90% "
         "of the patches are set to the mean colour, most relevant first (positive: a faithful map makes "
@@ -305,14 +320,12 @@ def markdown(results: list[dict]) -> str:
         "`deletion_steps` says otherwise); area over 0..1.",
         "- **pointing / energy** (Tiny-ImageNet boxes): the peak of the map, upsampled bilinearly to the "
         "image, lies in the box; the share of the min-max scaled map's mass inside the box.",
-        "- **ms / image**: the time to compute the maps (batch of the JSON's `batch_size`), nothing else. "
-        "Class-specific maps (gradient rollout, GradCAM) explain the predicted class.",
+        "- **ms / image**: the time to compute the maps (batch of the JSON's `batch_size`), nothing else; "
+        "compare it within one machine. Class-specific maps (gradient rollout, GradCAM) explain the "
+        "predicted class.",
+        "",
         "",
     ]
-    if len(results) > 1:
-        lines += side_by_side(results)
-    for result in results:
-        lines += section(result)
     return "\n".join(lines)
 
 
@@ -360,15 +373,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.checkpoint is not None and not Path(args.checkpoint).is_file():
         parser.error(f"checkpoint {args.checkpoint} does not exist")
     earlier = [read_result(path) for path in args.with_results]
+    command = "python -m benchmarks.rollout_eval " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.checkpoint is None:
-        write_report(args.out, markdown(earlier), NOTES)
+        write_report(args.out, markdown(earlier, command), NOTES)
         print(f"wrote {args.out} from {len(earlier)} earlier results (nothing measured)")
         return earlier
     result = evaluate(args, args.checkpoint)
-    result["command"] = "flock /tmp/vit-bench.lock python -m benchmarks.rollout_eval " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
-    text = markdown([*earlier, result])
+    result["command"] = "flock /tmp/vit-bench.lock " + command
+    text = markdown([*earlier, result], result["command"])
     write_report(args.out, text, NOTES)
     write_report(args.json, json.dumps(result, indent=2))
     print(text)

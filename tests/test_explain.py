@@ -405,9 +405,8 @@ def test_rollout_eval_without_a_checkpoint_rewrites_the_report_side_by_side_and_
     text = out.read_text()
     assert "an older report" not in text and text.endswith(f"{NOTES}\nmy reading of it\n")
     lines = text.splitlines()
-    # a legend of the models, then one column per model; a method a model was not scored on shows "-"
-    legend = "clean top-1 50.00% on 100 images, patch tokens with outlier norms 1.00%"
-    assert f"- (3) `runs/tiny-imagenet_reg0/last.ckpt`: tiny-imagenet, 0 register tokens, {legend}" in lines
+    # the tables lead, one column per model; a method a model was not scored on shows "-"
+    assert lines[2] == "**positive ↓ / negative ↑ perturbation AUC**"
     assert "| method | (1) cifar10, 0 reg | (2) cifar10, 4 reg | (3) tiny-imagenet, 0 reg |" in lines
     assert "| attention rollout (mean fusion) | 0.420 / 0.410 | 0.400 / 0.430 | 0.120 / 0.150 |" in lines
     assert "| gradient rollout (Chefer ICCV 2021) | 0.310 / 0.480 | - | - |" in lines
@@ -415,6 +414,10 @@ def test_rollout_eval_without_a_checkpoint_rewrites_the_report_side_by_side_and_
     # pointing only for the model with boxes
     assert "| method | (3) tiny-imagenet, 0 reg |" in lines
     assert "| attention rollout (mean fusion) | 57.0% / 24.1% |" in lines
+    # then the command that wrote the report and the models, numbered as the columns
+    assert f"python -m benchmarks.rollout_eval --out {out} --with-results {' '.join(map(str, paths))}" in lines
+    model = "| (3) | `runs/tiny-imagenet_reg0/last.ckpt` | tiny-imagenet | 0 | 100 | 50.00% | 1.00% | a test machine |"
+    assert model in lines
     # then each model's own section with its command
     assert text.count("## `") == 3 and all(r["command"] in text for r in results)
 

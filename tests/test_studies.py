@@ -30,6 +30,7 @@ def test_finetune_study_runs_every_row_and_reports_the_jpeg_recovery(tmp_path):
     )
     torch.save(pretrained.state_dict(), tmp_path / "tiny.pth")
     out = tmp_path / "finetune.md"
+    out.write_text("old tables\n" + finetune_study.NOTES_MARKER + "\nA note.\n")
     rows = finetune_study.main([
         "--vit-checkpoint", str(tmp_path / "tiny.pth"), "--cifar-root", str(root), "--resnet-checkpoint", str(resnet56),
         "--epochs", "1", "--limit-batches", "2", "--num-workers", "0", "--workdir", str(tmp_path / "runs"),
@@ -40,7 +41,13 @@ def test_finetune_study_runs_every_row_and_reports_the_jpeg_recovery(tmp_path):
         "linear probe (frozen backbone)", "checkpoint as is (no training)", "fine-tuned on the JPEG train split",
     ]  # fmt: skip
     assert rows[4].top1 > 50  # two batches of the real checkpoint on JPEG test images: well above chance
-    assert "of the loss." in out.read_text()
+    report = out.read_text()
+    assert report.startswith("# Fine-tuning studies\n\n| study | setting |")  # the table leads
+    before, after = rows[4].top1, rows[5].top1
+    jpeg = f"| test top-1 | 93.39% | {before:.2f}% | {93.39 - before:.2f} points | {after:.2f}% |"
+    assert jpeg in report and "of the loss) |" in report
+    assert "```bash\npython -m benchmarks.finetune_study --vit-checkpoint" in report
+    assert report.endswith(finetune_study.NOTES_MARKER + "\nA note.\n") and "old tables" not in report
 
 
 def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
@@ -116,6 +123,7 @@ def test_ablation_runs_train_on_the_clock_and_report_a_row_each(tmp_path, keep_t
     md.write_text("old tables" + ablate.NOTES_MARKER + "\nA note.\n")
     ablate.main(["report", "--out", str(out), "--report", str(md)])
     report = md.read_text()
+    assert report.startswith("# Ablations of the Block's options\n\n## Text: Tiny Shakespeare, nanoGPT's CPU GPT\n\n|")
     assert f"from the runs in `{out / 'results.jsonl'}`" in report
     assert re.search(r"\| rope \| `posemb='rope'` \| [\d,]+ \| [\d,]+ \|", report)  # the text table's row
     assert re.search(r"\| qk_norm \| `qk_norm=True` \| [\d,]+ \|.*\| \*\*\d+\.\d%\*\* \|", report)  # images

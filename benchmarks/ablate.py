@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.report import data_root, machine, markdown_table, write_report
+from benchmarks.report import NOTES_MARKER, data_root, machine, markdown_table, write_report
 from vit import create_model
 from vit.cli import main as train
 from vit.training import Throughput
@@ -236,9 +236,6 @@ def load_results(out: Path) -> dict[tuple[str, str], dict[str, Any]]:
 
 def options_text(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"`{k}={v!r}`" for k, v in kwargs.items()) or "(defaults)"
-
-
-NOTES_MARKER = "<!-- notes: everything below this line is kept when the tables are regenerated -->"
 
 
 def report(out: Path, path: Path) -> None:

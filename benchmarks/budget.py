@@ -30,7 +30,7 @@ import torch
 import yaml
 from lightning.pytorch import LightningDataModule, Trainer
 
-from benchmarks.report import data_root, machine, markdown_table, write_report
+from benchmarks.report import NOTES_MARKER, data_root, machine, markdown_table, write_report
 from vit.cli import TrainCLI, show_our_logs
 from vit.data import ImageDataModule
 from vit.lit import ImageClassifier
@@ -258,7 +258,7 @@ def report(args: argparse.Namespace) -> str:
         "",
     ]
     text = "\n".join(lines) + "\n"
-    write_report(out, text, NOTES_MARK)
+    write_report(out, text, NOTES_MARKER)
     write_report(runs_out, every_run(rows, number, args.results))
     if final:
         plot_headline(final, head, plot_path, number)
@@ -427,9 +427,6 @@ def _mean(rows: list[dict], key: str) -> float | None:
     """The mean of a value every row has, else None (older rows lack the flip score, non-EMA runs the EMA's)."""
     values = [r[key] for r in rows if r.get(key) is not None]
     return sum(values) / len(values) if values and len(values) == len(rows) else None
-
-
-NOTES_MARK = "<!-- notes: kept when the tables are regenerated -->"
 
 
 def _draw(ax, mine: dict[str, dict[float, dict]], annotate: bool) -> None:

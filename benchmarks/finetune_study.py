@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.report import data_root, machine, markdown_table, weights_root, write_report
+from benchmarks.report import NOTES_MARKER, data_root, machine, markdown_table, weights_root, write_report
 from vit.cli import main as train
 from vit.training import Throughput
 
@@ -100,9 +100,6 @@ def study(args: argparse.Namespace) -> list[Row]:
     rows.append(Row(jpeg, "checkpoint as is (no training)", "validate", 0, minutes, 0.0, before))
     fit(jpeg, "fine-tuned on the JPEG train split", RESNET_CONFIG, "resnet56_finetune", args.resnet_epochs, [], resnet)
     return rows
-
-
-NOTES_MARKER = "<!-- notes: everything below this line is kept when the tables are regenerated -->"
 
 
 def to_markdown(rows: list[Row], args: argparse.Namespace, command: str) -> str:

@@ -13,7 +13,10 @@ from pathlib import Path
 
 from vit.tools.machine import cpu_name, machine, markdown_table
 
-__all__ = ["cpu_name", "data_root", "machine", "markdown_table", "weights_root", "write_report"]
+__all__ = ["NOTES_MARKER", "cpu_name", "data_root", "machine", "markdown_table", "weights_root", "write_report"]
+
+# Ends the generated part of a report; the notes written by hand below it survive a regeneration.
+NOTES_MARKER = "<!-- notes: everything below this line is kept when the tables are regenerated -->"
 
 
 def data_root() -> Path:

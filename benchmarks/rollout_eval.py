@@ -27,7 +27,7 @@ maps (gradient rollout, GradCAM) explain the predicted class. --with-results add
 this script (other models) to the same report, each as its own section with its own command, after
 a side-by-side table of every model's scores; without --checkpoint the report is only rewritten from
 those JSONs, nothing measured (the last command above: the study in benchmarks/rollout.md). Notes
-written by hand below the marker line that ends the report (`NOTES`) are kept when it is rewritten.
+written by hand below the marker line that ends the report (`NOTES_MARKER`) are kept when it is rewritten.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from benchmarks.report import data_root, machine, markdown_table, write_report
+from benchmarks.report import NOTES_MARKER, data_root, machine, markdown_table, write_report
 from vit.checkpoint import load_model
 from vit.data.images import Sample, read_rgb, scan_image_folder, scan_tiny_imagenet
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
@@ -83,7 +83,6 @@ NAMES = {
     "centre": "baseline: centred Gaussian",
 }
 ARROW = {"lower": "↓", "higher": "↑"}
-NOTES = "<!-- notes: written by hand below this line, kept when the report is regenerated -->"
 # The side-by-side tables: title, the two scores in each cell, whether they are fractions shown as %.
 SIDE_BY_SIDE = (
     ("positive ↓ / negative ↑ perturbation AUC", ("positive", "negative"), False),
@@ -375,13 +374,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     earlier = [read_result(path) for path in args.with_results]
     command = "python -m benchmarks.rollout_eval " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.checkpoint is None:
-        write_report(args.out, markdown(earlier, command), NOTES)
+        write_report(args.out, markdown(earlier, command), NOTES_MARKER)
         print(f"wrote {args.out} from {len(earlier)} earlier results (nothing measured)")
         return earlier
     result = evaluate(args, args.checkpoint)
     result["command"] = "flock /tmp/vit-bench.lock " + command
     text = markdown([*earlier, result], result["command"])
-    write_report(args.out, text, NOTES)
+    write_report(args.out, text, NOTES_MARKER)
     write_report(args.json, json.dumps(result, indent=2))
     print(text)
     print(f"wrote {args.out} and {args.json}")

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 from torch import nn
 
-from benchmarks.rollout_eval import NOTES, VARIANTS
+from benchmarks.report import NOTES_MARKER
+from benchmarks.rollout_eval import VARIANTS
 from benchmarks.rollout_eval import main as rollout_eval
 from tests.conftest import write_image_folder
 from tests.test_rollout import _nano
@@ -399,11 +400,11 @@ def test_rollout_eval_without_a_checkpoint_rewrites_the_report_side_by_side_and_
         paths.append(tmp_path / f"r{i}.json")
         paths[-1].write_text(json.dumps(result))
     out = tmp_path / "rollout.md"
-    out.write_text(f"an older report\n{NOTES}\nmy reading of it\n")
+    out.write_text(f"an older report\n{NOTES_MARKER}\nmy reading of it\n")
 
     assert rollout_eval(["--out", str(out), "--with-results", *map(str, paths)]) == results
     text = out.read_text()
-    assert "an older report" not in text and text.endswith(f"{NOTES}\nmy reading of it\n")
+    assert "an older report" not in text and text.endswith(f"{NOTES_MARKER}\nmy reading of it\n")
     lines = text.splitlines()
     # the tables lead, one column per model; a method a model was not scored on shows "-"
     assert lines[2] == "**positive ↓ / negative ↑ perturbation AUC**"

@@ -38,3 +38,17 @@ def test_links_to_repository_files_lead_to_files(page):
     targets = re.findall(r"\]\((?!https?:)([^)#]+)(?:#[^)]*)?\)", page.read_text())
     missing = [t for t in targets if not (page.parent / t).exists()]
     assert not missing, f"{page.name} links to files that do not exist: {missing}"
+
+
+def test_the_readme_quotes_the_budget_reports_headline_table():
+    """README's CIFAR-10 row is budget.md's first table to one decimal, so a regenerated report with
+    new numbers fails here until README follows."""
+    report = (ROOT / "benchmarks" / "budget.md").read_text().split("## ")[0]
+    rows = [line.strip("| ").split(" | ") for line in report.splitlines() if line.startswith("| ")]
+    table = {cells[0]: cells[2:] for cells in rows if cells[-1].endswith("%") or cells[-1] == "-"}
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if "budget.md" in line)
+    for model, words in (("ViT", "ViT"), ("ResNet-20", "ResNet-20")):
+        quoted = " / ".join(f"{float(c.rstrip('%')):.1f}" for c in table[model]) + "%"
+        assert f"{words} {quoted}" in row, (model, quoted, row)
+    hybrid = table["ViT + conv stem (hybrid)"]
+    assert f"conv-stem hybrid {float(hybrid[1].rstrip('%')):.1f}% at 30 min" in row

@@ -53,6 +53,32 @@ def test_device_decoding_gives_the_per_sample_decoders_pixels(tmp_path):
         assert (image.int() - reference.int()).abs().max() <= 1, path  # 0 here; JPEG decoders may round apart
 
 
+def test_the_cuda_decoder_runs_only_after_the_callers_stream_is_drained(tmp_path, monkeypatch):
+    """torchvision's CUDA decoder writes from a private stream that does not wait for the caller's
+    stream (pytorch/vision#9606): decode_batch drains the caller's stream before each call to it,
+    and decodes the batch in one call. The GPU check measures the race itself (vit.tools.data_check)."""
+    import vit.data.device as device_module
+
+    calls = []
+
+    class Stream:
+        def synchronize(self):
+            calls.append("drain")
+
+    def decode_jpeg(data, mode, device):
+        calls.append(f"decode {len(data)} on {device}")
+        return [torch.zeros(3, 2, 2, dtype=torch.uint8) for _ in data]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(device_module, "decode_jpeg", decode_jpeg)
+    jpegs = [_bytes(p) for p in _photos(tmp_path)[:2]]
+    decode_batch(jpegs, "cuda:1")
+    assert calls == ["drain", "decode 2 on cuda:1"]
+    calls.clear()
+    decode_batch(jpegs, "cpu")  # libjpeg on the CPU: nothing to drain
+    assert calls == ["decode 2 on cpu"]
+
+
 def test_random_resized_crop_boxes_follow_the_per_sample_paths_distribution():
     """Area fraction and aspect ratio of 3000 boxes against albumentations' RandomResizedCrop (the
     per-sample path) on a 500x375 photo and a square one: the same distributions (KS test)."""

@@ -166,10 +166,13 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), "--json", str(out)]) == 0
     rows = {r["check"]: r for r in json.loads(out.read_text())}
     assert list(rows) == [
+        "batches decoded ahead = on demand",
         "vit b16: model alone, eager", "vit b16: data path alone", "vit b16: end to end, eager",
+        "vit b16 (no prefetch): data path alone", "vit b16 (no prefetch): end to end, eager",
         "vit b16 (per-sample): data path alone", "vit b16 (per-sample): end to end, eager",
         "vit b16 (streaming): data path alone", "vit b16 (streaming): end to end, eager",
         "resnet50: model alone, eager", "resnet50: data path alone", "resnet50: end to end, eager",
+        "resnet50 (no prefetch): data path alone", "resnet50 (no prefetch): end to end, eager",
         "resnet50 (per-sample): data path alone", "resnet50 (per-sample): end to end, eager",
         "resnet50 (streaming): data path alone", "resnet50 (streaming): end to end, eager",
     ]  # fmt: skip

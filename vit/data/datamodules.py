@@ -8,6 +8,7 @@ Mixup/CutMix; a subclass only says where its images and labels come from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ from vit.data.device import DEVICE_CROPS, EncodedFiles, collate_encoded, decode_
 from vit.data.images import ImageArrays, ImageFiles, readable_class_names, scan_image_folder, scan_tiny_imagenet
 from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
 from vit.data.mixup import Mixup, MixupCutmix
+from vit.data.prefetch import PreparedLoader
 from vit.data.sampling import ChunkedSampler, ResumableSampler, mix_seed, resumable_loader, run_seed
 from vit.data.streaming import StreamingImages
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
@@ -70,6 +72,8 @@ class ImageDataModule(L.LightningDataModule):
         device_decode: image files only: loader workers read the encoded bytes, and the batch is
             decoded, cropped (crop "rrc" or "resize"), flipped, RandAugmented and normalised on the
             training device (vit.data.device).
+        device_prefetch: with device_decode, how many batches a thread decodes ahead of the step,
+            on a CUDA stream of its own (vit.data.prefetch); 0: each when its step begins.
 
     A group given in Python as a dict changes only the fields it names of the class's default,
     e.g. `CIFARDataModule(augment={"cutout": 8})` keeps its pad-crop.
@@ -110,6 +114,7 @@ class ImageDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         train_sizes: list[tuple[float, int]] | None = None,
         device_decode: bool = False,
+        device_prefetch: int = 1,
     ) -> None:
         super().__init__()
         self.img_size = img_size
@@ -133,7 +138,7 @@ class ImageDataModule(L.LightningDataModule):
                 f"in_memory=True augments batches with augment.crop 'pad_crop' or 'resize'; got {crop!r} "
                 "(use in_memory=False for it)"
             )
-        self.device_decode = device_decode
+        self.device_decode, self.device_prefetch = device_decode, device_prefetch
         if device_decode and (in_memory or crop not in DEVICE_CROPS):
             raise ValueError(
                 f"device_decode decodes image files on the training device and crops with {' or '.join(DEVICE_CROPS)}; "
@@ -227,8 +232,7 @@ class ImageDataModule(L.LightningDataModule):
             self.trainer,
             batch_size=self.batch_size,
             drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
-            collate_fn=collate_encoded if self.device_decode else None,
-            **self._loader_options(),
+            **self._loader_options(self.train_set),
         )
 
     def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
@@ -256,37 +260,38 @@ class ImageDataModule(L.LightningDataModule):
             return DataLoader(dataset, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
         if isinstance(dataset, ImageFiles):  # score each readable image once; corrupt ones are left out
             dataset.substitute = False
-        collate = collate_encoded if isinstance(dataset, EncodedFiles) else None
-        return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=False, collate_fn=collate, **self._loader_options()
-        )
+        return PreparedLoader(dataset, batch_size=self.batch_size, shuffle=False, **self._loader_options(dataset))
 
-    def _loader_options(self) -> dict[str, Any]:
-        return dict(
+    def _loader_options(self, dataset: Dataset) -> dict[str, Any]:
+        options: dict[str, Any] = dict(
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.persistent_workers and self.num_workers > 0,
         )
+        if isinstance(dataset, EncodedFiles):  # bytes from the workers, decoded on the device (ahead of the step)
+            prepare = functools.partial(self._decode_on_device, dataset.samples)
+            options.update(collate_fn=collate_encoded, prepare=prepare, device=self._device, ahead=self.device_prefetch)
+        return options
 
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """device_decode: the encoded bytes stay on the CPU, where the device decoder reads them."""
-        if self.device_decode and isinstance(batch[0], list):
-            data, labels, params = batch
-            return data, labels.to(device, non_blocking=True), params
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+    def _device(self) -> torch.device:
+        """Where the model runs: the trainer's device; outside a run, the GPU if there is one."""
+        if self.trainer is not None:
+            return self.trainer.strategy.root_device
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def _decode_on_device(
+        self, samples: list, batch: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """device_decode: a batch of encoded files -> normalised images and labels on `device`
+        (`samples` name a file that does not decode)."""
+        x, y = decode_and_augment(batch, device, self.img_size, samples)
+        return normalize(x, self.mean, self.std), y
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """On the device: encoded batches are decoded and cropped, in-memory batches augmented
-        (training), both normalised; then Mixup/CutMix, training batches only. All randomness is a
-        function of (seed, step, rank) or (seed, epoch, index), so resumed runs augment and mix
-        exactly like uninterrupted ones."""
-        if self.device_decode and isinstance(batch[0], list):
-            labels = batch[1]
-            trainer = self.trainer
-            training = trainer is not None and trainer.training
-            source = self.train_set if training else (self.test_set if trainer and trainer.testing else self.val_set)
-            x, y = decode_and_augment(batch, labels.device, self.img_size, source.samples)
-            batch = normalize(x, self.mean, self.std), y
+        """On the device: in-memory batches augmented (training) and normalised (encoded files
+        arrive decoded and normalised: _decode_on_device); then Mixup/CutMix, training batches
+        only. All randomness is a function of (seed, step, rank) or (seed, epoch, index), so resumed
+        runs augment and mix exactly like uninterrupted ones."""
         if self.in_memory:
             batch = self._augment_in_memory(batch)
         trainer = self.trainer

@@ -140,6 +140,8 @@ def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> li
     images: list[torch.Tensor | None] = [None] * len(data)
     jpegs = [i for i, d in enumerate(data) if bytes(d[:3].tolist()) == JPEG_MAGIC]
     if jpegs:
+        if device.type == "cuda":
+            drain_before_decode(device)
         try:
             decoded = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
         except RuntimeError:  # a file the batch decoder refuses: each on its own, the rest on the CPU
@@ -155,6 +157,14 @@ def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> li
     if others:
         log.debug("decoded %d of %d images on the CPU (not JPEGs the device decoder takes)", len(others), len(data))
     return images  # type: ignore[return-value]
+
+
+def drain_before_decode(device: torch.device) -> None:
+    """Wait for the work queued on `device`'s current stream. torchvision's CUDA decoder allocates
+    its output on that stream but writes it from a private stream that does not wait for it, so
+    memory just freed there, still to be read by queued kernels, can be overwritten before they
+    read it (pytorch/vision#9606; seen on H100s). Draining first leaves nothing queued to corrupt."""
+    torch.cuda.current_stream(device).synchronize()
 
 
 class UndecodableError(RuntimeError):
@@ -188,4 +198,4 @@ def decode_and_augment(
     images = crop_resize_flip(images, params, size)
     if params[:, RA_START:INDEX].isfinite().any():
         images = rand_augment(images, params[:, RA_START:INDEX])
-    return images, labels.to(device)
+    return images, labels.to(device, non_blocking=True)

@@ -15,7 +15,9 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
+
+from vit.data.prefetch import PreparedLoader
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class ChunkedSampler(ResumableSampler):
         return np.concatenate([local.permutation(share[i : i + width]) for i in range(0, len(share), width)]).tolist()
 
 
-class ResumableLoader(DataLoader):
+class ResumableLoader(PreparedLoader):
     """A DataLoader that starts an epoch at its next unseen batch after a resume.
 
     `batches_done` reports how many batches of the current epoch were trained on; `resumable_loader`
@@ -108,6 +110,7 @@ class ResumableLoader(DataLoader):
     before: mid-epoch resumes of `max_epochs` runs replayed the epoch from batch 0.)
 
     Without `batches_done` (no trainer), `state_dict` / `load_state_dict` count the batches handed out.
+    Batches prepared ahead on the device (vit.data.prefetch) are not counted until handed out.
     """
 
     sampler: ResumableSampler

@@ -13,8 +13,11 @@ then, for each recipe (`configs/imagenet_vit_b16.yaml`, `configs/imagenet_resnet
   the model's own speed, the number the data path has to bring to 100%.
 
 Each recipe is measured as its config sets `data.device_decode` (on in the shipped ImageNet configs:
-decoding and augmentation on the training device, vit.data.device), with the other path, so one
-run compares the two, and (eager) from the tree converted to streaming chunks (vit.data.streaming).
+decoding and augmentation on the training device, vit.data.device, a batch ahead of the step:
+vit.data.prefetch); then, eager, with each batch decoded when its step begins (`device_prefetch`
+0), with the other path (per sample, in the loader workers), and from the tree converted to
+streaming chunks (vit.data.streaming), so one run compares them. On a GPU it first checks that
+decoding there does not overwrite memory the model's queued kernels still read (`decoder_race`).
 
 Each speed is taken after the first `warmup` steps. On a CPU the same code runs at a small image
 size and few steps (the tests use it); the numbers that matter come from a GPU node.
@@ -154,6 +157,7 @@ def loader_speed(case: DataCase) -> tuple[float, str]:
         data = build(case, workdir).datamodule
         data.setup("fit")
         loader = data.train_dataloader()
+        loader.device = lambda: device  # where device_decode decodes (no trainer to say)
         images, start = 0, 0.0
         for i, batch in enumerate(loader):
             x, _ = data.on_after_batch_transfer(data.transfer_batch_to_device(batch, device, 0), 0)
@@ -201,10 +205,11 @@ def recipe_name(config: str) -> str:
 
 
 def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, int]]:
-    """(what ran, img/s, note, training FLOPs per image) for the data path alone, the model alone and
-    the whole fit, eager and, with `compiled`, compiled; the fits' notes give end to end as a share
-    of the model alone. Each recipe also with `device_decode` the other way, and from the tree
-    converted to streaming chunks (`case.root`-streaming, written on first use; eager), labelled."""
+    """(what ran, img/s, note, training FLOPs per image), each printed as it is measured: the model
+    alone, the data path alone and the whole fit, eager and, with `compiled`, compiled; the fits'
+    notes give end to end as a share of the model alone. Then, eager and labelled, the recipe with
+    `device_prefetch` 0, with `device_decode` the other way, and from the tree converted to
+    streaming chunks (`case.root`-streaming, written on first use)."""
     from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.flops import forward_flops
 
@@ -213,25 +218,120 @@ def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, 
         cli = build(case, workdir)
     flops = 3 * forward_flops(cli.model.model, cli.datamodule.img_size)
     configured = cli.datamodule.device_decode
-    other = DataCase(case.config, case.root, case.device, case.steps, case.warmup,
-                     [*case.overrides, "--data.device_decode", str(not configured).lower()])  # fmt: skip
-    paths = [("", case), (" (per-sample)" if configured else " (device_decode)", other)]
+
+    def streaming() -> DataCase:
+        stream_root = case.root.with_name(f"{case.root.name}-streaming")
+        convert_image_folder(case.root, stream_root, workers=max(1, (os.cpu_count() or 1) - 1))
+        return DataCase(case.config, stream_root, case.device, case.steps, case.warmup, case.overrides, True)
+
+    modes = ("eager", "compiled") if compiled else ("eager",)
+    paths = [("", lambda: case, modes)]
+    if configured and cli.datamodule.device_prefetch:  # each batch decoded when its step begins
+        paths.append((" (no prefetch)", lambda: variant_of(case, "--data.device_prefetch", "0"), ("eager",)))
+    other = " (per-sample)" if configured else " (device_decode)"
+    paths.append((other, lambda: variant_of(case, "--data.device_decode", str(not configured).lower()), ("eager",)))
     if importlib.util.find_spec("litdata") is None:
         print("[data-check] litdata is not installed (pip install -e '.[stream]'): no streaming rows", flush=True)
     else:
-        stream_root = case.root.with_name(f"{case.root.name}-streaming")
-        convert_image_folder(case.root, stream_root, workers=max(1, (os.cpu_count() or 1) - 1))
-        stream = DataCase(case.config, stream_root, case.device, case.steps, case.warmup, case.overrides, True)
-        paths.append((" (streaming)", stream))
+        paths.append((" (streaming)", streaming, ("eager",)))
+
     rows, models = [], {}
-    for mode in ("eager", "compiled") if compiled else ("eager",):
+
+    def add(row: tuple[str, float, str, int]) -> None:
+        print(f"[data-check] {row[0]}: {row[1]:,.0f} img/s ({row[2]})", flush=True)
+        rows.append(row)
+
+    for mode in modes:
         models[mode], model_note = model_speed(case, compile=mode == "compiled")
-        rows.append((f"{name}: model alone, {mode}", models[mode], model_note, flops))
-    for label, variant in paths:
-        speed, note = loader_speed(variant)
-        rows.append((f"{name}{label}: data path alone", speed, note, 0))
-        for mode in models if not variant.streaming else ["eager"]:
-            fit, fit_note = end_to_end_speed(variant, compile=mode == "compiled")
+        add((f"{name}: model alone, {mode}", models[mode], model_note, flops))
+    for label, make, fit_modes in paths:
+        path = make()
+        speed, note = loader_speed(path)
+        add((f"{name}{label}: data path alone", speed, note, 0))
+        for mode in fit_modes:
+            fit, fit_note = end_to_end_speed(path, compile=mode == "compiled")
             share = f"{fit_note}; {100 * fit / models[mode]:.0f}% of the model alone"
-            rows.append((f"{name}{label}: end to end, {mode}", fit, share, flops))
+            add((f"{name}{label}: end to end, {mode}", fit, share, flops))
     return rows
+
+
+# -- a decoder that overwrites memory still in use ------------------------------------------------
+
+
+def decoder_race(device: str, iterations: int = 100, images: int = 32) -> dict[str, int]:
+    """How many of `iterations` left tensors that kernels queued on the caller's stream had yet to
+    read corrupted after a batch decode on `device` (CUDA): torchvision's `decode_jpeg` as it is
+    (its private stream does not wait for the caller's: pytorch/vision#9606) and
+    vit.data.device.decode_batch (which drains the caller's stream first).
+
+    Each iteration fills tensors the size of the decoded images with a known value, queues a long
+    kernel and then a sum of each tensor behind it, frees the tensors (the allocator may hand their
+    memory to the decoder at once, as stream order would make safe) and decodes; a sum that is not
+    value x size was read after the decoder wrote there. The first count shows whether this GPU and
+    driver race at all; the second must be 0."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from vit.data.device import decode_batch
+
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(images):
+        buffer = io.BytesIO()
+        synthetic_photo(rng, 500, 375).save(buffer, "JPEG", quality=90)
+        data.append(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+    decoders = {
+        "torchvision decode_jpeg": lambda: decode_jpeg(data, mode=ImageReadMode.RGB, device=device),
+        "vit decode_batch": lambda: decode_batch(data, device),
+    }
+    sizes = [image.numel() for image in decoders["vit decode_batch"]()]
+    corrupted = {}
+    for name, decode in decoders.items():
+        corrupted[name] = 0
+        for i in range(iterations):
+            value = 1 + i % 250
+            blocks = [torch.full((n,), value, dtype=torch.uint8, device=device) for n in sizes]
+            torch.cuda.synchronize(device)
+            torch.cuda._sleep(50_000_000)  # some tens of milliseconds of GPU time, queued first
+            sums = [block.sum(dtype=torch.int64) for block in blocks]
+            del blocks
+            decode()
+            torch.cuda.synchronize(device)
+            corrupted[name] += any(int(total) != value * n for total, n in zip(sums, sizes, strict=True))
+    return corrupted
+
+
+def prefetch_agrees(case: DataCase, batches: int = 8) -> tuple[bool, str]:
+    """Whether the recipe's first `batches` training batches, decoded a batch ahead by a thread on
+    a stream of its own (vit.data.prefetch), are the batches decoded on demand: each batch is summed
+    per image on the consumer's stream as soon as it is handed over, after a long kernel queued
+    there (on CUDA), as a training step would read it while the thread decodes the next."""
+    device = torch.device("cuda" if case.device == "cuda" else "cpu")
+    sums: dict[int, list[torch.Tensor]] = {}
+    for ahead in (0, 1):
+        with tempfile.TemporaryDirectory() as workdir:
+            data = build(variant_of(case, "--data.device_prefetch", str(ahead)), workdir).datamodule
+        data.setup("fit")
+        loader = data.train_dataloader()
+        loader.device = lambda: device
+        sums[ahead] = []
+        batches = min(batches, len(loader))
+        for i, (x, _) in enumerate(loader):
+            if device.type == "cuda":
+                torch.cuda._sleep(20_000_000)  # the "step": the thread decodes the next batch meanwhile
+            sums[ahead].append(x.double().sum((1, 2, 3)))
+            del x
+            if i + 1 == batches:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    same = len(sums[0]) == len(sums[1]) == batches and all(
+        torch.equal(a, b) for a, b in zip(sums[0], sums[1], strict=True)
+    )
+    images = sum(len(s) for s in sums[1])
+    return same, f"{images} images in {batches} batches, summed per image: {'equal' if same else 'DIFFERENT'}"
+
+
+def variant_of(case: DataCase, *options: str) -> DataCase:
+    """`case` with more `scripts/train.py` options."""
+    return DataCase(case.config, case.root, case.device, case.steps, case.warmup, [*case.overrides, *options],
+                    case.streaming)  # fmt: skip

@@ -5,8 +5,9 @@ On a machine with CUDA GPUs, in a few minutes: a bf16-mixed fit of ViT-S/16 on s
 eager and under torch.compile; our attention under `sdpa_kernel([SDPBackend.FLASH_ATTENTION])`
 (forward and backward; the flash kernel must be the one that ran); a channels-last ResNet-50
 bf16-mixed fit; vit.sharding.ShardedStrategy (FSDP2) over every visible GPU; NCCL DDP when there
-are two or more. `--checks data` adds the data check (vit.tools.data_check): the ImageNet recipes'
-loader, model and end-to-end speeds on a synthetic JPEG tree. It prints a table (what ran, img/s,
+are two or more. `--checks data` adds the data check (vit.tools.data_check): whether decoding on the GPU
+leaves memory in use alone, then the ImageNet recipes' loader, model and end-to-end speeds on a
+synthetic JPEG tree. It prints a table (what ran, img/s,
 peak memory, model FLOPs utilisation against the GPU's dense bf16 peak) and exits 1 if anything
 failed. Without a CUDA GPU it says so and exits 0.
 
@@ -182,7 +183,7 @@ def check_flash(model_name: str, device: str, batch: int = 8) -> Row:
 
 
 CHECKS = ("fit", "compile", "flash", "resnet", "sharded", "ddp", "data")  # --checks, in the order they run
-DEFAULT_CHECKS = CHECKS[:-1]  # the data check (vit.tools.data_check) writes a tree and runs 4 fits a recipe: on request
+DEFAULT_CHECKS = CHECKS[:-1]  # the data check (vit.tools.data_check) writes a tree and runs 7 fits a recipe: on request
 
 
 def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callable[[], Row | list[Row]]]]:
@@ -208,6 +209,8 @@ def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callab
         checks.append(("sharded", "sharded", lambda: run_worker(args, "sharded", peak)))
     if args.processes >= 2:
         checks.append(("ddp", "ddp", lambda: run_worker(args, "ddp", peak)))
+    if args.data_recipes:
+        checks.append(("data", "device decoding", lambda: check_device_decoding(args)))
     for recipe in args.data_recipes:
         checks.append(("data", f"data: {recipe}", lambda recipe=recipe: run_data_check(args, recipe, peak)))
     return [(label, check) for key, label, check in checks if key in args.checks]
@@ -223,9 +226,30 @@ def _small_model(recipe: str) -> str:
     return "resnet18" if name.startswith("resnet") else "vit_tiny_patch16_224"
 
 
-def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) -> list[Row]:
-    """vit.tools.data_check for one recipe, on the synthetic tree (written once, on first use)."""
-    from vit.tools.data_check import DataCase, check_recipe, write_synthetic_imagenet
+def check_device_decoding(args: argparse.Namespace, iterations: int = 100) -> list[Row]:
+    """Decoding on the device gives the right pixels: on CUDA, it does not overwrite memory that
+    kernels queued on the caller's stream have yet to read (vit.tools.data_check.decoder_race:
+    torchvision's decoder alone counted beside ours, to show whether this GPU races at all); and
+    the first data recipe's batches decoded ahead by a thread equal those decoded on demand."""
+    from vit.tools.data_check import decoder_race, prefetch_agrees
+
+    rows = []
+    if args.device == "cuda":
+        corrupted = decoder_race(args.device, iterations)
+        ours, theirs = corrupted["vit decode_batch"], corrupted["torchvision decode_jpeg"]
+        note = (f"iterations with memory overwritten before queued kernels read it: vit decode_batch "
+                f"{ours}/{iterations}, torchvision decode_jpeg alone {theirs}/{iterations}")  # fmt: skip
+        if theirs == 0:
+            note += " (the race did not show on this GPU: the check could not fail here)"
+        rows.append(Row("nvJPEG decode vs queued kernels", ours == 0, note=note))
+    same, note = prefetch_agrees(_data_case(args, args.data_recipes[0]))
+    rows.append(Row("batches decoded ahead = on demand", same, note=note))
+    return rows
+
+
+def _data_case(args: argparse.Namespace, recipe: str) -> Any:
+    """vit.tools.data_check's case for `recipe` on the synthetic tree (written once, on first use)."""
+    from vit.tools.data_check import DataCase, write_synthetic_imagenet
 
     cuda = args.device == "cuda"
     if args.data_root is None:
@@ -242,8 +266,15 @@ def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) ->
         "--data.img_size", "96", "--data.batch_size", "8", "--data.num_workers", "1",
         "--model.model_name", _small_model(recipe),
     ]  # fmt: skip
-    case = DataCase(recipe, root, args.device, steps + warmup, warmup, small)
-    rows = check_recipe(case, compiled=cuda or args.compile_on_cpu)
+    return DataCase(recipe, root, args.device, steps + warmup, warmup, small)
+
+
+def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) -> list[Row]:
+    """vit.tools.data_check for one recipe, on the synthetic tree (written once, on first use)."""
+    from vit.tools.data_check import check_recipe
+
+    case = _data_case(args, recipe)
+    rows = check_recipe(case, compiled=args.device == "cuda" or args.compile_on_cpu)
     return [Row(check, True, speed, note=note, mfu=mfu(speed, flops, peak) if flops else None)
             for check, speed, note, flops in rows]  # fmt: skip
 
@@ -345,10 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
         rows += done if isinstance(done, list) else [done]
+        if args.json:  # after each check, so a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     print()
     print(format_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     failed = [r.check for r in rows if not r.ok]
     if failed:
         print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)

@@ -1,0 +1,96 @@
+"""Batches prepared on the device ahead of the step (`data.device_prefetch`, vit.data.prefetch):
+the same batches in the same order as when each is prepared on demand, errors raised where the
+batch is drawn, and no thread left running when an epoch is left early."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import write_image_folder
+from vit.data import ImageFolderDataModule
+from vit.data.images import CorruptImageError
+from vit.data.prefetch import PreparedLoader
+
+
+def _preparing_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "vit-prepare-batches"]
+
+
+def _device_decode(root, ahead: int, workers: int) -> ImageFolderDataModule:
+    data = ImageFolderDataModule(
+        str(root), img_size=48, batch_size=4, num_workers=workers, device_decode=True, device_prefetch=ahead,
+        augment={"crop": "rrc", "randaugment_ops": 2},
+    )  # fmt: skip
+    data.setup("fit")
+    return data
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_prefetched_batches_equal_those_prepared_on_demand(tmp_path, workers):
+    root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
+    epochs = {}
+    for ahead in (0, 2):
+        loader = _device_decode(root, ahead, workers).train_dataloader()
+        epochs[ahead] = []
+        for epoch in range(2):
+            loader.sampler.set_epoch(epoch)  # as Lightning does
+            epochs[ahead].append(list(loader))
+    assert not _preparing_threads()
+    assert len(epochs[0][0]) == 5  # 20 images, 4 a batch
+    for on_demand, ahead in zip(epochs[0], epochs[2], strict=True):
+        for (x0, y0), (x2, y2) in zip(on_demand, ahead, strict=True):
+            assert x0.shape == (4, 3, 48, 48) and x0.dtype == torch.float32
+            assert torch.equal(x0, x2) and torch.equal(y0, y2)
+    assert not torch.equal(epochs[0][0][0][0], epochs[0][1][0][0])  # epochs differ: the same draws, not one batch
+
+
+def test_a_file_that_does_not_decode_is_named_where_its_batch_is_drawn(tmp_path):
+    root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
+    data = _device_decode(root, ahead=2, workers=0)
+    loader = data._eval_loader(data._encoded(data.val_set, train=False))  # in order: 2 batches of 4
+    broken = data.val_set.samples[5].path
+    jpeg = Path(broken).read_bytes()  # its header is read in the worker; decoding fails (no scan)
+    Path(broken).write_bytes(jpeg[:300] + bytes(len(jpeg) - 302) + jpeg[-2:])
+    drawn = []
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {broken}"):
+        for x, _ in loader:
+            drawn.append(x)
+    assert len(drawn) == 1  # the first batch came out; the error is the second's
+    assert not _preparing_threads()
+
+
+def test_leaving_an_epoch_early_stops_the_thread_and_the_next_epoch_is_whole(tmp_path):
+    root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
+    loader = _device_decode(root, ahead=2, workers=1).train_dataloader()
+    on_demand = list(_device_decode(root, ahead=0, workers=1).train_dataloader())
+    batches = iter(loader)
+    next(batches)
+    time.sleep(0.5)  # the thread has filled its queue and waits
+    assert len(_preparing_threads()) == 1
+    again = list(loader)  # a new epoch before the last one ended (max_steps, an interruption)
+    assert not _preparing_threads()
+    assert len(again) == 5 and all(torch.equal(a[0], b[0]) for a, b in zip(again, on_demand, strict=True))
+    del batches
+    assert not _preparing_threads()
+
+
+def test_the_thread_prepares_at_most_ahead_batches_before_they_are_drawn():
+    prepared = []
+
+    def prepare(batch, device):
+        prepared.append(int(batch[0]))
+        return batch * 10
+
+    loader = PreparedLoader(torch.arange(40), batch_size=4, prepare=prepare, ahead=3)
+    batches = iter(loader)
+    assert next(batches).tolist() == [0, 10, 20, 30]
+    time.sleep(0.5)
+    assert len(prepared) == 1 + 3 + 1  # the one drawn, 3 waiting, 1 ready to join them
+    assert [b.tolist()[0] for b in batches] == list(range(40, 400, 40))
+    assert prepared == list(np.arange(0, 40, 4))

@@ -1,0 +1,132 @@
+"""Batches made ready on the training device ahead of the step that takes them.
+
+With `data.device_decode` the training process itself decodes and augments each batch (vit.data.device).
+Done when the step asks for the batch, that work and the model's take turns: the device decodes
+while the model waits, and the model's queued kernels wait on every host sync the decoder makes. A
+`PreparedLoader` runs it in a thread, `ahead` batches before they are wanted, on a CUDA stream of
+its own, so the next batch is decoded while the model trains on this one (as timm's PrefetchLoader
+and DALI's pipelines overlap theirs). The batches are the same either way: each image's
+augmentation comes from the loader (vit.data.sampling), not from when it is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+_DONE = object()
+
+
+class PreparedLoader(DataLoader):
+    """A DataLoader whose batches pass through `prepare(batch, device)` before they are handed out:
+    in a thread, up to `ahead` batches early (0: in the caller's thread, when each is drawn).
+    `device()` names the device, read when an epoch's iteration starts.
+
+    An exception in `prepare` (a file that does not decode) is raised where the batch is drawn.
+    Leaving an epoch early (max_steps, an interruption) stops the thread before the next begins.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        prepare: Callable[[Any, torch.device], Any] | None = None,
+        device: Callable[[], torch.device] | None = None,
+        ahead: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.prepare, self.device, self.ahead = prepare, device, ahead
+        self._stop_running: Callable[[], None] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._stop_running is not None:  # the last epoch's thread, if it was left early
+            self._stop_running()
+        batches = super().__iter__()
+        if self.prepare is None:
+            return batches
+        device = torch.device(self.device() if self.device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.ahead <= 0:
+            return (self.prepare(batch, device) for batch in batches)
+        return self._ahead(batches, device)
+
+    def _ahead(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+        ready: queue.Queue = queue.Queue(maxsize=self.ahead)
+        stop = threading.Event()
+        cuda = device.type == "cuda"
+        stream = torch.cuda.Stream(device) if cuda else None
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                with contextlib.suppress(queue.Full):
+                    ready.put(item, timeout=0.1)
+                    return True
+            return False
+
+        def work() -> None:
+            try:
+                if cuda:
+                    torch.cuda.set_device(device)  # a new thread starts on device 0
+                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext(), torch.no_grad():
+                    for batch in batches:
+                        if stop.is_set():
+                            return
+                        out = self.prepare(batch, device)  # type: ignore[misc]
+                        event = None
+                        if cuda:
+                            event = torch.cuda.Event()
+                            event.record(stream)
+                        if not put((out, event)):
+                            return
+            except BaseException as e:  # raised in the consumer's thread, at this batch
+                put(e)
+                return
+            put(_DONE)
+
+        thread = threading.Thread(target=work, name="vit-prepare-batches", daemon=True)
+
+        def stop_running() -> None:
+            stop.set()
+            thread.join()
+            self._stop_running = None
+
+        self._stop_running = stop_running
+        thread.start()
+        return self._hand_out(ready, stop_running, device)
+
+    @staticmethod
+    def _hand_out(ready: queue.Queue, stop_running: Callable[[], None], device: torch.device) -> Iterator[Any]:
+        try:
+            while True:
+                item = ready.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                out, event = item
+                if event is not None:  # made on the thread's stream, used on the caller's from here on
+                    current = torch.cuda.current_stream(device)
+                    current.wait_event(event)
+                    for tensor in _tensors(out):
+                        tensor.record_stream(current)
+                yield out
+        finally:
+            stop_running()
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            yield from _tensors(item)
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            yield from _tensors(item)

@@ -168,11 +168,11 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     assert list(rows) == [
         "batches decoded ahead = on demand",
         "vit b16: model alone, eager", "vit b16: data path alone", "vit b16: end to end, eager",
-        "vit b16 (no prefetch): data path alone", "vit b16 (no prefetch): end to end, eager",
+        "vit b16 (prefetch 1): data path alone", "vit b16 (prefetch 1): end to end, eager",
         "vit b16 (per-sample): data path alone", "vit b16 (per-sample): end to end, eager",
         "vit b16 (streaming): data path alone", "vit b16 (streaming): end to end, eager",
         "resnet50: model alone, eager", "resnet50: data path alone", "resnet50: end to end, eager",
-        "resnet50 (no prefetch): data path alone", "resnet50 (no prefetch): end to end, eager",
+        "resnet50 (prefetch 1): data path alone", "resnet50 (prefetch 1): end to end, eager",
         "resnet50 (per-sample): data path alone", "resnet50 (per-sample): end to end, eager",
         "resnet50 (streaming): data path alone", "resnet50 (streaming): end to end, eager",
     ]  # fmt: skip

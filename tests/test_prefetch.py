@@ -94,3 +94,21 @@ def test_the_thread_prepares_at_most_ahead_batches_before_they_are_drawn():
     assert len(prepared) == 1 + 3 + 1  # the one drawn, 3 waiting, 1 ready to join them
     assert [b.tolist()[0] for b in batches] == list(range(40, 400, 40))
     assert prepared == list(np.arange(0, 40, 4))
+
+
+def test_by_default_only_a_gpu_gets_batches_prepared_ahead():
+    """device_prefetch None: 1 on CUDA, 0 on the CPU, where a thread would only take cores from the model."""
+    threads = []
+
+    def prepare(batch, device):
+        threads.append((threading.current_thread().name, device.type))
+        return batch
+
+    assert [b.tolist() for b in PreparedLoader(torch.arange(8), batch_size=4, prepare=prepare)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+    assert threads == [("MainThread", "cpu")] * 2
+    threads.clear()
+    list(PreparedLoader(torch.arange(8), batch_size=4, prepare=prepare, ahead=1))
+    assert threads == [("vit-prepare-batches", "cpu")] * 2

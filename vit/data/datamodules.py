@@ -73,7 +73,8 @@ class ImageDataModule(L.LightningDataModule):
             decoded, cropped (crop "rrc" or "resize"), flipped, RandAugmented and normalised on the
             training device (vit.data.device).
         device_prefetch: with device_decode, how many batches a thread decodes ahead of the step,
-            on a CUDA stream of its own (vit.data.prefetch); 0: each when its step begins.
+            on a CUDA stream of its own (vit.data.prefetch); 0: each when its step begins; None: 1
+            on a GPU, 0 on the CPU (there the thread only competes with the model for the cores).
 
     A group given in Python as a dict changes only the fields it names of the class's default,
     e.g. `CIFARDataModule(augment={"cutout": 8})` keeps its pad-crop.
@@ -114,7 +115,7 @@ class ImageDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         train_sizes: list[tuple[float, int]] | None = None,
         device_decode: bool = False,
-        device_prefetch: int = 1,
+        device_prefetch: int | None = None,
     ) -> None:
         super().__init__()
         self.img_size = img_size

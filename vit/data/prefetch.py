@@ -25,7 +25,8 @@ _DONE = object()
 
 class PreparedLoader(DataLoader):
     """A DataLoader whose batches pass through `prepare(batch, device)` before they are handed out:
-    in a thread, up to `ahead` batches early (0: in the caller's thread, when each is drawn).
+    in a thread, up to `ahead` batches early (0: in the caller's thread, when each is drawn; None:
+    1 on CUDA, 0 on the CPU, where the thread only competes with the model for the same cores).
     `device()` names the device, read when an epoch's iteration starts.
 
     An exception in `prepare` (a file that does not decode) is raised where the batch is drawn.
@@ -37,7 +38,7 @@ class PreparedLoader(DataLoader):
         *args: Any,
         prepare: Callable[[Any, torch.device], Any] | None = None,
         device: Callable[[], torch.device] | None = None,
-        ahead: int = 1,
+        ahead: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -53,12 +54,13 @@ class PreparedLoader(DataLoader):
         device = torch.device(self.device() if self.device is not None else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if self.ahead <= 0:
+        ahead = self.ahead if self.ahead is not None else int(device.type == "cuda")
+        if ahead <= 0:
             return (self.prepare(batch, device) for batch in batches)
-        return self._ahead(batches, device)
+        return self._ahead(batches, device, ahead)
 
-    def _ahead(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
-        ready: queue.Queue = queue.Queue(maxsize=self.ahead)
+    def _ahead(self, batches: Iterator[Any], device: torch.device, ahead: int) -> Iterator[Any]:
+        ready: queue.Queue = queue.Queue(maxsize=ahead)
         stop = threading.Event()
         cuda = device.type == "cuda"
         stream = torch.cuda.Stream(device) if cuda else None

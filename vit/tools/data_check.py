@@ -13,10 +13,11 @@ then, for each recipe (`configs/imagenet_vit_b16.yaml`, `configs/imagenet_resnet
   the model's own speed, the number the data path has to bring to 100%.
 
 Each recipe is measured as its config sets `data.device_decode` (on in the shipped ImageNet configs:
-decoding and augmentation on the training device, vit.data.device, a batch ahead of the step:
-vit.data.prefetch); then, eager, with each batch decoded when its step begins (`device_prefetch`
-0), with the other path (per sample, in the loader workers), and from the tree converted to
-streaming chunks (vit.data.streaming), so one run compares them. On a GPU it first checks that
+decoding and augmentation on the training device, vit.data.device, on a GPU a batch ahead of the
+step: vit.data.prefetch); then, eager, with the other `device_prefetch` (0 on a GPU: each batch
+decoded when its step begins; 1 on the CPU), with the other path (per sample, in the loader
+workers), and from the tree converted to streaming chunks (vit.data.streaming), so one run
+compares them. On a GPU it first checks that
 decoding there does not overwrite memory the model's queued kernels still read (`decoder_race`).
 
 Each speed is taken after the first `warmup` steps. On a CPU the same code runs at a small image
@@ -208,8 +209,8 @@ def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, 
     """(what ran, img/s, note, training FLOPs per image), each printed as it is measured: the model
     alone, the data path alone and the whole fit, eager and, with `compiled`, compiled; the fits'
     notes give end to end as a share of the model alone. Then, eager and labelled, the recipe with
-    `device_prefetch` 0, with `device_decode` the other way, and from the tree converted to
-    streaming chunks (`case.root`-streaming, written on first use)."""
+    the other `device_prefetch` (0 on a GPU, 1 on the CPU), with `device_decode` the other way,
+    and from the tree converted to streaming chunks (`case.root`-streaming, written on first use)."""
     from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.flops import forward_flops
 
@@ -226,8 +227,11 @@ def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, 
 
     modes = ("eager", "compiled") if compiled else ("eager",)
     paths = [("", lambda: case, modes)]
-    if configured and cli.datamodule.device_prefetch:  # each batch decoded when its step begins
-        paths.append((" (no prefetch)", lambda: variant_of(case, "--data.device_prefetch", "0"), ("eager",)))
+    if configured:  # the other side of device_prefetch: each batch decoded when its step begins, or a batch ahead
+        ahead = cli.datamodule.device_prefetch
+        ahead = int(case.device == "cuda") if ahead is None else ahead
+        label = " (no prefetch)" if ahead else " (prefetch 1)"
+        paths.append((label, lambda: variant_of(case, "--data.device_prefetch", "0" if ahead else "1"), ("eager",)))
     other = " (per-sample)" if configured else " (device_decode)"
     paths.append((other, lambda: variant_of(case, "--data.device_decode", str(not configured).lower()), ("eager",)))
     if importlib.util.find_spec("litdata") is None:

@@ -1,12 +1,13 @@
 """Batches made ready on the training device ahead of the step that takes them.
 
-With `data.device_decode` the training process itself decodes and augments each batch (vit.data.device).
-Done when the step asks for the batch, that work and the model's take turns: the device decodes
-while the model waits, and the model's queued kernels wait on every host sync the decoder makes. A
-`PreparedLoader` runs it in a thread, `ahead` batches before they are wanted, on a CUDA stream of
-its own, so the next batch is decoded while the model trains on this one (as timm's PrefetchLoader
-and DALI's pipelines overlap theirs). The batches are the same either way: each image's
-augmentation comes from the loader (vit.data.sampling), not from when it is applied.
+With `data.device_decode` the training process itself decodes and augments each batch
+(vit.data.device). Done on the model's stream when the step asks for the batch, the two take
+turns: every host sync in the data work (the decoder makes several) first waits for the model's
+queued kernels, and the model waits for the data. A `PreparedLoader` queues that work on a CUDA
+stream of its own and, on a GPU, runs it in a thread `ahead` batches before the batch is wanted,
+so the next batch is decoded while the model trains on this one (as timm's PrefetchLoader and
+DALI's pipelines overlap theirs). The batches are the same either way: each image's augmentation
+comes from the loader (vit.data.sampling), not from when it is applied.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ class PreparedLoader(DataLoader):
 
     def __init__(
         self,
+        dataset: Any,
         *args: Any,
         prepare: Callable[[Any, torch.device], Any] | None = None,
         device: Callable[[], torch.device] | None = None,
         ahead: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(dataset, *args, **kwargs)
         self.prepare, self.device, self.ahead = prepare, device, ahead
         self._stop_running: Callable[[], None] | None = None
 
@@ -54,16 +56,27 @@ class PreparedLoader(DataLoader):
         device = torch.device(self.device() if self.device is not None else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         ahead = self.ahead if self.ahead is not None else int(device.type == "cuda")
         if ahead <= 0:
-            return (self.prepare(batch, device) for batch in batches)
-        return self._ahead(batches, device, ahead)
+            return (_hand_over(*self._prepared(batch, device, stream), device) for batch in batches)
+        return self._ahead(batches, device, stream, ahead)
 
-    def _ahead(self, batches: Iterator[Any], device: torch.device, ahead: int) -> Iterator[Any]:
+    def _prepared(self, batch: Any, device: torch.device, stream: Any) -> tuple[Any, Any]:
+        """`prepare(batch)` and, on CUDA, an event marking its end on `stream`: the work is queued
+        there, not on the stream the model's kernels are queued on, so a host sync inside it (the
+        decoder's) waits for the data work only."""
+        if stream is None:
+            return self.prepare(batch, device), None  # type: ignore[misc]
+        with torch.cuda.stream(stream):
+            out = self.prepare(batch, device)  # type: ignore[misc]
+            event = torch.cuda.Event()
+            event.record(stream)
+        return out, event
+
+    def _ahead(self, batches: Iterator[Any], device: torch.device, stream: Any, ahead: int) -> Iterator[Any]:
         ready: queue.Queue = queue.Queue(maxsize=ahead)
         stop = threading.Event()
-        cuda = device.type == "cuda"
-        stream = torch.cuda.Stream(device) if cuda else None
 
         def put(item: Any) -> bool:
             while not stop.is_set():
@@ -74,18 +87,11 @@ class PreparedLoader(DataLoader):
 
         def work() -> None:
             try:
-                if cuda:
+                if device.type == "cuda":
                     torch.cuda.set_device(device)  # a new thread starts on device 0
-                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext(), torch.no_grad():
+                with torch.no_grad():
                     for batch in batches:
-                        if stop.is_set():
-                            return
-                        out = self.prepare(batch, device)  # type: ignore[misc]
-                        event = None
-                        if cuda:
-                            event = torch.cuda.Event()
-                            event.record(stream)
-                        if not put((out, event)):
+                        if stop.is_set() or not put(self._prepared(batch, device, stream)):
                             return
             except BaseException as e:  # raised in the consumer's thread, at this batch
                 put(e)
@@ -112,15 +118,20 @@ class PreparedLoader(DataLoader):
                     return
                 if isinstance(item, BaseException):
                     raise item
-                out, event = item
-                if event is not None:  # made on the thread's stream, used on the caller's from here on
-                    current = torch.cuda.current_stream(device)
-                    current.wait_event(event)
-                    for tensor in _tensors(out):
-                        tensor.record_stream(current)
-                yield out
+                yield _hand_over(*item, device)
         finally:
             stop_running()
+
+
+def _hand_over(out: Any, event: Any, device: torch.device) -> Any:
+    """A batch prepared on its own stream, made safe to use on the caller's: the caller's stream
+    waits for it, and its memory is not reused until the caller's work queued on it is done."""
+    if event is not None:
+        current = torch.cuda.current_stream(device)
+        current.wait_event(event)
+        for tensor in _tensors(out):
+            tensor.record_stream(current)
+    return out
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:

@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,7 +23,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from vit.data.augment import Augment, batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
 from vit.data.device import DEVICE_CROPS, EncodedFiles, collate_encoded, decode_and_augment
-from vit.data.images import ImageArrays, ImageFiles, readable_class_names, scan_image_folder, scan_tiny_imagenet
+from vit.data.images import (
+    ImageArrays,
+    ImageFiles,
+    Sample,
+    readable_class_names,
+    scan_image_folder,
+    scan_tiny_imagenet,
+)
 from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
 from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.prefetch import PreparedLoader
@@ -281,7 +289,10 @@ class ImageDataModule(L.LightningDataModule):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def _decode_on_device(
-        self, samples: list, batch: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor], device: torch.device
+        self,
+        samples: Sequence[Sample],
+        batch: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor],
+        device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """device_decode: a batch of encoded files -> normalised images and labels on `device`
         (`samples` name a file that does not decode)."""

@@ -55,8 +55,9 @@ def test_device_decoding_gives_the_per_sample_decoders_pixels(tmp_path):
 
 def test_the_cuda_decoder_runs_only_after_the_callers_stream_is_drained(tmp_path, monkeypatch):
     """torchvision's CUDA decoder writes from a private stream that does not wait for the caller's
-    stream (pytorch/vision#9606): decode_batch drains the caller's stream before each call to it,
-    and decodes the batch in one call. The GPU check measures the race itself (vit.tools.data_check)."""
+    stream (pytorch/vision#9606): decode_batch drains the caller's stream before it decodes the
+    batch in one call, and after a call the decoder refuses waits for the work it left queued
+    before decoding each file alone. The GPU check measures the race itself (vit.tools.data_check)."""
     import vit.data.device as device_module
 
     calls = []
@@ -65,16 +66,35 @@ def test_the_cuda_decoder_runs_only_after_the_callers_stream_is_drained(tmp_path
         def synchronize(self):
             calls.append("drain")
 
+    refuse = False
+
     def decode_jpeg(data, mode, device):
+        if isinstance(data, torch.Tensor):  # one file
+            calls.append(f"decode one on {device}")
+            return torch.zeros(3, 2, 2, dtype=torch.uint8)
         calls.append(f"decode {len(data)} on {device}")
+        if refuse:
+            raise RuntimeError("a file the batch decoder refuses")
         return [torch.zeros(3, 2, 2, dtype=torch.uint8) for _ in data]
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("wait for every stream"))
     monkeypatch.setattr(device_module, "decode_jpeg", decode_jpeg)
     jpegs = [_bytes(p) for p in _photos(tmp_path)[:2]]
     decode_batch(jpegs, "cuda:1")
     assert calls == ["drain", "decode 2 on cuda:1"]
     calls.clear()
+    refuse = True  # the refused call's work on the decoder's own stream ends before each file is decoded alone
+    decode_batch(jpegs, "cuda:1")
+    assert calls == [
+        "drain",
+        "decode 2 on cuda:1",
+        "wait for every stream",
+        "decode one on cuda:1",
+        "decode one on cuda:1",
+    ]
+    calls.clear()
+    refuse = False
     decode_batch(jpegs, "cpu")  # libjpeg on the CPU: nothing to drain
     assert calls == ["decode 2 on cpu"]
 

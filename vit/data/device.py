@@ -145,6 +145,8 @@ def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> li
         try:
             decoded = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
         except RuntimeError:  # a file the batch decoder refuses: each on its own, the rest on the CPU
+            if device.type == "cuda":  # whatever the refused call queued on the decoder's stream ends first
+                torch.cuda.synchronize(device)
             decoded = [_decode_one_jpeg(data[i], device) for i in jpegs]
         for i, image in zip(jpegs, decoded, strict=True):
             images[i] = image

@@ -123,7 +123,7 @@ def crop_resize_flip(images: Sequence[torch.Tensor], params: torch.Tensor, size:
         crop = image[:, top : top + height, left : left + width].unsqueeze(0).float()
         out.append(F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False))
     batch = torch.cat(out)
-    flip = params[:, FLIP].to(batch.device, dtype=torch.bool)
+    flip = params[:, FLIP].bool().to(batch.device, non_blocking=True)  # a copy the host does not wait for
     return torch.where(flip[:, None, None, None], batch.flip(-1), batch)
 
 
@@ -207,16 +207,22 @@ def draw_rand_augment(rng: np.random.Generator, ops: int, magnitude: float, coun
 def rand_augment(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """uint8 or float (B, 3, H, W) in [0, 255] -> float with RandAugment applied: each op to the
     images whose row of `params` (B, RA_COLUMNS) selects it, in RA_OPS order, values rounded and
-    clipped to 0..255 after each op as the per-sample path's uint8 images are."""
-    params = params.to(images.device, torch.float64)
+    clipped to 0..255 after each op as the per-sample path's uint8 images are.
+
+    Which images take an op is read from `params` on the host, and nothing here waits for the
+    device (no host syncs): on a GPU the host queues every op while the first ones run."""
+    params, device = params.detach().to("cpu", torch.float64), images.device
     images = images.to(torch.float32, copy=True).round_().clamp_(0, 255)  # a copy, written in place below
     for op, name in enumerate(RA_OPS):
         chosen = params[:, op].isfinite().nonzero().squeeze(1)
         if len(chosen) == 0:
             continue
-        strength = params[chosen, op].float()
-        out = _RA_FUNCTIONS[name](images[chosen], strength, params[chosen, LIGHTNESS].float())
-        images[chosen] = out.round_().clamp_(0, 255)
+        strength, lightness = (
+            params[chosen, column].float().to(device, non_blocking=True) for column in (op, LIGHTNESS)
+        )
+        index = chosen.to(device, non_blocking=True)
+        out = _RA_FUNCTIONS[name](images[index], strength, lightness)
+        images[index] = out.round_().clamp_(0, 255)
     return images
 
 
@@ -224,7 +230,8 @@ def _affine(images: torch.Tensor, matrices: torch.Tensor, shift: torch.Tensor) -
     """Warp square images by q = matrix @ p + shift about the centre (pixel units, x right, y
     down; bilinear, black outside), the transform albumentations' Affine builds."""
     side = images.shape[-1]
-    inverse = torch.linalg.inv(matrices)
+    (a, b), (c, d) = matrices[:, 0].unbind(-1), matrices[:, 1].unbind(-1)
+    inverse = torch.stack([torch.stack([d, -b], -1), torch.stack([-c, a], -1)], 1) / (a * d - b * c)[:, None, None]
     offset = -(inverse @ (shift * 2 / side).unsqueeze(-1))
     grid = F.affine_grid(torch.cat([inverse, offset], dim=2), list(images.shape), align_corners=False)
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
@@ -255,8 +262,8 @@ def _translate(axis: int):
 
 
 def _grey(images: torch.Tensor) -> torch.Tensor:
-    weights = torch.tensor(GREY, device=images.device).view(1, 3, 1, 1)
-    return (images * weights).sum(1, keepdim=True).round()
+    r, g, b = images.split(1, dim=1)
+    return (r * GREY[0] + g * GREY[1] + b * GREY[2]).round()
 
 
 def _brightness(images: torch.Tensor, factor: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
@@ -311,8 +318,8 @@ def _histogram(bins: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """(rows, 256) counts of each row's `bins` where `keep`: one bincount over row-offset bins."""
     rows = bins.shape[0]
     offset = bins + 256 * torch.arange(rows, device=bins.device)[:, None]
-    counts = torch.bincount(offset.flatten(), weights=keep.flatten().float(), minlength=256 * rows)
-    return counts.view(rows, 256).float()
+    counts = torch.zeros(rows * 256, device=bins.device)  # index_add_, not bincount: that reads the max on the host
+    return counts.index_add_(0, offset.flatten(), keep.flatten().float()).view(rows, 256)
 
 
 def _equalize(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
@@ -350,8 +357,10 @@ _RA_FUNCTIONS = {
 
 def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """uint8 or float 0..255 (B, C, H, W) -> float, (x / 255 - mean) / std, as albumentations' Normalize."""
-    mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1) * 255.0
-    std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1) * 255.0
+    mean_t, std_t = (
+        (torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1) * 255.0).to(images.device, non_blocking=True)
+        for v in (mean, std)
+    )  # made on the host and copied without waiting for the device
     return (images.float() - mean_t) / std_t
 
 

@@ -339,3 +339,38 @@ def variant_of(case: DataCase, *options: str) -> DataCase:
     """`case` with more `scripts/train.py` options."""
     return DataCase(case.config, case.root, case.device, case.steps, case.warmup, [*case.overrides, *options],
                     case.streaming)  # fmt: skip
+
+
+def host_syncs(device: str, images: int = 32) -> int:
+    """How many times decoding and augmenting one batch on `device` (CUDA) makes the host wait for
+    the device (torch.cuda.set_sync_debug_mode counts them; the decoder's own waits, inside
+    torchvision, are not seen): each wait stops the host queueing the rest while the device works.
+    1 expected: the drain before the decoder (vit.data.device.drain_before_decode)."""
+    from vit.data.augment import draw_rand_augment, normalize, random_resized_crop_box
+    from vit.data.device import collate_encoded, decode_and_augment
+    from vit.data.images import Sample
+    from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    rng = np.random.default_rng(0)
+    batch = []
+    for i in range(images):
+        buffer = io.BytesIO()
+        synthetic_photo(rng, 500, 375).save(buffer, "JPEG", quality=90)
+        box = random_resized_crop_box(rng, 375, 500)
+        params = torch.tensor([*box, i % 2, *draw_rand_augment(rng, 2, 9.0)[0], i], dtype=torch.float64)
+        batch.append((torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8), i % 10, params))
+    collated, samples = collate_encoded(batch), [Sample(f"synthetic {i}", i % 10) for i in range(images)]
+
+    def run() -> torch.Tensor:
+        return normalize(decode_and_augment(collated, device, 224, samples)[0], IMAGENET_MEAN, IMAGENET_STD)
+
+    run()  # first use: the decoder's and kernels' set-up
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)

@@ -229,9 +229,10 @@ def _small_model(recipe: str) -> str:
 def check_device_decoding(args: argparse.Namespace, iterations: int = 100) -> list[Row]:
     """Decoding on the device gives the right pixels: on CUDA, it does not overwrite memory that
     kernels queued on the caller's stream have yet to read (vit.tools.data_check.decoder_race:
-    torchvision's decoder alone counted beside ours, to show whether this GPU races at all); and
-    the first data recipe's batches decoded ahead by a thread equal those decoded on demand."""
-    from vit.tools.data_check import decoder_race, prefetch_agrees
+    torchvision's decoder alone counted beside ours, to show whether this GPU races at all) and
+    makes the host wait for the device once a batch (host_syncs); and the first data recipe's
+    batches decoded ahead by a thread equal those decoded on demand."""
+    from vit.tools.data_check import decoder_race, host_syncs, prefetch_agrees
 
     rows = []
     if args.device == "cuda":
@@ -242,6 +243,9 @@ def check_device_decoding(args: argparse.Namespace, iterations: int = 100) -> li
         if theirs == 0:
             note += " (the race did not show on this GPU: the check could not fail here)"
         rows.append(Row("nvJPEG decode vs queued kernels", ours == 0, note=note))
+        syncs = host_syncs(args.device)
+        note = f"{syncs} in decoding, augmenting and normalising 32 images (1 expected: the drain before the decoder)"
+        rows.append(Row("host waits for the device, one batch", syncs <= 1, note=note))
     same, note = prefetch_agrees(_data_case(args, args.data_recipes[0]))
     rows.append(Row("batches decoded ahead = on demand", same, note=note))
     return rows

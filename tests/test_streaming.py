@@ -128,9 +128,11 @@ def test_training_on_streaming_data_resumes_mid_epoch_to_the_same_weights(tmp_pa
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_read_distinct_samples_of_a_streaming_set_and_stay_identical(tmp_path):
+@pytest.mark.parametrize("prefetch", ["0", "1"])
+def test_two_ddp_processes_read_distinct_samples_of_a_streaming_set_and_stay_identical(tmp_path, prefetch):
     """2 gloo processes, 2 epochs over 48 images in chunks: each epoch, each rank reads 24 images,
-    together all 48; the replicas' weights are equal at the end."""
+    together all 48; the replicas' weights are equal at the end. Decoded when each step begins,
+    or a batch ahead in a thread (as on a GPU), validation included."""
     convert_image_folder(_source(tmp_path), tmp_path / "stream", chunk_bytes="8KB")
     report = tmp_path / "report.yaml"
     report.write_text(
@@ -144,7 +146,7 @@ def test_two_ddp_processes_read_distinct_samples_of_a_streaming_set_and_stay_ide
         "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false",
         "--data", "vit.data.StreamingDataModule", "--data.root", str(tmp_path / "stream"), "--data.img_size", "16",
         "--data.augment.crop", "rrc", "--data.device_decode", "true", "--data.batch_size", "6",
-        "--data.num_workers", "1",
+        "--data.num_workers", "1", "--data.device_prefetch", prefetch,
     ]  # fmt: skip
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
     result = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,

@@ -112,3 +112,18 @@ def test_by_default_only_a_gpu_gets_batches_prepared_ahead():
     threads.clear()
     list(PreparedLoader(torch.arange(8), batch_size=4, prepare=prepare, ahead=1))
     assert threads == [("vit-prepare-batches", "cpu")] * 2
+
+
+def test_an_old_epoch_finished_late_does_not_forget_the_running_thread(tmp_path):
+    root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
+    loader = _device_decode(root, ahead=1, workers=0).train_dataloader()
+    old = iter(loader)
+    next(old)
+    new = iter(loader)  # the next epoch starts (and stops the old one's thread) before the old is closed
+    next(new)
+    old.close()  # the old epoch's generator ends late
+    time.sleep(0.3)
+    assert len(_preparing_threads()) == 1  # the new epoch's
+    list(loader)  # a third epoch stops the second's thread first
+    assert not _preparing_threads()
+    new.close()

@@ -103,7 +103,8 @@ class PreparedLoader(DataLoader):
         def stop_running() -> None:
             stop.set()
             thread.join()
-            self._stop_running = None
+            if self._stop_running is stop_running:  # not a later epoch's
+                self._stop_running = None
 
         self._stop_running = stop_running
         thread.start()

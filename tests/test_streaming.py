@@ -5,6 +5,7 @@ training on it resumes bit for bit, and 2 DDP processes read distinct samples.""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -178,3 +179,51 @@ def test_a_mid_epoch_resume_with_another_process_count_restarts_the_epoch_of_chu
     assert "restarts from its first batch" in caplog.text
     assert resumed_at({"batch_size": 4, "world_size": 2}, {"batch_size": 8, "world_size": 2, **chunked}) == 1
     assert resumed_at({"batch_size": 4, "world_size": 2}, {"batch_size": 4, "world_size": 1, "train_images": 48}) == 6
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    """A local S3 server (moto) and the environment boto3 and litdata read it from, as users point
+    them at an S3-compatible store: AWS_ENDPOINT_URL and credentials."""
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for key, value in {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    yield
+    server.stop()
+
+
+def _upload(folder: Path, bucket: str, prefix: str) -> None:
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=bucket)
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+
+
+@pytest.mark.slow
+def test_a_streaming_set_in_object_storage_trains_as_its_local_copy_does(tmp_path, s3_server, one_thread):
+    """The converted folder uploaded to an S3 bucket (a local S3 server): read from `s3://`, each
+    sample has the local copy's bytes and label, and a run from it ends with the weights of a run
+    from the local folder, bit for bit; litdata caches in chunk_cache_dir."""
+    convert_image_folder(_source(tmp_path, train=8), tmp_path / "stream", chunk_bytes="8KB")
+    _upload(tmp_path / "stream", "datasets", "imagenet-streaming")
+    url = "s3://datasets/imagenet-streaming"
+    local, remote = StreamingImages(str(tmp_path / "stream" / "train")), StreamingImages(f"{url}/train")
+    assert len(remote) == len(local) == 32 and remote.class_names == local.class_names
+    assert [s.label for s in remote.samples] == [s.label for s in local.samples]
+    assert all(remote.read_bytes(i) == local.read_bytes(i) for i in range(len(local)))
+    cache = tmp_path / "chunk-cache"
+    from_s3 = main(_recipe(url, tmp_path / "s3", "--data.chunk_cache_dir", str(cache), "--trainer.max_epochs", "1"))
+    from_folder = main(_recipe(tmp_path / "stream", tmp_path / "folder", "--trainer.max_epochs", "1"))
+    assert from_s3.trainer.global_step == from_folder.trainer.global_step == 4
+    assert_bit_identical(weights(from_s3), weights(from_folder))
+    assert len(list(cache.rglob("index.json"))) == 2  # litdata's cache (train and val) is where it was asked to be

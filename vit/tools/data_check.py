@@ -17,8 +17,10 @@ decoding and augmentation on the training device, vit.data.device, on a GPU a ba
 step: vit.data.prefetch); then, eager, with the other `device_prefetch` (0 on a GPU: each batch
 decoded when its step begins; 1 on the CPU), with the other path (per sample, in the loader
 workers), and from the tree converted to streaming chunks (vit.data.streaming), so one run
-compares them. On a GPU it first checks that
-decoding there does not overwrite memory the model's queued kernels still read (`decoder_race`).
+compares them. First it checks the device decoding itself: on a GPU, that it does not overwrite
+memory the model's queued kernels still read (`decoder_race`) and makes the host wait for the
+device once a batch (`host_syncs`); and that batches decoded ahead equal those decoded on demand
+(`prefetch_agrees`).
 
 Each speed is taken after the first `warmup` steps. On a CPU the same code runs at a small image
 size and few steps (the tests use it); the numbers that matter come from a GPU node.
@@ -307,8 +309,9 @@ def decoder_race(device: str, iterations: int = 100, images: int = 32) -> dict[s
 def prefetch_agrees(case: DataCase, batches: int = 8) -> tuple[bool, str]:
     """Whether the recipe's first `batches` training batches, decoded a batch ahead by a thread on
     a stream of its own (vit.data.prefetch), are the batches decoded on demand: each batch is summed
-    per image on the consumer's stream as soon as it is handed over, after a long kernel queued
-    there (on CUDA), as a training step would read it while the thread decodes the next."""
+    per image on the consumer's stream as soon as it is handed over and then freed, and a long
+    kernel (on CUDA) stands for the step while the thread decodes the next. A sum read before the
+    thread's stream finished writing, or after its memory went to the next batch, differs."""
     device = torch.device("cuda" if case.device == "cuda" else "cpu")
     sums: dict[int, list[torch.Tensor]] = {}
     for ahead in (0, 1):
@@ -320,10 +323,10 @@ def prefetch_agrees(case: DataCase, batches: int = 8) -> tuple[bool, str]:
         sums[ahead] = []
         batches = min(batches, len(loader))
         for i, (x, _) in enumerate(loader):
+            sums[ahead].append(x.double().sum((1, 2, 3)))  # queued behind the last "step", then x is freed
+            del x
             if device.type == "cuda":
                 torch.cuda._sleep(20_000_000)  # the "step": the thread decodes the next batch meanwhile
-            sums[ahead].append(x.double().sum((1, 2, 3)))
-            del x
             if i + 1 == batches:
                 break
         if device.type == "cuda":

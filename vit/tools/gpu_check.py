@@ -5,11 +5,11 @@ On a machine with CUDA GPUs, in a few minutes: a bf16-mixed fit of ViT-S/16 on s
 eager and under torch.compile; our attention under `sdpa_kernel([SDPBackend.FLASH_ATTENTION])`
 (forward and backward; the flash kernel must be the one that ran); a channels-last ResNet-50
 bf16-mixed fit; vit.sharding.ShardedStrategy (FSDP2) over every visible GPU; NCCL DDP when there
-are two or more. `--checks data` adds the data check (vit.tools.data_check): whether decoding on the GPU
-leaves memory in use alone, then the ImageNet recipes' loader, model and end-to-end speeds on a
-synthetic JPEG tree. It prints a table (what ran, img/s,
-peak memory, model FLOPs utilisation against the GPU's dense bf16 peak) and exits 1 if anything
-failed. Without a CUDA GPU it says so and exits 0.
+are two or more. `--checks data` adds the data check (vit.tools.data_check): whether decoding on
+the GPU leaves memory in use alone and gives the same batches ahead of the step, then the ImageNet
+recipes' loader, model and end-to-end speeds on a synthetic JPEG tree. It prints a table (what
+ran, img/s, peak memory, model FLOPs utilisation against the GPU's dense bf16 peak) and exits 1 if
+anything failed. Without a CUDA GPU it says so and exits 0.
 
 `--device cpu` runs the same code on the CPU in float32 (a debug path: `--steps 3 --model
 vit_nano_patch4_16`); the tests use it, so the table, the FLOP count and the MFU arithmetic are

@@ -315,7 +315,7 @@ def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor) -> torc
 
 
 def _histogram(bins: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(rows, 256) counts of each row's `bins` where `keep`: one bincount over row-offset bins."""
+    """(rows, 256) counts of each row's `bins` where `keep`: one index_add_ over row-offset bins."""
     rows = bins.shape[0]
     offset = bins + 256 * torch.arange(rows, device=bins.device)[:, None]
     counts = torch.zeros(rows * 256, device=bins.device)  # index_add_, not bincount: that reads the max on the host

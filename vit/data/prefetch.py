@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 _DONE = object()
@@ -130,17 +131,5 @@ def _hand_over(out: Any, event: Any, device: torch.device) -> Any:
     if event is not None:
         current = torch.cuda.current_stream(device)
         current.wait_event(event)
-        for tensor in _tensors(out):
-            tensor.record_stream(current)
+        apply_to_collection(out, torch.Tensor, lambda tensor: tensor.record_stream(current))
     return out
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (list, tuple)):
-        for item in batch:
-            yield from _tensors(item)
-    elif isinstance(batch, dict):
-        for item in batch.values():
-            yield from _tensors(item)

@@ -280,11 +280,7 @@ def decoder_race(device: str, iterations: int = 100, images: int = 32) -> dict[s
     from vit.data.device import decode_batch
 
     rng = np.random.default_rng(0)
-    data = []
-    for _ in range(images):
-        buffer = io.BytesIO()
-        synthetic_photo(rng, 500, 375).save(buffer, "JPEG", quality=90)
-        data.append(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+    data = [_photo_jpeg(rng) for _ in range(images)]
     decoders = {
         "torchvision decode_jpeg": lambda: decode_jpeg(data, mode=ImageReadMode.RGB, device=device),
         "vit decode_batch": lambda: decode_batch(data, device),
@@ -357,11 +353,10 @@ def host_syncs(device: str, images: int = 32) -> int:
     rng = np.random.default_rng(0)
     batch = []
     for i in range(images):
-        buffer = io.BytesIO()
-        synthetic_photo(rng, 500, 375).save(buffer, "JPEG", quality=90)
+        data = _photo_jpeg(rng)
         box = random_resized_crop_box(rng, 375, 500)
         params = torch.tensor([*box, i % 2, *draw_rand_augment(rng, 2, 9.0)[0], i], dtype=torch.float64)
-        batch.append((torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8), i % 10, params))
+        batch.append((data, i % 10, params))
     collated, samples = collate_encoded(batch), [Sample(f"synthetic {i}", i % 10) for i in range(images)]
 
     def run() -> torch.Tensor:
@@ -377,3 +372,10 @@ def host_syncs(device: str, images: int = 32) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _photo_jpeg(rng: np.random.Generator) -> torch.Tensor:
+    """A 500x375 synthetic photo as JPEG bytes (quality 90), as a loader worker hands them over."""
+    buffer = io.BytesIO()
+    synthetic_photo(rng, 500, 375).save(buffer, "JPEG", quality=90)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)

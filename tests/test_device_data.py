@@ -53,6 +53,24 @@ def test_device_decoding_gives_the_per_sample_decoders_pixels(tmp_path):
         assert (image.int() - reference.int()).abs().max() <= 1, path  # 0 here; JPEG decoders may round apart
 
 
+def test_a_worker_hands_over_the_jpegs_as_one_block_of_bytes_and_decodes_the_rest(tmp_path):
+    """A tensor per file made the hand-over from the workers cost more than decoding on a GPU node:
+    a batch crosses as the JPEGs' bytes end to end in one shared-memory tensor; a PNG is decoded in
+    the worker by PIL (the per-sample path's decoder), not in the training process. The device then
+    decodes the batch to the pixels PIL gives."""
+    files = _photos(tmp_path)  # RGB and greyscale JPEG, PNG, RGBA PNG
+    dataset = EncodedFiles([Sample(str(p), i) for i, p in enumerate(files)], train=False)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1, collate_fn=collate_encoded)
+    (batch,) = list(loader)
+    jpegs = [p.read_bytes() for p in files[:2]]
+    assert batch.data.is_shared() and bytes(batch.data.numpy()) == b"".join(jpegs)
+    assert batch.lengths.tolist() == [len(jpegs[0]), len(jpegs[1]), 0, 0] and batch.labels.tolist() == [0, 1, 2, 3]
+    pixels = [torch.from_numpy(read_rgb(p)).permute(2, 0, 1) for p in files]
+    assert [torch.equal(image, expected) for image, expected in zip(batch.decoded, pixels[2:], strict=True)] == [1, 1]
+    for image, expected in zip(decode_batch(batch.images(), "cpu"), pixels, strict=True):
+        assert image.shape == expected.shape and (image.int() - expected.int()).abs().max() <= 1
+
+
 def test_the_cuda_decoder_runs_only_after_the_callers_stream_is_drained(tmp_path, monkeypatch):
     """torchvision's CUDA decoder writes from a private stream that does not wait for the caller's
     stream (pytorch/vision#9606): decode_batch drains the caller's stream before it decodes the

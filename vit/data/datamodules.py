@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vit.data.augment import Augment, batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
-from vit.data.device import DEVICE_CROPS, EncodedFiles, collate_encoded, decode_and_augment
+from vit.data.device import DEVICE_CROPS, EncodedBatch, EncodedFiles, collate_encoded, decode_and_augment
 from vit.data.images import (
     ImageArrays,
     ImageFiles,
@@ -291,7 +291,7 @@ class ImageDataModule(L.LightningDataModule):
     def _decode_on_device(
         self,
         samples: Sequence[Sample],
-        batch: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor],
+        batch: EncodedBatch,
         device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """device_decode: a batch of encoded files -> normalised images and labels on `device`

@@ -29,6 +29,7 @@ size and few steps (the tests use it); the numbers that matter come from a GPU n
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import io
 import multiprocessing
@@ -173,6 +174,8 @@ def loader_speed(case: DataCase) -> tuple[float, str]:
             if i == case.warmup + case.steps:
                 break
         seconds = time.perf_counter() - start
+        del loader
+        gc.collect()  # its workers end now: not garbage-collected later inside the next loader's forked workers
     return images / seconds, f"{data.num_workers} workers: {data.describe_transforms()[0]}"
 
 
@@ -340,8 +343,8 @@ def variant_of(case: DataCase, *options: str) -> DataCase:
                     case.streaming)  # fmt: skip
 
 
-def host_syncs(device: str, images: int = 32) -> int:
-    """How many times decoding and augmenting one batch on `device` (CUDA) makes the host wait for
+def host_syncs(device: str, images: int = 32) -> list[str]:
+    """Where (file:line) and how many times decoding and augmenting one batch on `device` (CUDA) makes the host wait for
     the device (torch.cuda.set_sync_debug_mode counts them; the decoder's own waits, inside
     torchvision, are not seen): each wait stops the host queueing the rest while the device works.
     1 expected: the drain before the decoder (vit.data.device.drain_before_decode)."""
@@ -371,7 +374,7 @@ def host_syncs(device: str, images: int = 32) -> int:
             run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def _photo_jpeg(rng: np.random.Generator) -> torch.Tensor:

@@ -244,8 +244,9 @@ def check_device_decoding(args: argparse.Namespace, iterations: int = 100) -> li
             note += " (the race did not show on this GPU: the check could not fail here)"
         rows.append(Row("nvJPEG decode vs queued kernels", ours == 0, note=note))
         syncs = host_syncs(args.device)
-        note = f"{syncs} in decoding, augmenting and normalising 32 images (1 expected: the drain before the decoder)"
-        rows.append(Row("host waits for the device, one batch", syncs <= 1, note=note))
+        note = (f"{len(syncs)} in decoding, augmenting and normalising 32 images, at {', '.join(syncs) or '-'} "
+                f"(1 expected: the drain before the decoder)")  # fmt: skip
+        rows.append(Row("host waits for the device, one batch", len(syncs) <= 1, note=note))
     same, note = prefetch_agrees(_data_case(args, args.data_recipes[0]))
     rows.append(Row("batches decoded ahead = on demand", same, note=note))
     return rows

@@ -1,0 +1,103 @@
+"""Where `data.device_decode`'s time goes, part by part, on this machine's GPU (or CPU): the loader
+workers handing batches of encoded files over, and on one batch in the training process the
+decoder, the crop + resize + flip, RandAugment and normalising, each timed alone. The parts run one
+after another in one thread; the data path overlaps them with the model (vit.data.prefetch).
+Run it alone: `flock /tmp/vit-bench.lock python -m benchmarks.data_parts [--batch 128 --workers 10]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Milliseconds per call of `fn`, the device's queued work included."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def main() -> None:
+    from torch.utils.data import DataLoader
+
+    from vit.data.augment import RA_START, Augment, crop_resize_flip, normalize, rand_augment
+    from vit.data.device import INDEX, EncodedFiles, collate_encoded, decode_batch
+    from vit.data.images import scan_image_folder
+    from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+    from vit.tools.data_check import write_synthetic_imagenet
+
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, help="an ImageNet-like tree (default: a synthetic one in a temp dir)")
+    parser.add_argument("--images", type=int, default=1280 if cuda else 256, help="the synthetic tree's size")
+    parser.add_argument("--batch", type=int, default=128 if cuda else 32)
+    parser.add_argument("--workers", type=int, default=min(10, max(1, (os.cpu_count() or 2) - 1)))
+    parser.add_argument("--size", type=int, default=224, help="the crop's side")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device("cuda" if cuda else "cpu")
+
+    root = args.root or Path(tempfile.mkdtemp(prefix="vit-data-parts-"))
+    if not (root / "train").is_dir():
+        write_synthetic_imagenet(root, train=args.images, val=0, classes=10)
+    _, samples = scan_image_folder(root / "train")
+    augment = Augment(crop="rrc", hflip=True, randaugment_ops=2, randaugment_magnitude=9.0)
+    dataset = EncodedFiles(samples, train=True, augment=augment)
+    rng = np.random.default_rng(0)
+    order = [(int(i), int(i)) for i in rng.permutation(len(samples))]  # (index, sample seed), shuffled
+
+    rows: list[tuple[str, float]] = []
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=order * 3, collate_fn=collate_encoded,
+                        num_workers=args.workers, drop_last=True)  # fmt: skip
+    batches = iter(loader)
+    for _ in range(min(3, len(loader) - 1)):  # the workers' start
+        next(batches)
+    start, images = time.perf_counter(), 0
+    for batch in batches:
+        images += len(batch.labels)
+    rows.append((f"hand-over: {args.workers} loader workers read files and draw parameters", images
+                 / (time.perf_counter() - start)))  # fmt: skip
+    del batches
+
+    batch = collate_encoded([dataset[item] for item in order[: args.batch]])
+    files, params = batch.images(), batch.params
+    images = decode_batch(files, device)
+    cropped = crop_resize_flip(images, params, args.size)
+    parts = {
+        "decode (nvjpeg on CUDA, libjpeg on the CPU)": lambda: decode_batch(files, device),
+        "crop + resize + flip": lambda: crop_resize_flip(images, params, args.size),
+        "RandAugment, 2 ops at magnitude 9": lambda: rand_augment(cropped, params[:, RA_START:INDEX]),
+        "normalise": lambda: normalize(cropped, IMAGENET_MEAN, IMAGENET_STD),
+    }
+    parts["all four, one after another"] = lambda: normalize(
+        rand_augment(crop_resize_flip(decode_batch(files, device), params, args.size), params[:, RA_START:INDEX]),
+        IMAGENET_MEAN, IMAGENET_STD,
+    )  # fmt: skip
+    for name, part in parts.items():
+        rows.append((name, args.batch / timed(part, device, args.reps) * 1e3))
+
+    name = torch.cuda.get_device_name(device) if cuda else f"CPU, {os.cpu_count()} cores"
+    others = len(batch.decoded)
+    print(f"\n{name}; torch {torch.__version__}; batch {args.batch} of {len(samples)} images from {root} "
+          f"({others} of this batch decoded in the worker: not JPEGs)\n")  # fmt: skip
+    print("| part | img/s | ms per batch |\n|---|---:|---:|")
+    for name, speed in rows:
+        print(f"| {name} | {speed:,.0f} | {args.batch / speed * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -210,18 +210,23 @@ def rand_augment(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     clipped to 0..255 after each op as the per-sample path's uint8 images are.
 
     Which images take an op is read from `params` on the host, and nothing here waits for the
-    device (no host syncs): on a GPU the host queues every op while the first ones run."""
+    device (no host syncs): on a GPU the host queues every op while the first ones run. The images
+    and strengths of all ops cross to the device in two copies, not three an op."""
     params, device = params.detach().to("cpu", torch.float64), images.device
     images = images.to(torch.float32, copy=True).round_().clamp_(0, 255)  # a copy, written in place below
-    for op, name in enumerate(RA_OPS):
-        chosen = params[:, op].isfinite().nonzero().squeeze(1)
-        if len(chosen) == 0:
-            continue
-        strength, lightness = (
-            params[chosen, column].float().to(device, non_blocking=True) for column in (op, LIGHTNESS)
-        )
-        index = chosen.to(device, non_blocking=True)
-        out = _RA_FUNCTIONS[name](images[index], strength, lightness)
+    chosen = [(op, params[:, op].isfinite().nonzero().squeeze(1)) for op in range(len(RA_OPS))]
+    chosen = [(op, index) for op, index in chosen if len(index)]
+    if not chosen:
+        return images
+    index_all = torch.cat([index for _, index in chosen])
+    values = torch.cat([params[index][:, [op, LIGHTNESS]] for op, index in chosen]).float()
+    index_all, values = (t.to(device, non_blocking=True) for t in (index_all, values))
+    start = 0
+    for op, index in chosen:
+        rows = slice(start, start + len(index))
+        start += len(index)
+        index = index_all[rows]
+        out = _RA_FUNCTIONS[RA_OPS[op]](images[index], values[rows, 0], values[rows, 1])
         images[index] = out.round_().clamp_(0, 255)
     return images
 

@@ -189,3 +189,32 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
         model = name.split(" (")[0]
         fit, alone = rows[f"{name}: end to end, eager"]["img_per_s"], rows[f"{model}: model alone, eager"]["img_per_s"]
         assert rows[f"{name}: end to end, eager"]["note"].endswith(f"; {round(100 * fit / alone)}% of the model alone")
+
+
+def test_a_data_check_cut_short_keeps_each_row_it_measured(tmp_path, monkeypatch):
+    """A recipe's rows reach --json as each is measured (a 10-minute call on a GPU node can end
+    mid-recipe); a check that fails after some rows keeps them and adds its failure row."""
+    import vit.tools.data_check as data_check
+    import vit.tools.gpu_check as gpu_check
+
+    out = tmp_path / "rows.json"
+
+    def two_rows_then_a_failure(case, compiled):
+        yield ("recipe: model alone, eager", 100.0, "model", 0)
+        yield ("recipe: data path alone", 50.0, "data", 0)
+        on_disk = [r["check"] for r in json.loads(out.read_text())]
+        assert on_disk == ["recipe: model alone, eager", "recipe: data path alone"]
+        raise RuntimeError("the call ended here")
+
+    monkeypatch.setattr(gpu_check, "check_device_decoding", lambda args: [])
+    monkeypatch.setattr(gpu_check, "_data_case", lambda args, recipe: None)
+    monkeypatch.setattr(data_check, "check_recipe", two_rows_then_a_failure)
+    recipe = "configs/imagenet_vit_b16.yaml"
+    assert main(["--device", "cpu", "--checks", "data", "--data-recipes", recipe, "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())
+    assert [(r["check"], r["ok"], r["img_per_s"]) for r in rows] == [
+        ("recipe: model alone, eager", True, 100.0),
+        ("recipe: data path alone", True, 50.0),
+        (f"data: {recipe}", False, None),
+    ]
+    assert rows[2]["note"] == "RuntimeError: the call ended here"

@@ -210,8 +210,8 @@ def recipe_name(config: str) -> str:
     return Path(config).stem.removeprefix("imagenet_").replace("_", " ")
 
 
-def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, int]]:
-    """(what ran, img/s, note, training FLOPs per image), each printed as it is measured: the model
+def check_recipe(case: DataCase, compiled: bool) -> Iterator[tuple[str, float, str, int]]:
+    """(what ran, img/s, note, training FLOPs per image), each printed and yielded as it is measured: the model
     alone, the data path alone and the whole fit, eager and, with `compiled`, compiled; the fits'
     notes give end to end as a share of the model alone. Then, eager and labelled, the recipe with
     the other `device_prefetch` (0 on a GPU, 1 on the CPU), with `device_decode` the other way,
@@ -244,24 +244,23 @@ def check_recipe(case: DataCase, compiled: bool) -> list[tuple[str, float, str, 
     else:
         paths.append((" (streaming)", streaming, ("eager",)))
 
-    rows, models = [], {}
+    models = {}
 
-    def add(row: tuple[str, float, str, int]) -> None:
+    def shown(row: tuple[str, float, str, int]) -> tuple[str, float, str, int]:
         print(f"[data-check] {row[0]}: {row[1]:,.0f} img/s ({row[2]})", flush=True)
-        rows.append(row)
+        return row
 
     for mode in modes:
         models[mode], model_note = model_speed(case, compile=mode == "compiled")
-        add((f"{name}: model alone, {mode}", models[mode], model_note, flops))
+        yield shown((f"{name}: model alone, {mode}", models[mode], model_note, flops))
     for label, make, fit_modes in paths:
         path = make()
         speed, note = loader_speed(path)
-        add((f"{name}{label}: data path alone", speed, note, 0))
+        yield shown((f"{name}{label}: data path alone", speed, note, 0))
         for mode in fit_modes:
             fit, fit_note = end_to_end_speed(path, compile=mode == "compiled")
             share = f"{fit_note}; {100 * fit / models[mode]:.0f}% of the model alone"
-            add((f"{name}{label}: end to end, {mode}", fit, share, flops))
-    return rows
+            yield shown((f"{name}{label}: end to end, {mode}", fit, share, flops))
 
 
 # -- a decoder that overwrites memory still in use ------------------------------------------------

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -186,7 +186,7 @@ CHECKS = ("fit", "compile", "flash", "resnet", "sharded", "ddp", "data")  # --ch
 DEFAULT_CHECKS = CHECKS[:-1]  # the data check (vit.tools.data_check) writes a tree and runs 7 fits a recipe: on request
 
 
-def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callable[[], Row | list[Row]]]]:
+def plan(args: argparse.Namespace, peak: float | None) -> list[tuple[str, Callable[[], Row | Iterable[Row]]]]:
     """(name, check) in the order they run, those --checks names; the distributed ones in
     subprocesses (Lightning starts one process per device by running the command again)."""
     device, steps, batch = args.device, args.steps, args.batch
@@ -274,14 +274,14 @@ def _data_case(args: argparse.Namespace, recipe: str) -> Any:
     return DataCase(recipe, root, args.device, steps + warmup, warmup, small)
 
 
-def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) -> list[Row]:
-    """vit.tools.data_check for one recipe, on the synthetic tree (written once, on first use)."""
+def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) -> Iterator[Row]:
+    """vit.tools.data_check for one recipe, on the synthetic tree (written once, on first use):
+    its rows as they are measured."""
     from vit.tools.data_check import check_recipe
 
     case = _data_case(args, recipe)
-    rows = check_recipe(case, compiled=args.device == "cuda" or args.compile_on_cpu)
-    return [Row(check, True, speed, note=note, mfu=mfu(speed, flops, peak) if flops else None)
-            for check, speed, note, flops in rows]  # fmt: skip
+    for check, speed, note, flops in check_recipe(case, compiled=args.device == "cuda" or args.compile_on_cpu):
+        yield Row(check, True, speed, note=note, mfu=mfu(speed, flops, peak) if flops else None)
 
 
 def run_worker(args: argparse.Namespace, strategy: str, peak: float | None) -> Row:
@@ -369,20 +369,25 @@ def main(argv: list[str] | None = None) -> int:
     peak = args.peak_tflops if args.peak_tflops is not None else peak_tflops(name)
     print(f"{name} x {gpus or 1}; bf16 peak {f'{peak:g} TFLOP/s' if peak else 'unknown'}; torch {torch.__version__}"
           + (f", CUDA {torch.version.cuda}" if args.device == "cuda" else ""), flush=True)  # fmt: skip
-    rows = []
+    rows: list[Row] = []
+
+    def keep(row: Row) -> None:
+        rows.append(row)
+        if args.json:  # after each row, so a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
     for label, check in plan(args, peak):
         print(f"[gpu-check] {label} ...", flush=True)
         try:
             done = check()
+            for row in [done] if isinstance(done, Row) else done:  # a check's rows as they are measured
+                keep(row)
         except Exception as e:  # every failure is a row; the run goes on to the next check
             traceback.print_exc()
-            done = Row(label, False, note=f"{type(e).__name__}: {e}".replace("\n", " ")[:300])
+            keep(Row(label, False, note=f"{type(e).__name__}: {e}".replace("\n", " ")[:300]))
         finally:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        rows += done if isinstance(done, list) else [done]
-        if args.json:  # after each check, so a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     print()
     print(format_table(rows))
     failed = [r.check for r in rows if not r.ok]

@@ -185,6 +185,14 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
         assert "decode on the training device" in rows[f"{name}: data path alone"]["note"]
         assert "decode on the training device" not in rows[f"{name} (per-sample): data path alone"]["note"]
     assert "decode on the training device" in rows["vit b16 (streaming): data path alone"]["note"]
+    chosen = ["--data-recipes", "configs/imagenet_resnet50.yaml", "--data-variants", "decode"]
+    assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), *chosen,
+                 "--json", str(tmp_path / "chosen.json")]) == 0  # fmt: skip
+    assert [r["check"] for r in json.loads((tmp_path / "chosen.json").read_text())] == [
+        "batches decoded ahead = on demand", "resnet50: model alone, eager", "resnet50: data path alone",
+        "resnet50: end to end, eager", "resnet50 (per-sample): data path alone",
+        "resnet50 (per-sample): end to end, eager",
+    ]  # fmt: skip
     for name in ("vit b16", "vit b16 (per-sample)", "vit b16 (streaming)", "resnet50", "resnet50 (per-sample)"):
         model = name.split(" (")[0]
         fit, alone = rows[f"{name}: end to end, eager"]["img_per_s"], rows[f"{model}: model alone, eager"]["img_per_s"]
@@ -199,7 +207,7 @@ def test_a_data_check_cut_short_keeps_each_row_it_measured(tmp_path, monkeypatch
 
     out = tmp_path / "rows.json"
 
-    def two_rows_then_a_failure(case, compiled):
+    def two_rows_then_a_failure(case, compiled, variants):
         yield ("recipe: model alone, eager", 100.0, "model", 0)
         yield ("recipe: data path alone", 50.0, "data", 0)
         on_disk = [r["check"] for r in json.loads(out.read_text())]

@@ -37,7 +37,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,12 +210,20 @@ def recipe_name(config: str) -> str:
     return Path(config).stem.removeprefix("imagenet_").replace("_", " ")
 
 
-def check_recipe(case: DataCase, compiled: bool) -> Iterator[tuple[str, float, str, int]]:
-    """(what ran, img/s, note, training FLOPs per image), each printed and yielded as it is measured: the model
-    alone, the data path alone and the whole fit, eager and, with `compiled`, compiled; the fits'
-    notes give end to end as a share of the model alone. Then, eager and labelled, the recipe with
-    the other `device_prefetch` (0 on a GPU, 1 on the CPU), with `device_decode` the other way,
-    and from the tree converted to streaming chunks (`case.root`-streaming, written on first use)."""
+VARIANTS = ("prefetch", "decode", "streaming")  # check_recipe's variants of a recipe, in the order they run
+
+
+def check_recipe(
+    case: DataCase, compiled: bool, variants: Sequence[str] = VARIANTS
+) -> Iterator[tuple[str, float, str, int]]:
+    """(what ran, img/s, note, training FLOPs per image), each printed and yielded as it is
+    measured: the model alone, the data path alone and the whole fit, eager and, with `compiled`,
+    compiled; the fits' notes give end to end as a share of the model alone. Then, eager and
+    labelled, the `variants` of the recipe: "prefetch", the other `device_prefetch` (0 on a GPU, 1 on
+    the CPU); "decode", `device_decode` the other way; "streaming", from the tree converted to
+    litdata chunks (`case.root`-streaming, written on first use)."""
+    if unknown := set(variants) - set(VARIANTS):
+        raise ValueError(f"unknown data check variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.flops import forward_flops
 
@@ -232,16 +240,18 @@ def check_recipe(case: DataCase, compiled: bool) -> Iterator[tuple[str, float, s
 
     modes = ("eager", "compiled") if compiled else ("eager",)
     paths = [("", lambda: case, modes)]
-    if configured:  # the other side of device_prefetch: each batch decoded when its step begins, or a batch ahead
+    if configured and "prefetch" in variants:  # each batch decoded when its step begins, or a batch ahead
         ahead = cli.datamodule.device_prefetch
         ahead = int(case.device == "cuda") if ahead is None else ahead
         label = " (no prefetch)" if ahead else " (prefetch 1)"
         paths.append((label, lambda: variant_of(case, "--data.device_prefetch", "0" if ahead else "1"), ("eager",)))
-    other = " (per-sample)" if configured else " (device_decode)"
-    paths.append((other, lambda: variant_of(case, "--data.device_decode", str(not configured).lower()), ("eager",)))
-    if importlib.util.find_spec("litdata") is None:
+    if "decode" in variants:
+        other = " (per-sample)" if configured else " (device_decode)"
+        decode = str(not configured).lower()
+        paths.append((other, lambda: variant_of(case, "--data.device_decode", decode), ("eager",)))
+    if "streaming" in variants and importlib.util.find_spec("litdata") is None:
         print("[data-check] litdata is not installed (pip install -e '.[stream]'): no streaming rows", flush=True)
-    else:
+    elif "streaming" in variants:
         paths.append((" (streaming)", streaming, ("eager",)))
 
     models = {}

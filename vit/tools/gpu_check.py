@@ -280,7 +280,8 @@ def run_data_check(args: argparse.Namespace, recipe: str, peak: float | None) ->
     from vit.tools.data_check import check_recipe
 
     case = _data_case(args, recipe)
-    for check, speed, note, flops in check_recipe(case, compiled=args.device == "cuda" or args.compile_on_cpu):
+    compiled = args.device == "cuda" or args.compile_on_cpu
+    for check, speed, note, flops in check_recipe(case, compiled, args.data_variants):
         yield Row(check, True, speed, note=note, mfu=mfu(speed, flops, peak) if flops else None)
 
 
@@ -320,6 +321,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from vit.tools.data_check import VARIANTS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="cpu: the float32 debug path")
     p.add_argument("--model", default="vit_small_patch16_224")
@@ -339,11 +342,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-images", type=int, help="synthetic training images (default 4000; 48 on the CPU)")
     p.add_argument("--data-steps", type=int, help="timed steps per data measurement (default 60; 3 on the CPU)")
     p.add_argument("--data-warmup", type=int, help="untimed steps before them (default 20; 1 on the CPU)")
+    p.add_argument("--data-variants", default=",".join(VARIANTS),
+                   help="each recipe's variants, comma-separated (none: ''): prefetch (the other "
+                        "device_prefetch), decode (the other device_decode), streaming (litdata chunks)")  # fmt: skip
     p.add_argument("--json", help="write the rows here (a worker: its row)")
     p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     args.data_recipes = [c.strip() for c in args.data_recipes.split(",") if c.strip()]
+    args.data_variants = [v.strip() for v in args.data_variants.split(",") if v.strip()]
+    if unknown := [v for v in args.data_variants if v not in VARIANTS]:
+        p.error(f"--data-variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if unknown := [c for c in args.checks if c not in CHECKS]:
         p.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     return args

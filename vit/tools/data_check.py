@@ -353,8 +353,8 @@ def variant_of(case: DataCase, *options: str) -> DataCase:
 
 
 def host_syncs(device: str, images: int = 32) -> list[str]:
-    """Where (file:line) and how many times decoding and augmenting one batch on `device` (CUDA) makes the host wait for
-    the device (torch.cuda.set_sync_debug_mode counts them; the decoder's own waits, inside
+    """Where (file:line) decoding and augmenting one batch on `device` (CUDA) makes the host wait
+    for the device (torch.cuda.set_sync_debug_mode reports them; the decoder's own waits, inside
     torchvision, are not seen): each wait stops the host queueing the rest while the device works.
     1 expected: the drain before the decoder (vit.data.device.drain_before_decode)."""
     from vit.data.augment import draw_rand_augment, normalize, random_resized_crop_box

@@ -31,11 +31,14 @@ INDEX = "index.json"
 
 
 def open_streaming(url: str, cache_dir: str | None = None, max_cache_size: str | None = None) -> Any:
-    """litdata's StreamingDataset over `url` (a local folder or `s3://...`), read by index."""
+    """litdata's StreamingDataset over `url` (a local folder or `s3://...`), read by index in our
+    sampler's order: each read deserializes its own sample (`batch_decode=0`), where litdata's
+    default deserializes a window of up to 256 around it, wasted on a shuffled order (it doubled a
+    loader worker's time per 500x375 JPEG)."""
     from litdata import StreamingDataset
 
     options = {"max_cache_size": max_cache_size} if max_cache_size else {}
-    return StreamingDataset(url, cache_dir=cache_dir, **options)
+    return StreamingDataset(url, cache_dir=cache_dir, batch_decode=0, **options)
 
 
 def read_index(dataset: Any) -> dict[str, Any]:

@@ -33,6 +33,7 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int
 
 def main() -> None:
     from torch.utils.data import DataLoader
+    from lightning_utilities.core.apply_func import apply_to_collection
 
     from vit.data.augment import RA_START, Augment, crop_resize_flip, normalize, rand_augment
     from vit.data.device import INDEX, EncodedFiles, collate_encoded, decode_batch
@@ -62,7 +63,7 @@ def main() -> None:
 
     rows: list[tuple[str, float]] = []
     loader = DataLoader(dataset, batch_size=args.batch, sampler=order * 3, collate_fn=collate_encoded,
-                        num_workers=args.workers, drop_last=True)  # fmt: skip
+                        num_workers=args.workers, drop_last=True, pin_memory=cuda)  # fmt: skip
     batches = iter(loader)
     for _ in range(min(3, len(loader) - 1)):  # the workers' start
         next(batches)
@@ -74,6 +75,8 @@ def main() -> None:
     del batches
 
     batch = collate_encoded([dataset[item] for item in order[: args.batch]])
+    if cuda:  # as the datamodule's loader hands it over (pin_memory on CUDA): the decoder copies each file
+        batch = apply_to_collection(batch, torch.Tensor, torch.Tensor.pin_memory)
     files, params = batch.images(), batch.params
     images = decode_batch(files, device)
     cropped = crop_resize_flip(images, params, args.size)

@@ -32,8 +32,8 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int
 
 
 def main() -> None:
-    from torch.utils.data import DataLoader
     from lightning_utilities.core.apply_func import apply_to_collection
+    from torch.utils.data import DataLoader
 
     from vit.data.augment import RA_START, Augment, crop_resize_flip, normalize, rand_augment
     from vit.data.device import INDEX, EncodedFiles, collate_encoded, decode_batch

@@ -71,6 +71,22 @@ def test_a_worker_hands_over_the_jpegs_as_one_block_of_bytes_and_decodes_the_res
         assert image.shape == expected.shape and (image.int() - expected.int()).abs().max() <= 1
 
 
+def test_formats_the_device_decoder_does_not_take_decode_as_the_per_sample_path_decodes_them(tmp_path):
+    """BMP, TIFF and 16-bit greyscale PNG (scaled to 8 bits) give PIL's pixels, as in the per-sample
+    path: the worker decodes them with the same reader (torchvision's decoder refuses BMP and TIFF)."""
+    files = {"bmp": 77, "tif": 33}
+    for ext, grey in files.items():
+        Image.fromarray(np.full((9, 11, 3), grey, np.uint8)).save(tmp_path / f"a.{ext}")
+    Image.fromarray((np.ones((9, 11)) * 257 * 50).astype(np.uint16)).save(tmp_path / "a16.png")
+    paths = [tmp_path / "a.bmp", tmp_path / "a.tif", tmp_path / "a16.png"]
+    dataset = EncodedFiles([Sample(str(p), i) for i, p in enumerate(paths)], train=False)
+    batch = collate_encoded([dataset[i] for i in range(3)])
+    assert batch.lengths.tolist() == [0, 0, 0]  # all three decoded in the worker
+    for image, path, grey in zip(batch.decoded, paths, (77, 33, 50), strict=True):
+        assert torch.equal(image, torch.from_numpy(read_rgb(path)).permute(2, 0, 1))
+        assert image.shape == (3, 9, 11) and image.unique().tolist() == [grey]
+
+
 def test_the_cuda_decoder_runs_only_after_the_callers_stream_is_drained(tmp_path, monkeypatch):
     """torchvision's CUDA decoder writes from a private stream that does not wait for the caller's
     stream (pytorch/vision#9606): decode_batch drains the caller's stream before it decodes the

@@ -1,8 +1,8 @@
 """Image files decoded and augmented where the model runs (`data.device_decode`).
 
 The per-sample path decodes and augments one image at a time in loader workers, on the CPU; on a
-GPU node that, not the model, sets the speed. Here a loader worker only reads a file's bytes and
-its header (for the image size), and draws the image's crop box, flip and RandAugment ops from its
+GPU node that, not the model, sets the speed. Here a loader worker reads a JPEG's bytes and its
+header (for the image size), and draws the image's crop box, flip and RandAugment ops from its
 sample seed (vit.data.sampling.ResumableSampler: a function of (seed, epoch, index), so resumed
 runs draw the same); the batch is then decoded on the training device (`torchvision.io.decode_jpeg`:
 nvjpeg on CUDA, libjpeg on the CPU) and augmented there (vit.data.augment: each image cropped and
@@ -14,8 +14,8 @@ A worker hands a batch over as one tensor of its JPEGs' bytes end to end (Encode
 shared-memory block a batch, where a tensor per file cost more than the decoding (on a 16-core GPU
 node, 10 workers delivered 3,000 img/s as a list of tensors, 13,700 as one). Files that are not JPEGs
 (PNG and other formats) are decoded in the worker by the per-sample path's decoder (PIL), in
-parallel, not in the training process; JPEGs `decode_jpeg` refuses are decoded there on the CPU by
-`torchvision.io.decode_image` and counted in the log. A file nothing decodes raises
+parallel, not in the training process; the JPEGs `decode_jpeg` refuses are decoded in the training
+process, on the CPU, by `torchvision.io.decode_image` and counted in the log. A file nothing decodes raises
 CorruptImageError naming it. With `skip_corrupt` a file that cannot be read is replaced by the
 next readable one (training) or left out of the scores (evaluation), as in the per-sample path.
 """

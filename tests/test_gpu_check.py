@@ -226,3 +226,20 @@ def test_a_data_check_cut_short_keeps_each_row_it_measured(tmp_path, monkeypatch
         (f"data: {recipe}", False, None),
     ]
     assert rows[2]["note"] == "RuntimeError: the call ended here"
+
+
+def test_host_waits_count_the_syncs_torch_reports_and_not_its_prototype_notice():
+    """torch.cuda.set_sync_debug_mode("warn") warns at each host wait and, once, that the mode is a
+    prototype (the texts of torch 2.11's libc10_cuda / libtorch_python): only the waits count."""
+    import warnings
+
+    from vit.tools.data_check import sync_sites
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn_explicit(
+            "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+            "operations", UserWarning, "/torch/cuda/__init__.py", 1270,
+        )  # fmt: skip
+        warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "/torch/cuda/streams.py", 108)
+    assert sync_sites(caught) == ["streams.py:108"]

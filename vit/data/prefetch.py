@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +25,19 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 _DONE = object()
+
+
+@dataclass
+class LoaderTimes:
+    """Seconds, per batch of the current epoch: `prepared`, wall time in `prepare`; `prepared_cpu`,
+    the CPU time of the thread preparing it over that span (the rest it waited: for the device, or
+    for the interpreter's lock while another thread ran Python); `waited`, how long the consumer
+    (the training step) waited for the batch once it asked (0 when it was ready). What the data
+    check reports to say whether the data path or its sharing of the process limits a run."""
+
+    prepared: list[float] = field(default_factory=list)
+    prepared_cpu: list[float] = field(default_factory=list)
+    waited: list[float] = field(default_factory=list)
 
 
 class PreparedLoader(DataLoader):
@@ -46,6 +61,7 @@ class PreparedLoader(DataLoader):
     ) -> None:
         super().__init__(dataset, *args, **kwargs)
         self.prepare, self.device, self.ahead = prepare, device, ahead
+        self.times = LoaderTimes()
         self._stop_running: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -54,25 +70,40 @@ class PreparedLoader(DataLoader):
         batches = super().__iter__()
         if self.prepare is None:
             return batches
+        self.times = LoaderTimes()
         device = torch.device(self.device() if self.device is not None else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         ahead = self.ahead if self.ahead is not None else int(device.type == "cuda")
         if ahead <= 0:
-            return (_hand_over(*self._prepared(batch, device, stream), device) for batch in batches)
+            return self._on_demand(batches, device, stream)
         return self._ahead(batches, device, stream, ahead)
+
+    def _on_demand(self, batches: Iterator[Any], device: torch.device, stream: Any) -> Iterator[Any]:
+        while True:
+            asked = time.perf_counter()
+            batch = next(batches, _DONE)
+            if batch is _DONE:
+                return
+            prepared = self._prepared(batch, device, stream)
+            self.times.waited.append(time.perf_counter() - asked)
+            yield _hand_over(*prepared, device)
 
     def _prepared(self, batch: Any, device: torch.device, stream: Any) -> tuple[Any, Any]:
         """`prepare(batch)` and, on CUDA, an event marking its end on `stream`: the work is queued
         there, not on the stream the model's kernels are queued on, so a host sync inside it (the
         decoder's) waits for the data work only."""
+        start, cpu = time.perf_counter(), time.thread_time()
         if stream is None:
-            return self.prepare(batch, device), None  # type: ignore[misc]
-        with torch.cuda.stream(stream):
-            out = self.prepare(batch, device)  # type: ignore[misc]
-            event = torch.cuda.Event()
-            event.record(stream)
+            out, event = self.prepare(batch, device), None  # type: ignore[misc]
+        else:
+            with torch.cuda.stream(stream):
+                out = self.prepare(batch, device)  # type: ignore[misc]
+                event = torch.cuda.Event()
+                event.record(stream)
+        self.times.prepared.append(time.perf_counter() - start)
+        self.times.prepared_cpu.append(time.thread_time() - cpu)
         return out, event
 
     def _ahead(self, batches: Iterator[Any], device: torch.device, stream: Any, ahead: int) -> Iterator[Any]:
@@ -111,13 +142,14 @@ class PreparedLoader(DataLoader):
         thread.start()
         return self._hand_out(ready, stop_running, device)
 
-    @staticmethod
-    def _hand_out(ready: queue.Queue, stop_running: Callable[[], None], device: torch.device) -> Iterator[Any]:
+    def _hand_out(self, ready: queue.Queue, stop_running: Callable[[], None], device: torch.device) -> Iterator[Any]:
         try:
             while True:
+                asked = time.perf_counter()
                 item = ready.get()
                 if item is _DONE:
                     return
+                self.times.waited.append(time.perf_counter() - asked)
                 if isinstance(item, BaseException):
                     raise item
                 yield _hand_over(*item, device)

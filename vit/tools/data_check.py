@@ -203,7 +203,20 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
     if cli.trainer.global_step != case.steps:
         raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")
-    return timer.images_per_second, f"batch {cli.datamodule.batch_size}, {case.steps - case.warmup} steps timed"
+    note = f"batch {cli.datamodule.batch_size}, {case.steps - case.warmup} steps timed"
+    return timer.images_per_second, note + data_times(cli.trainer.train_dataloader, case.steps - case.warmup)
+
+
+def data_times(loader: Any, batches: int) -> str:
+    """The loader's medians over its last `batches` (vit.data.prefetch.LoaderTimes), in ms: how
+    long the step waited for a batch, and how long preparing one took (on the CPU); "" for a
+    loader that prepares nothing in the training process."""
+    times = getattr(loader, "times", None)
+    if times is None or not times.prepared:
+        return ""
+    ms = {name: 1e3 * float(np.median(getattr(times, name)[-batches:])) for name in vars(times)}
+    return (f"; the step waited {ms['waited']:.1f} ms a batch for data; preparing one took {ms['prepared']:.1f} ms "
+            f"({ms['prepared_cpu']:.1f} on the CPU)")  # fmt: skip
 
 
 def recipe_name(config: str) -> str:

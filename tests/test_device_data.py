@@ -15,7 +15,17 @@ from scipy import stats
 from tests.conftest import ROOT, SHARED, write_image_folder
 from tests.test_fault_tolerance import QUIET, assert_bit_identical, signal_at, weights
 from vit.cli import main
-from vit.data.augment import RA_OPS, RA_START, Augment, center_crop_box, rand_augment, random_resized_crop_box
+from vit.data.augment import (
+    RA_OPS,
+    RA_START,
+    TOGETHER_SIDE,
+    Augment,
+    center_crop_box,
+    crop_resize_flip,
+    rand_augment,
+    random_resized_crop_box,
+    resize_crops_together,
+)
 from vit.data.device import EncodedFiles, collate_encoded, decode_and_augment, decode_batch
 from vit.data.images import CorruptImageError, Sample, read_rgb
 from vit.data.transforms import resize_transform
@@ -199,6 +209,31 @@ def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     x, _ = decode_and_augment(collate_encoded([augmented[(0, 7)]]), "cpu", 32, dataset.samples)
     torch.testing.assert_close(x, rand_augment(expected, params[None, RA_START:-1]))
     assert (x - expected.round()).abs().mean() > 1
+
+
+def test_crops_resized_together_equal_crops_resized_one_at_a_time():
+    """The GPU's batched resize (two matrix products) gives F.interpolate's antialiased bilinear
+    pixels, image for image: shrunk, enlarged, flipped or not, of any shape, the longest crops
+    resized alone."""
+    rng = np.random.default_rng(0)
+    images, rows = [], []
+    for i in range(40):
+        h, w = (int(v) for v in rng.integers(12, 150, size=2))
+        images.append(torch.from_numpy(rng.integers(0, 256, size=(3, h, w), dtype=np.uint8)))
+        rows.append([*random_resized_crop_box(rng, h, w), i % 2])
+    rows[3] = [0, 0, 13, 12, 1]  # enlarged 1.6x
+    params = torch.tensor(rows, dtype=torch.float64)
+    expected = []
+    for image, (y, x, h, w, flip) in zip(images, params.long().tolist(), strict=True):
+        crop = image[None, :, y : y + h, x : x + w].float()
+        resized = torch.nn.functional.interpolate(crop, size=(20, 20), mode="bilinear", antialias=True)
+        expected.append(resized.flip(-1) if flip else resized)
+    expected = torch.cat(expected)
+    together = resize_crops_together(images, params, 20)
+    assert together.shape == (40, 3, 20, 20)
+    assert (params[:, 2:4].amax(1) > TOGETHER_SIDE * 20).sum() >= 5  # some crops take the one-at-a-time way
+    torch.testing.assert_close(together, expected, rtol=0, atol=2e-3)
+    torch.testing.assert_close(crop_resize_flip(images, params, 20), expected, rtol=0, atol=0)  # the CPU's way
 
 
 def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog):

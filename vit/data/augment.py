@@ -116,7 +116,16 @@ def center_crop_box(height: int, width: int, crop_pct: float) -> tuple[int, int,
 
 def crop_resize_flip(images: Sequence[torch.Tensor], params: torch.Tensor, size: int) -> torch.Tensor:
     """Float (B, 3, size, size) in [0, 255]: each image's box (params' TOP..WIDTH) cropped and
-    resized (bilinear, antialiased when shrinking), then flipped where its FLIP is set."""
+    resized (bilinear, antialiased when shrinking: F.interpolate's), then flipped where its FLIP is
+    set. On a GPU the crops are resized together (`resize_crops_together`): one at a time, the host
+    launching two kernels an image sets the pace there. On the CPU, where the arithmetic does, one
+    at a time (the batched products would also multiply the padding)."""
+    if images and images[0].device.type == "cuda":
+        return resize_crops_together(images, params, size)
+    return _resize_each(images, params, size)
+
+
+def _resize_each(images: Sequence[torch.Tensor], params: torch.Tensor, size: int) -> torch.Tensor:
     out = []
     for image, box in zip(images, params[:, :4].tolist(), strict=True):
         top, left, height, width = (int(v) for v in box)
@@ -125,6 +134,53 @@ def crop_resize_flip(images: Sequence[torch.Tensor], params: torch.Tensor, size:
     batch = torch.cat(out)
     flip = params[:, FLIP].bool().to(batch.device, non_blocking=True)  # a copy the host does not wait for
     return torch.where(flip[:, None, None, None], batch.flip(-1), batch)
+
+
+TOGETHER_SIDE = 4  # x size: longer crops are resized one at a time, bounding the padded batch's memory
+
+
+def resize_crops_together(images: Sequence[torch.Tensor], params: torch.Tensor, size: int) -> torch.Tensor:
+    """crop_resize_flip as two batched matrix products: every crop copied into one tensor, padded
+    to the largest, then (rows' weights) @ crop @ (columns' weights)^T, with F.interpolate's
+    antialiased bilinear weights (`resize_weights`) and a flipped image's columns reversed. About
+    20 kernel launches a batch, where resizing each crop alone takes two an image. Equal to
+    resizing one at a time up to float rounding (the sums run in another order;
+    where matmuls may use TF32, as the CLI allows, within a quarter of a level). Crops longer than
+    TOGETHER_SIDE x size (rare in photos) are resized one at a time."""
+    boxes = params[:, :4].to(torch.int64)
+    top, left, height, width = boxes.T.tolist()
+    device, limit = images[0].device, TOGETHER_SIDE * size
+    alone = [i for i, (h, w) in enumerate(zip(height, width, strict=True)) if max(h, w) > limit]
+    if alone:
+        together = [i for i in range(len(images)) if i not in set(alone)]
+        out = torch.empty(len(images), 3, size, size, device=device)
+        for chosen, resize in ((together, resize_crops_together), (alone, _resize_each)):
+            if chosen:
+                index = torch.tensor(chosen)
+                out[index.to(device)] = resize([images[i] for i in chosen], params[index], size)
+        return out
+    crops = torch.empty(len(images), 3, max(height), max(width), dtype=torch.uint8, device=device)
+    torch._foreach_copy_(
+        [crops[i, :, :h, :w] for i, (h, w) in enumerate(zip(height, width, strict=True))],
+        [image[:, y : y + h, x : x + w] for image, y, x, h, w in zip(images, top, left, height, width, strict=True)],
+    )
+    sizes = params[:, [HEIGHT, WIDTH, FLIP]].float().to(device, non_blocking=True)  # a copy the host does not wait for
+    rows = resize_weights(sizes[:, 0], size, crops.shape[2])
+    columns = resize_weights(sizes[:, 1], size, crops.shape[3])
+    columns = torch.where(sizes[:, 2, None, None] > 0, columns.flip(1), columns)
+    return rows[:, None] @ crops.float() @ columns.transpose(1, 2)[:, None]
+
+
+def resize_weights(lengths: torch.Tensor, size: int, span: int) -> torch.Tensor:
+    """(B, size, span) float32: row o of image b weighs its first lengths[b] input pixels into
+    output pixel o, as F.interpolate(mode="bilinear", antialias=True, align_corners=False) does
+    (its triangle filter, stretched by the scale when shrinking; each row summing to 1)."""
+    scale = (lengths / size)[:, None, None]
+    stretch = scale.clamp(min=1.0)
+    centres = scale * (torch.arange(size, device=lengths.device, dtype=torch.float32)[None, :, None] + 0.5)
+    pixels = torch.arange(span, device=lengths.device, dtype=torch.float32)[None, None, :]
+    weights = (1 - ((pixels + 0.5 - centres) / stretch).abs()).clamp_(min=0) * (pixels < lengths[:, None, None])
+    return weights / weights.sum(-1, keepdim=True)
 
 
 def batch_augment(

@@ -97,6 +97,23 @@ def test_formats_the_device_decoder_does_not_take_decode_as_the_per_sample_path_
         assert image.shape == (3, 9, 11) and image.unique().tolist() == [grey]
 
 
+def test_progressive_and_cmyk_jpegs_are_decoded_in_the_worker_as_the_per_sample_path_decodes_them(tmp_path):
+    """The device takes baseline JPEGs in colour or grey. A progressive JPEG (which nvJPEG's batched
+    hardware decoder refuses: torchvision would decode it alone, in the thread feeding the model)
+    and a CMYK one (converted as PIL converts it) are decoded in the worker, to PIL's pixels."""
+    photo = Image.open(_photos(tmp_path)[0])
+    photo.save(tmp_path / "progressive.jpg", quality=90, progressive=True)
+    photo.convert("CMYK").save(tmp_path / "cmyk.jpg", quality=90)
+    photo.convert("L").save(tmp_path / "grey.jpg", quality=90)
+    paths = [tmp_path / name for name in ("progressive.jpg", "cmyk.jpg", "grey.jpg")]
+    dataset = EncodedFiles([Sample(str(p), i) for i, p in enumerate(paths)], train=False)
+    batch = collate_encoded([dataset[i] for i in range(3)])
+    assert batch.lengths.tolist() == [0, 0, len(paths[2].read_bytes())]  # the grey baseline JPEG goes as bytes
+    for image, path in zip(batch.decoded, paths[:2], strict=True):
+        assert torch.equal(image, torch.from_numpy(read_rgb(path)).permute(2, 0, 1))
+    assert [tuple(image.shape) for image in batch.images()] == [(3, 90, 120)] * 2 + [(len(paths[2].read_bytes()),)]
+
+
 def test_the_cuda_decoder_runs_only_after_the_callers_stream_is_drained(tmp_path, monkeypatch):
     """torchvision's CUDA decoder writes from a private stream that does not wait for the caller's
     stream (pytorch/vision#9606): decode_batch drains the caller's stream before it decodes the

@@ -12,10 +12,11 @@ keeps.
 
 A worker hands a batch over as one tensor of its JPEGs' bytes end to end (EncodedBatch): one
 shared-memory block a batch, where a tensor per file cost more than the decoding (on a 16-core GPU
-node, 10 workers delivered 3,000 img/s as a list of tensors, 13,700 as one). Files that are not JPEGs
-(PNG and other formats) are decoded in the worker by the per-sample path's decoder (PIL), in
-parallel, not in the training process; the JPEGs `decode_jpeg` refuses are decoded in the training
-process, on the CPU, by `torchvision.io.decode_image` and counted in the log. A file nothing decodes raises
+node, 10 workers delivered 3,000 img/s as a list of tensors, 13,700 as one). Files that are not
+baseline JPEGs (PNG and other formats; progressive or CMYK JPEGs: read_header) are decoded in the
+worker by the per-sample path's decoder (PIL), in parallel, not in the training process; the JPEGs
+`decode_jpeg` still refuses are decoded in the training process, on the CPU, by
+`torchvision.io.decode_image` and counted in the log. A file nothing decodes raises
 CorruptImageError naming it. With `skip_corrupt` a file that cannot be read is replaced by the
 next readable one (training) or left out of the scores (evaluation), as in the per-sample path.
 """
@@ -58,16 +59,26 @@ def image_size(data: bytes) -> tuple[int, int]:
     """(height, width) from the file's header, without decoding the pixels. A JPEG without its
     end-of-image marker (FF D9, which cannot occur inside the compressed data) is truncated: libjpeg
     would decode it with grey below the cut, where the per-sample path (PIL) refuses it."""
+    return read_header(data)[:2]
+
+
+def read_header(data: bytes) -> tuple[int, int, bool]:
+    """(height, width, whether the device decodes it) from the file's header, as image_size. The
+    device takes baseline JPEGs in YCbCr or grey: nvJPEG's batched hardware decoder does not take
+    progressive ones (torchvision decodes those one at a time, in the thread that feeds the model,
+    waiting on the device after each), and PIL converts CMYK as the per-sample path does. The rest
+    are decoded in the loader workers."""
     if data.startswith(JPEG_MAGIC) and data.rfind(b"\xff\xd9") < max(0, len(data) - 4096):
         raise ValueError("the JPEG is truncated (no end-of-image marker)")
     with Image.open(io.BytesIO(data)) as image:
-        return image.height, image.width
+        baseline = image.format == "JPEG" and image.mode in ("RGB", "L") and not image.info.get("progressive")
+        return image.height, image.width, baseline
 
 
 class EncodedFiles(ImageFiles):
     """The images of `source` (image files, or another ImageFiles' `read_bytes`: streaming shards)
     as (image, label, augmentation parameters), indexed by (index, sample seed) as the
-    ResumableSampler yields them (by index alone in evaluation): a JPEG as its bytes (uint8 (N,)),
+    ResumableSampler yields them (by index alone in evaluation): a baseline JPEG as its bytes (uint8 (N,)),
     for the device to decode; any other image decoded here (uint8 (3, H, W)). Corrupt files are
     handled as ImageFiles handles them (`substitute` in training, a stand-in that is not scored in
     evaluation).
@@ -105,7 +116,9 @@ class EncodedFiles(ImageFiles):
         try:
             data = self.source.read_bytes(position)
             if data.startswith(JPEG_MAGIC):
-                return (torch.frombuffer(bytearray(data), dtype=torch.uint8), *image_size(data))
+                height, width, for_device = read_header(data)
+                if for_device:
+                    return torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise CorruptImageError(f"cannot decode image {name}: {e}") from e
         image = torch.from_numpy(np.ascontiguousarray(read_rgb(io.BytesIO(data), name).transpose(2, 0, 1)))

@@ -90,3 +90,18 @@ def test_randaugment_on_the_device_has_the_per_sample_paths_distribution():
     for name in theirs:
         assert stats.ks_2samp(ours[name], theirs[name]).pvalue > 1e-3, name
     assert stats.ks_2samp(one_op["change"], theirs["change"]).pvalue < 1e-3
+
+
+def test_an_image_taking_two_warps_gets_them_in_order_each_rounded_as_one_op_at_a_time():
+    """The warps run in passes (each image's first warp, then its second): the result is the ops
+    applied one after another in RA_OPS order, rounded after each, beside images taking one op."""
+    image = torch.from_numpy(IMAGE.copy()).permute(2, 0, 1)[None].float()
+    both, rotate, shift, grey = (np.full((1, RA_COLUMNS), np.nan) for _ in range(4))
+    both[0, [RA_OPS.index("rotate"), RA_OPS.index("translate_x")]] = 20.0, 0.2
+    rotate[0, RA_OPS.index("rotate")], shift[0, RA_OPS.index("translate_x")] = 20.0, 0.2
+    grey[0, RA_OPS.index("saturation")] = 0.0
+    batch = rand_augment(image.expand(3, -1, -1, -1), torch.from_numpy(np.concatenate([both, rotate, grey])))
+    one_by_one = rand_augment(rand_augment(image, torch.from_numpy(rotate)), torch.from_numpy(shift))
+    assert torch.equal(batch[0], one_by_one[0]) and not torch.equal(batch[0], batch[1])
+    assert torch.equal(batch[1], rand_augment(image, torch.from_numpy(rotate))[0])
+    assert torch.equal(batch[2], rand_augment(image, torch.from_numpy(grey))[0])

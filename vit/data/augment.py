@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -265,61 +265,76 @@ def rand_augment(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     images whose row of `params` (B, RA_COLUMNS) selects it, in RA_OPS order, values rounded and
     clipped to 0..255 after each op as the per-sample path's uint8 images are.
 
-    Which images take an op is read from `params` on the host, and nothing here waits for the
-    device (no host syncs): on a GPU the host queues every op while the first ones run. The images
-    and strengths of all ops cross to the device in two copies, not three an op."""
-    params, device = params.detach().to("cpu", torch.float64), images.device
-    images = images.to(torch.float32, copy=True).round_().clamp_(0, 255)  # a copy, written in place below
-    chosen = [(op, params[:, op].isfinite().nonzero().squeeze(1)) for op in range(len(RA_OPS))]
-    chosen = [(op, index) for op, index in chosen if len(index)]
-    if not chosen:
+    The warps (rotate, shear, translate: first in RA_OPS) run as at most `ops` passes, the k-th
+    taking each image's k-th warp, with every image's matrix worked out on the host from `params`;
+    each colour op runs on the images that take it. Which images take what is read on the host, and
+    nothing here waits for the device (no host syncs): on a GPU the host queues every op while the
+    first ones run, a few kernels an op (the host's launching sets the pace there). The images and
+    strengths of all steps cross to the device in two copies."""
+    params, device = params.detach().to("cpu", torch.float64).numpy(), images.device
+    images = images.to(torch.float32, copy=True).round_().clamp_(0, 255)
+    steps = _warp_passes(params, images.shape[-1])
+    for op in range(len(WARPS), len(RA_OPS)):
+        index = np.flatnonzero(np.isfinite(params[:, op]))
+        if len(index):
+            values = np.zeros((len(index), 6))
+            values[:, :2] = params[index][:, [op, LIGHTNESS]]
+            steps.append((_RA_FUNCTIONS[RA_OPS[op]], index, values))
+    if not steps:
         return images
-    index_all = torch.cat([index for _, index in chosen])
-    values = torch.cat([params[index][:, [op, LIGHTNESS]] for op, index in chosen]).float()
-    index_all, values = (t.to(device, non_blocking=True) for t in (index_all, values))
+    index_all = torch.from_numpy(np.concatenate([index for _, index, _ in steps]))
+    values_all = torch.from_numpy(np.concatenate([values for _, _, values in steps]).astype(np.float32))
+    index_all, values_all = (t.to(device, non_blocking=True) for t in (index_all, values_all))
     start = 0
-    for op, index in chosen:
+    for function, index, _ in steps:
         rows = slice(start, start + len(index))
         start += len(index)
         index = index_all[rows]
-        out = _RA_FUNCTIONS[RA_OPS[op]](images[index], values[rows, 0], values[rows, 1])
-        images[index] = out.round_().clamp_(0, 255)
+        images[index] = function(images[index], values_all[rows]).round_().clamp_(0, 255)
     return images
 
 
-def _affine(images: torch.Tensor, matrices: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Warp square images by q = matrix @ p + shift about the centre (pixel units, x right, y
-    down; bilinear, black outside), the transform albumentations' Affine builds."""
-    side = images.shape[-1]
-    (a, b), (c, d) = matrices[:, 0].unbind(-1), matrices[:, 1].unbind(-1)
-    inverse = torch.stack([torch.stack([d, -b], -1), torch.stack([-c, a], -1)], 1) / (a * d - b * c)[:, None, None]
-    offset = -(inverse @ (shift * 2 / side).unsqueeze(-1))
-    grid = F.affine_grid(torch.cat([inverse, offset], dim=2), list(images.shape), align_corners=False)
+WARPS = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")  # RA_OPS[:5]
+
+
+def _warp_passes(params: np.ndarray, side: int) -> list[tuple[Callable, np.ndarray, np.ndarray]]:
+    """(_warp, image indices, (n, 6) flattened 2x3 matrices) for pass k = 0, 1, ...: each image's
+    k-th warp op in RA_OPS order. An image's warps are then applied in the order rand_augment
+    applied them one op at a time, each to the pixels the previous left."""
+    chosen = np.isfinite(params[:, : len(WARPS)])
+    passes = []
+    for k in range(int(chosen.sum(1).max(initial=0))):
+        index = np.flatnonzero(chosen.sum(1) > k)
+        op = np.array([np.flatnonzero(chosen[i])[k] for i in index])
+        strength = params[index, op]
+        passes.append((_warp, index, _warp_matrices(op, strength, side).reshape(len(index), 6)))
+    return passes
+
+
+def _warp_matrices(op: np.ndarray, strength: np.ndarray, side: int) -> np.ndarray:
+    """(n, 2, 3) affine_grid matrices for warp ops `op` (indices into WARPS) at `strength`: the
+    inverse of q = matrix @ p + shift about the centre (pixel units, x right, y down), the transform
+    albumentations' Affine builds, in affine_grid's normalised coordinates."""
+    n = len(op)
+    matrix, shift = np.tile(np.eye(2), (n, 1, 1)), np.zeros((n, 2))
+    angle = np.deg2rad(strength.astype(np.float32))
+    rotate = op == 0
+    cos, sin = np.cos(angle[rotate]), np.sin(angle[rotate])
+    matrix[rotate] = np.stack([np.stack([cos, sin], -1), np.stack([-sin, cos], -1)], 1)
+    for axis, which in ((0, 1), (1, 2)):  # shear_x, shear_y: albumentations negates the angle
+        matrix[op == which, axis, 1 - axis] = np.tan(-angle[op == which])
+    for axis, which in ((0, 3), (1, 4)):  # translate_x, translate_y: whole pixels, as albumentations
+        shift[op == which, axis] = np.trunc(strength[op == which].astype(np.float32) * np.float32(side))
+    (a, b), (c, d) = matrix[:, 0].T, matrix[:, 1].T
+    inverse = np.stack([np.stack([d, -b], -1), np.stack([-c, a], -1)], 1) / (a * d - b * c)[:, None, None]
+    offset = -(inverse @ (shift * 2 / side)[:, :, None])
+    return np.concatenate([inverse, offset], axis=2)
+
+
+def _warp(images: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
+    """Bilinear warp of square images by (n, 6) flattened affine_grid matrices, black outside."""
+    grid = F.affine_grid(matrices.view(-1, 2, 3), list(images.shape), align_corners=False)
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-
-
-def _rotate(images: torch.Tensor, degrees: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-    a = torch.deg2rad(degrees)
-    matrices = torch.stack([torch.stack([a.cos(), a.sin()], -1), torch.stack([-a.sin(), a.cos()], -1)], 1)
-    return _affine(images, matrices, torch.zeros(len(a), 2, device=a.device))
-
-
-def _shear(axis: int):
-    def shear(images: torch.Tensor, degrees: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-        matrices = torch.eye(2, device=images.device).repeat(len(degrees), 1, 1)
-        matrices[:, axis, 1 - axis] = torch.tan(torch.deg2rad(-degrees))  # albumentations negates the angle
-        return _affine(images, matrices, torch.zeros(len(degrees), 2, device=images.device))
-
-    return shear
-
-
-def _translate(axis: int):
-    def translate(images: torch.Tensor, fraction: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-        shift = torch.zeros(len(fraction), 2, device=images.device)
-        shift[:, axis] = (fraction * images.shape[-1 - axis]).trunc()  # whole pixels, as albumentations
-        return _affine(images, torch.eye(2, device=images.device).repeat(len(fraction), 1, 1), shift)
-
-    return translate
 
 
 def _grey(images: torch.Tensor) -> torch.Tensor:
@@ -399,12 +414,7 @@ def _autocontrast(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
     return _lut(images, _histogram(bins, values < 255), values)
 
 
-_RA_FUNCTIONS = {
-    "rotate": _rotate,
-    "shear_x": _shear(0),
-    "shear_y": _shear(1),
-    "translate_x": _translate(0),
-    "translate_y": _translate(1),
+_COLOUR_OPS = {
     "brightness": _brightness,
     "contrast": _contrast,
     "saturation": _saturation,
@@ -413,6 +423,9 @@ _RA_FUNCTIONS = {
     "solarize": _solarize,
     "autocontrast": _autocontrast,
     "equalize": _equalize,
+}
+_RA_FUNCTIONS = {
+    name: (lambda images, values, fn=fn: fn(images, values[:, 0], values[:, 1])) for name, fn in _COLOUR_OPS.items()
 }
 
 

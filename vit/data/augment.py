@@ -140,17 +140,15 @@ TOGETHER_SIDE = 4  # x size: longer crops are resized one at a time, bounding th
 
 
 def resize_crops_together(images: Sequence[torch.Tensor], params: torch.Tensor, size: int) -> torch.Tensor:
-    """crop_resize_flip as two batched matrix products: every crop copied into one tensor, padded
-    to the largest, then (rows' weights) @ crop @ (columns' weights)^T, with F.interpolate's
-    antialiased bilinear weights (`resize_weights`) and a flipped image's columns reversed. About
-    20 kernel launches a batch, where resizing each crop alone takes two an image. Equal to
-    resizing one at a time up to float rounding (the sums run in another order;
-    where matmuls may use TF32, as the CLI allows, within a quarter of a level). Crops longer than
+    """crop_resize_flip as two batched matrix products: the images copied into one tensor, padded
+    to the largest, then (rows' weights) @ image @ (columns' weights)^T, with F.interpolate's
+    antialiased bilinear weights over each crop (`resize_weights`) and a flipped image's columns
+    reversed. About 20 kernel launches a batch, where resizing each crop alone takes two an image.
+    Equal to resizing one at a time up to float rounding (the sums run in another order; where
+    matmuls may use TF32, as the CLI allows, within a quarter of a level). Images longer than
     TOGETHER_SIDE x size (rare in photos) are resized one at a time."""
-    boxes = params[:, :4].to(torch.int64)
-    top, left, height, width = boxes.T.tolist()
     device, limit = images[0].device, TOGETHER_SIDE * size
-    alone = [i for i, (h, w) in enumerate(zip(height, width, strict=True)) if max(h, w) > limit]
+    alone = [i for i, image in enumerate(images) if max(image.shape[1:]) > limit]
     if alone:
         together = [i for i in range(len(images)) if i not in set(alone)]
         out = torch.empty(len(images), 3, size, size, device=device)
@@ -159,27 +157,28 @@ def resize_crops_together(images: Sequence[torch.Tensor], params: torch.Tensor, 
                 index = torch.tensor(chosen)
                 out[index.to(device)] = resize([images[i] for i in chosen], params[index], size)
         return out
-    crops = torch.empty(len(images), 3, max(height), max(width), dtype=torch.uint8, device=device)
-    torch._foreach_copy_(
-        [crops[i, :, :h, :w] for i, (h, w) in enumerate(zip(height, width, strict=True))],
-        [image[:, y : y + h, x : x + w] for image, y, x, h, w in zip(images, top, left, height, width, strict=True)],
-    )
-    sizes = params[:, [HEIGHT, WIDTH, FLIP]].float().to(device, non_blocking=True)  # a copy the host does not wait for
-    rows = resize_weights(sizes[:, 0], size, crops.shape[2])
-    columns = resize_weights(sizes[:, 1], size, crops.shape[3])
-    columns = torch.where(sizes[:, 2, None, None] > 0, columns.flip(1), columns)
-    return rows[:, None] @ crops.float() @ columns.transpose(1, 2)[:, None]
+    height, width = (max(image.shape[axis] for image in images) for axis in (1, 2))
+    padded = torch.empty(len(images), 3, height, width, dtype=torch.uint8, device=device)
+    views = [view[:, : image.shape[1], : image.shape[2]] for view, image in zip(padded.unbind(0), images, strict=True)]
+    torch._foreach_copy_(views, list(images))
+    boxes = params[:, :5].float().to(device, non_blocking=True)  # a copy the host does not wait for
+    rows = resize_weights(boxes[:, TOP], boxes[:, HEIGHT], size, padded.shape[2])
+    columns = resize_weights(boxes[:, LEFT], boxes[:, WIDTH], size, padded.shape[3])
+    columns = torch.where(boxes[:, FLIP, None, None] > 0, columns.flip(1), columns)
+    return rows[:, None] @ padded.float() @ columns.transpose(1, 2)[:, None]
 
 
-def resize_weights(lengths: torch.Tensor, size: int, span: int) -> torch.Tensor:
-    """(B, size, span) float32: row o of image b weighs its first lengths[b] input pixels into
-    output pixel o, as F.interpolate(mode="bilinear", antialias=True, align_corners=False) does
-    (its triangle filter, stretched by the scale when shrinking; each row summing to 1)."""
+def resize_weights(starts: torch.Tensor, lengths: torch.Tensor, size: int, span: int) -> torch.Tensor:
+    """(B, size, span) float32: row o of image b weighs its input pixels starts[b] ..
+    starts[b] + lengths[b] - 1 into output pixel o, as F.interpolate(mode="bilinear",
+    antialias=True, align_corners=False) resizes that crop (its triangle filter, stretched by the
+    scale when shrinking; each row summing to 1)."""
     scale = (lengths / size)[:, None, None]
     stretch = scale.clamp(min=1.0)
     centres = scale * (torch.arange(size, device=lengths.device, dtype=torch.float32)[None, :, None] + 0.5)
-    pixels = torch.arange(span, device=lengths.device, dtype=torch.float32)[None, None, :]
-    weights = (1 - ((pixels + 0.5 - centres) / stretch).abs()).clamp_(min=0) * (pixels < lengths[:, None, None])
+    pixels = torch.arange(span, device=lengths.device, dtype=torch.float32)[None, None, :] - starts[:, None, None]
+    weights = (1 - ((pixels + 0.5 - centres) / stretch).abs()).clamp_(min=0)
+    weights *= (pixels >= 0) & (pixels < lengths[:, None, None])
     return weights / weights.sum(-1, keepdim=True)
 
 

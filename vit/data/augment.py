@@ -145,9 +145,10 @@ def resize_crops_together(images: Sequence[torch.Tensor], params: torch.Tensor, 
     to the largest, then (rows' weights) @ image @ (columns' weights)^T, with F.interpolate's
     antialiased bilinear weights over each crop (`resize_weights`) and a flipped image's columns
     reversed: a copy an image (queued from one call) and about 20 more kernels a batch, where
-    resizing each crop alone takes two kernels and five Python-level calls an image. Equal to resizing one at a time up to float rounding (the sums run in another order; where
-    matmuls may use TF32, as the CLI allows, within a quarter of a level). Images longer than
-    TOGETHER_SIDE x size (rare in photos) are resized one at a time."""
+    resizing each crop alone takes two kernels and five Python-level calls an image. Equal to
+    resizing one at a time up to float rounding (the sums run in another order; where matmuls may
+    use TF32, as the CLI allows, within a quarter of a level). Images longer than TOGETHER_SIDE x
+    size (rare in photos) are resized one at a time."""
     device, limit = images[0].device, TOGETHER_SIDE * size
     alone = [i for i, image in enumerate(images) if max(image.shape[1:]) > limit]
     if alone:

@@ -71,8 +71,8 @@ def test_leaving_an_epoch_early_stops_the_thread_and_the_next_epoch_is_whole(tmp
     on_demand = list(_device_decode(root, ahead=0, workers=1).train_dataloader())
     batches = iter(loader)
     next(batches)
-    time.sleep(0.5)  # the thread has filled its queue and waits
-    assert len(_preparing_threads()) == 1
+    time.sleep(0.5)  # the threads (decoding, augmenting) have filled their queues and wait
+    assert len(_preparing_threads()) == 2
     again = list(loader)  # a new epoch before the last one ended (max_steps, an interruption)
     assert not _preparing_threads()
     assert len(again) == 5 and all(torch.equal(a[0], b[0]) for a, b in zip(again, on_demand, strict=True))
@@ -114,7 +114,7 @@ def test_by_default_only_a_gpu_gets_batches_prepared_ahead():
     assert threads == [("vit-prepare-batches", "cpu")] * 2
 
 
-def test_an_old_epoch_finished_late_does_not_forget_the_running_thread(tmp_path):
+def test_an_old_epoch_finished_late_does_not_forget_the_running_threads(tmp_path):
     root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
     loader = _device_decode(root, ahead=1, workers=0).train_dataloader()
     old = iter(loader)
@@ -123,8 +123,8 @@ def test_an_old_epoch_finished_late_does_not_forget_the_running_thread(tmp_path)
     next(new)
     old.close()  # the old epoch's generator ends late
     time.sleep(0.3)
-    assert len(_preparing_threads()) == 1  # the new epoch's
-    list(loader)  # a third epoch stops the second's thread first
+    assert len(_preparing_threads()) == 2  # the new epoch's: decoding, augmenting
+    list(loader)  # a third epoch stops the second's threads first
     assert not _preparing_threads()
     new.close()
 
@@ -145,10 +145,38 @@ def test_the_loader_times_each_batchs_preparing_and_the_steps_wait_for_it(ahead)
     for _ in loader:
         time.sleep(0.06)
     times = loader.times
-    assert len(times.prepared) == len(times.prepared_cpu) == len(times.waited) == 6
-    assert all(p >= 0.03 for p in times.prepared)
-    assert all(0.009 <= c <= p - 0.02 for c, p in zip(times.prepared_cpu, times.prepared, strict=True))
+    assert len(times.prepared) == len(times.prepared_cpu) == 1  # one stage
+    (prepared,), (cpu,) = times.prepared, times.prepared_cpu
+    assert len(prepared) == len(cpu) == len(times.waited) == 6
+    assert all(p >= 0.03 for p in prepared)
+    assert all(0.009 <= c <= p - 0.02 for c, p in zip(cpu, prepared, strict=True))
     if ahead:  # the thread had 60 ms a step to prepare the next batch in 30
         assert times.waited[0] >= 0.03 and max(times.waited[1:]) < 0.015
     else:
-        assert all(w >= p for w, p in zip(times.waited, times.prepared, strict=True))
+        assert all(w >= p for w, p in zip(times.waited, prepared, strict=True))
+
+
+def test_stages_run_in_threads_of_their_own_and_overlap():
+    """Decoding, then augmenting: with a thread a stage, one batch's first stage runs while the
+    last batch is in its second, so 8 batches of two 30 ms stages take ~9 x 30 ms, not 16 x 30;
+    the batches are those prepared on demand, in order."""
+    threads = []
+
+    def stage(scale):
+        def run(batch, device):
+            threads.append(threading.current_thread().name)
+            time.sleep(0.03)  # waiting on the device, say: the interpreter's lock is free
+            return batch * scale
+
+        return run
+
+    took = {}
+    for ahead in (0, 1):
+        loader = PreparedLoader(torch.arange(32), batch_size=4, prepare=[stage(10), stage(3)], ahead=ahead)
+        start = time.perf_counter()
+        took[ahead] = ([b.tolist() for b in loader], time.perf_counter() - start)
+        assert [len(t) for t in loader.times.prepared] == [8, 8] and all(p >= 0.03 for p in loader.times.prepared[1])
+    assert took[0][0] == took[1][0] == [[30 * i for i in range(j, j + 4)] for j in range(0, 32, 4)]
+    assert took[0][1] >= 16 * 0.03 and took[1][1] < 13 * 0.03, took
+    assert threads.count("MainThread") == 16 and threads.count("vit-prepare-batches") == 16
+    assert not _preparing_threads()

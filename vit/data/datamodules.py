@@ -22,7 +22,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vit.data.augment import Augment, batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
-from vit.data.device import DEVICE_CROPS, EncodedBatch, EncodedFiles, collate_encoded, decode_and_augment
+from vit.data.device import (
+    DEVICE_CROPS,
+    DecodedBatch,
+    EncodedBatch,
+    EncodedFiles,
+    augment_decoded,
+    collate_encoded,
+    decode_encoded,
+)
 from vit.data.images import (
     ImageArrays,
     ImageFiles,
@@ -278,8 +286,8 @@ class ImageDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
         )
         if isinstance(dataset, EncodedFiles):  # bytes from the workers, decoded on the device (ahead of the step)
-            prepare = functools.partial(self._decode_on_device, dataset.samples)
-            options.update(collate_fn=collate_encoded, prepare=prepare, device=self._device, ahead=self.device_prefetch)
+            stages = (functools.partial(self._decode_on_device, dataset.samples), self._augment_on_device)
+            options.update(collate_fn=collate_encoded, prepare=stages, device=self._device, ahead=self.device_prefetch)
         return options
 
     def _device(self) -> torch.device:
@@ -288,21 +296,21 @@ class ImageDataModule(L.LightningDataModule):
             return self.trainer.strategy.root_device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def _decode_on_device(
-        self,
-        samples: Sequence[Sample],
-        batch: EncodedBatch,
-        device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """device_decode: a batch of encoded files -> normalised images and labels on `device`
-        (`samples` name a file that does not decode)."""
-        x, y = decode_and_augment(batch, device, self.img_size, samples)
+    def _decode_on_device(self, samples: Sequence[Sample], batch: EncodedBatch, device: torch.device) -> DecodedBatch:
+        """device_decode's first stage: a batch of encoded files decoded on `device` (`samples`
+        name a file that does not decode)."""
+        return decode_encoded(batch, device, samples)
+
+    def _augment_on_device(self, batch: DecodedBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """device_decode's second stage: the decoded batch cropped, flipped, RandAugmented and
+        normalised, with its labels, on `device`."""
+        x, y = augment_decoded(batch, self.img_size)
         return normalize(x, self.mean, self.std), y
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """On the device: in-memory batches augmented (training) and normalised (encoded files
-        arrive decoded and normalised: _decode_on_device); then Mixup/CutMix, training batches
-        only. All randomness is a function of (seed, step, rank) or (seed, epoch, index), so resumed
+        arrive decoded and normalised: _decode_on_device, _augment_on_device); then Mixup/CutMix,
+        training batches only. All randomness is a function of (seed, step, rank) or (seed, epoch, index), so resumed
         runs augment and mix exactly like uninterrupted ones."""
         if self.in_memory:
             batch = self._augment_in_memory(batch)

@@ -222,19 +222,36 @@ def _decode_one_jpeg(data: torch.Tensor, device: torch.device) -> torch.Tensor |
         return None
 
 
-def decode_and_augment(
-    batch: EncodedBatch, device: torch.device | str, size: int, samples: Sequence[Sample]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A collated batch (on the CPU) -> (float images on `device`, 0-255, size x size, cropped,
-    flipped and RandAugmented as its `params` say; labels).
-    `samples` name a file that does not decode."""
-    labels, params = batch.labels, batch.params
+class DecodedBatch(NamedTuple):
+    """A batch between decoding and augmenting: its images on the device, as decoded."""
+
+    images: list[torch.Tensor]  # uint8 (3, H, W)
+    labels: torch.Tensor
+    params: torch.Tensor  # as EncodedBatch's
+
+
+def decode_encoded(batch: EncodedBatch, device: torch.device | str, samples: Sequence[Sample]) -> DecodedBatch:
+    """A collated batch (on the CPU) decoded on `device`; `samples` name a file that does not decode."""
     try:
         images = decode_batch(batch.images(), device)
     except UndecodableError as e:
-        path = samples[int(params[e.position, INDEX])].path
+        path = samples[int(batch.params[e.position, INDEX])].path
         raise CorruptImageError(f"cannot decode image {path}: {e}") from e
-    images = crop_resize_flip(images, params, size)
+    return DecodedBatch(images, batch.labels, batch.params)
+
+
+def augment_decoded(batch: DecodedBatch, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float images, 0-255, size x size, cropped, flipped and RandAugmented as the batch's
+    `params` say; labels), on the images' device."""
+    device, params = batch.images[0].device, batch.params
+    images = crop_resize_flip(batch.images, params, size)
     if params[:, RA_START:INDEX].isfinite().any():
         images = rand_augment(images, params[:, RA_START:INDEX])
-    return images, labels.to(device, non_blocking=True)
+    return images, batch.labels.to(device, non_blocking=True)
+
+
+def decode_and_augment(
+    batch: EncodedBatch, device: torch.device | str, size: int, samples: Sequence[Sample]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_encoded, then augment_decoded: the two stages a PreparedLoader may run in two threads."""
+    return augment_decoded(decode_encoded(batch, device, samples), size)

@@ -3,11 +3,13 @@
 With `data.device_decode` the training process itself decodes and augments each batch
 (vit.data.device). Done on the model's stream when the step asks for the batch, the two take
 turns: every host sync in the data work (the decoder makes several) first waits for the model's
-queued kernels, and the model waits for the data. A `PreparedLoader` queues that work on a CUDA
-stream of its own and, on a GPU, runs it in a thread `ahead` batches before the batch is wanted,
+queued kernels, and the model waits for the data. A `PreparedLoader` queues that work on CUDA
+streams of its own and, on a GPU, runs it in threads `ahead` batches before the batch is wanted,
 so the next batch is decoded while the model trains on this one (as timm's PrefetchLoader and
-DALI's pipelines overlap theirs). The batches are the same either way: each image's augmentation
-comes from the loader (vit.data.sampling), not from when it is applied.
+DALI's pipelines overlap theirs). Its work may come in stages (decoding, then augmenting), each in
+a thread of its own: while one batch's decode waits on the device, the last one is augmented. The
+batches are the same either way: each image's augmentation comes from the loader
+(vit.data.sampling), not from when it is applied.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,122 +27,147 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
 _DONE = object()
+Stage = Callable[[Any, torch.device], Any]
 
 
 @dataclass
 class LoaderTimes:
-    """Seconds, per batch of the current epoch: `prepared`, wall time in `prepare`; `prepared_cpu`,
-    the CPU time of the thread preparing it over that span (the rest it waited: for the device, or
-    for the interpreter's lock while another thread ran Python); `waited`, how long the consumer
-    (the training step) waited for the batch once it asked (0 when it was ready). What the data
-    check reports to say whether the data path or its sharing of the process limits a run."""
+    """Seconds, per batch of the current epoch: `prepared[k]`, wall time in stage k of `prepare`;
+    `prepared_cpu[k]`, the CPU time of the thread running it over that span (the rest it waited:
+    for the device, or for the interpreter's lock while another thread ran Python); `waited`, how
+    long the consumer (the training step) waited for the batch once it asked (0 when it was ready).
+    What the data check reports to say whether the data path or its sharing of the process limits
+    a run."""
 
-    prepared: list[float] = field(default_factory=list)
-    prepared_cpu: list[float] = field(default_factory=list)
+    prepared: list[list[float]] = field(default_factory=list)
+    prepared_cpu: list[list[float]] = field(default_factory=list)
     waited: list[float] = field(default_factory=list)
 
 
 class PreparedLoader(DataLoader):
     """A DataLoader whose batches pass through `prepare(batch, device)` before they are handed out:
-    in a thread, up to `ahead` batches early (0: in the caller's thread, when each is drawn; None:
-    1 on CUDA, 0 on the CPU, where the thread only competes with the model for the same cores).
-    `device()` names the device, read when an epoch's iteration starts.
+    in threads, up to `ahead` batches early (0: in the caller's thread, when each is drawn; None:
+    1 on CUDA, 0 on the CPU, where the threads only compete with the model for the same cores).
+    `prepare` may be a sequence of stages, each taking the last one's output: a thread each, one
+    batch waiting between two. `device()` names the device, read when an epoch's iteration starts.
 
     An exception in `prepare` (a file that does not decode) is raised where the batch is drawn.
-    Leaving an epoch early (max_steps, an interruption) stops the thread before the next begins.
+    Leaving an epoch early (max_steps, an interruption) stops the threads before the next begins.
     """
 
     def __init__(
         self,
         dataset: Any,
         *args: Any,
-        prepare: Callable[[Any, torch.device], Any] | None = None,
+        prepare: Stage | Sequence[Stage] | None = None,
         device: Callable[[], torch.device] | None = None,
         ahead: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(dataset, *args, **kwargs)
-        self.prepare, self.device, self.ahead = prepare, device, ahead
+        self.stages: list[Stage] = [] if prepare is None else [prepare] if callable(prepare) else list(prepare)
+        self.device, self.ahead = device, ahead
         self.times = LoaderTimes()
         self._stop_running: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        if self._stop_running is not None:  # the last epoch's thread, if it was left early
+        if self._stop_running is not None:  # the last epoch's threads, if it was left early
             self._stop_running()
         batches = super().__iter__()
-        if self.prepare is None:
+        if not self.stages:
             return batches
-        self.times = LoaderTimes()
+        stages = len(self.stages)
+        self.times = LoaderTimes([[] for _ in range(stages)], [[] for _ in range(stages)])
         device = torch.device(self.device() if self.device is not None else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         ahead = self.ahead if self.ahead is not None else int(device.type == "cuda")
         if ahead <= 0:
-            return self._on_demand(batches, device, stream)
-        return self._ahead(batches, device, stream, ahead)
+            return self._on_demand(batches, device)
+        return self._ahead(batches, device, ahead)
 
-    def _on_demand(self, batches: Iterator[Any], device: torch.device, stream: Any) -> Iterator[Any]:
+    def _on_demand(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         while True:
             asked = time.perf_counter()
             batch = next(batches, _DONE)
             if batch is _DONE:
                 return
-            prepared = self._prepared(batch, device, stream)
+            item = (batch, None)
+            for k in range(len(self.stages)):
+                item = self._prepared(k, item, device, stream)
             self.times.waited.append(time.perf_counter() - asked)
-            yield _hand_over(*prepared, device)
+            yield _hand_over(*item, device)
 
-    def _prepared(self, batch: Any, device: torch.device, stream: Any) -> tuple[Any, Any]:
-        """`prepare(batch)` and, on CUDA, an event marking its end on `stream`: the work is queued
-        there, not on the stream the model's kernels are queued on, so a host sync inside it (the
-        decoder's) waits for the data work only."""
+    def _prepared(self, k: int, item: tuple[Any, Any], device: torch.device, stream: Any) -> tuple[Any, Any]:
+        """Stage k on `item` (the last stage's output and, on CUDA, the event marking its end) and,
+        on CUDA, an event marking this stage's end on `stream`: the work is queued there, not on the
+        stream the model's kernels are queued on, so a host sync inside it (the decoder's) waits
+        for the data work only."""
         start, cpu = time.perf_counter(), time.thread_time()
         if stream is None:
-            out, event = self.prepare(batch, device), None  # type: ignore[misc]
+            out, event = self.stages[k](item[0], device), None
         else:
             with torch.cuda.stream(stream):
-                out = self.prepare(batch, device)  # type: ignore[misc]
+                out = self.stages[k](_hand_over(*item, device), device)
                 event = torch.cuda.Event()
                 event.record(stream)
-        self.times.prepared.append(time.perf_counter() - start)
-        self.times.prepared_cpu.append(time.thread_time() - cpu)
+        self.times.prepared[k].append(time.perf_counter() - start)
+        self.times.prepared_cpu[k].append(time.thread_time() - cpu)
         return out, event
 
-    def _ahead(self, batches: Iterator[Any], device: torch.device, stream: Any, ahead: int) -> Iterator[Any]:
-        ready: queue.Queue = queue.Queue(maxsize=ahead)
+    def _ahead(self, batches: Iterator[Any], device: torch.device, ahead: int) -> Iterator[Any]:
         stop = threading.Event()
+        last = len(self.stages) - 1
+        queues: list[queue.Queue] = [queue.Queue(maxsize=ahead if k == last else 1) for k in range(last + 1)]
 
-        def put(item: Any) -> bool:
+        def put(k: int, item: Any) -> bool:
             while not stop.is_set():
                 with contextlib.suppress(queue.Full):
-                    ready.put(item, timeout=0.1)
+                    queues[k].put(item, timeout=0.1)
                     return True
             return False
 
-        def work() -> None:
+        def taken(k: int) -> Iterator[Any]:
+            """What stage k - 1 hands over, until it is done or the epoch is stopped."""
+            while not stop.is_set():
+                with contextlib.suppress(queue.Empty):
+                    item = queues[k - 1].get(timeout=0.1)
+                    if item is _DONE:
+                        return
+                    yield item
+
+        def work(k: int) -> None:
             try:
                 if device.type == "cuda":
                     torch.cuda.set_device(device)  # a new thread starts on device 0
+                stream = torch.cuda.Stream(device) if device.type == "cuda" else None
                 with torch.no_grad():
-                    for batch in batches:
-                        if stop.is_set() or not put(self._prepared(batch, device, stream)):
+                    for item in ((batch, None) for batch in batches) if k == 0 else taken(k):
+                        if isinstance(item, BaseException):  # an earlier stage's: passed on to the consumer
+                            put(k, item)
+                            return
+                        if stop.is_set() or not put(k, self._prepared(k, item, device, stream)):
                             return
             except BaseException as e:  # raised in the consumer's thread, at this batch
-                put(e)
+                put(k, e)
                 return
-            put(_DONE)
+            put(k, _DONE)
 
-        thread = threading.Thread(target=work, name="vit-prepare-batches", daemon=True)
+        threads = [threading.Thread(target=work, args=(k,), name="vit-prepare-batches", daemon=True) for k in
+                   range(last + 1)]  # fmt: skip
 
         def stop_running() -> None:
             stop.set()
-            thread.join()
+            for thread in threads:
+                thread.join()
             if self._stop_running is stop_running:  # not a later epoch's
                 self._stop_running = None
 
         self._stop_running = stop_running
-        thread.start()
-        return self._hand_out(ready, stop_running, device)
+        for thread in threads:
+            thread.start()
+        return self._hand_out(queues[last], stop_running, device)
 
     def _hand_out(self, ready: queue.Queue, stop_running: Callable[[], None], device: torch.device) -> Iterator[Any]:
         try:
@@ -158,10 +185,10 @@ class PreparedLoader(DataLoader):
 
 
 def _hand_over(out: Any, event: Any, device: torch.device) -> Any:
-    """A batch prepared on its own stream, made safe to use on the caller's: the caller's stream
-    waits for it, and its memory is not reused until the caller's work queued on it is done."""
+    """A batch prepared on another stream, made safe to use on the caller's: the caller's stream
+    waits for it, and its device memory is not reused until the caller's work queued on it is done."""
     if event is not None:
         current = torch.cuda.current_stream(device)
         current.wait_event(event)
-        apply_to_collection(out, torch.Tensor, lambda tensor: tensor.record_stream(current))
+        apply_to_collection(out, torch.Tensor, lambda tensor: tensor.record_stream(current) if tensor.is_cuda else None)
     return out

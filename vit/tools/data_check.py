@@ -209,14 +209,18 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
 
 def data_times(loader: Any, batches: int) -> str:
     """The loader's medians over its last `batches` (vit.data.prefetch.LoaderTimes), in ms: how
-    long the step waited for a batch, and how long preparing one took (on the CPU); "" for a
-    loader that prepares nothing in the training process."""
+    long the step waited for a batch, and how long preparing one took in each stage (on the CPU);
+    "" for a loader that prepares nothing in the training process."""
     times = getattr(loader, "times", None)
-    if times is None or not times.prepared:
+    if times is None or not times.prepared or not times.prepared[0]:
         return ""
-    ms = {name: 1e3 * float(np.median(getattr(times, name)[-batches:])) for name in vars(times)}
-    return (f"; the step waited {ms['waited']:.1f} ms a batch for data; preparing one took {ms['prepared']:.1f} ms "
-            f"({ms['prepared_cpu']:.1f} on the CPU)")  # fmt: skip
+
+    def ms(values: list[float]) -> str:
+        return f"{1e3 * float(np.median(values[-batches:])):.1f}"
+
+    return (f"; the step waited {ms(times.waited)} ms a batch for data; preparing one took "
+            f"{' + '.join(ms(t) for t in times.prepared)} ms ({' + '.join(ms(t) for t in times.prepared_cpu)} "
+            "on the CPU)")  # fmt: skip
 
 
 def recipe_name(config: str) -> str:

@@ -152,7 +152,7 @@ def resize_crops_together(images: Sequence[torch.Tensor], params: torch.Tensor, 
     device, limit = images[0].device, TOGETHER_SIDE * size
     alone = [i for i, image in enumerate(images) if max(image.shape[1:]) > limit]
     if alone:
-        together = [i for i in range(len(images)) if i not in set(alone)]
+        together = sorted(set(range(len(images))) - set(alone))
         out = torch.empty(len(images), 3, size, size, device=device)
         for chosen, resize in ((together, resize_crops_together), (alone, _resize_each)):
             if chosen:

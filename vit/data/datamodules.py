@@ -310,8 +310,8 @@ class ImageDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """On the device: in-memory batches augmented (training) and normalised (encoded files
         arrive decoded and normalised: _decode_on_device, _augment_on_device); then Mixup/CutMix,
-        training batches only. All randomness is a function of (seed, step, rank) or (seed, epoch, index), so resumed
-        runs augment and mix exactly like uninterrupted ones."""
+        training batches only. All randomness is a function of (seed, step, rank) or (seed, epoch,
+        index), so resumed runs augment and mix exactly like uninterrupted ones."""
         if self.in_memory:
             batch = self._augment_in_memory(batch)
         trainer = self.trainer

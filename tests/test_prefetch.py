@@ -131,27 +131,29 @@ def test_an_old_epoch_finished_late_does_not_forget_the_running_threads(tmp_path
 
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_the_loader_times_each_batchs_preparing_and_the_steps_wait_for_it(ahead):
-    """A batch takes 30 ms to prepare, 10 of them on the CPU, and a step takes 60 ms: prepared on
-    demand, each step waits the whole 30 ms; a batch ahead, only the first does."""
+    """A batch takes 50 ms to prepare, 10 of them on the CPU, and a step takes 100 ms: prepared on
+    demand, each step waits the whole 50 ms; a batch ahead, the first step waits for most of the
+    first batch (the thread starts when the epoch does, a little before the step asks) and the
+    rest hardly wait."""
 
     def prepare(batch, device):
         end = time.thread_time() + 0.01
         while time.thread_time() < end:  # CPU time
             pass
-        time.sleep(0.02)  # waiting, not on the CPU
+        time.sleep(0.04)  # waiting, not on the CPU
         return batch
 
     loader = PreparedLoader(torch.arange(24), batch_size=4, prepare=prepare, ahead=ahead)
     for _ in loader:
-        time.sleep(0.06)
+        time.sleep(0.1)
     times = loader.times
     assert len(times.prepared) == len(times.prepared_cpu) == 1  # one stage
     (prepared,), (cpu,) = times.prepared, times.prepared_cpu
     assert len(prepared) == len(cpu) == len(times.waited) == 6
-    assert all(p >= 0.03 for p in prepared)
-    assert all(0.009 <= c <= p - 0.02 for c, p in zip(cpu, prepared, strict=True))
-    if ahead:  # the thread had 60 ms a step to prepare the next batch in 30
-        assert times.waited[0] >= 0.03 and max(times.waited[1:]) < 0.015
+    assert all(p >= 0.05 for p in prepared)
+    assert all(0.009 <= c <= p - 0.04 for c, p in zip(cpu, prepared, strict=True))
+    if ahead:  # the thread had 100 ms a step to prepare the next batch in 50
+        assert times.waited[0] >= 0.025 and max(times.waited[1:]) < 0.02
     else:
         assert all(w >= p for w, p in zip(times.waited, prepared, strict=True))
 

@@ -1,7 +1,10 @@
 """Where `data.device_decode`'s time goes, part by part, on this machine's GPU (or CPU): the loader
 workers handing batches of encoded files over, and on one batch in the training process the
-decoder, the crop + resize + flip, RandAugment and normalising, each timed alone. The parts run one
-after another in one thread; the data path overlaps them with the model (vit.data.prefetch).
+decoder, the crop + resize + flip, RandAugment and normalising, each timed alone: wall time, the
+host's CPU time and, on a GPU, the device's busy time. Work that keeps the GPU busy cannot hide
+behind a model's step on the same GPU; work that keeps the host busy can, in another thread (the
+data path runs its stages beside the model: vit.data.prefetch); here the parts run one after
+another in one thread.
 Run it alone: `flock /tmp/vit-bench.lock python -m benchmarks.data_parts [--batch 128 --workers 10]`."""
 
 from __future__ import annotations
@@ -30,6 +33,29 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / reps * 1e3, (time.thread_time() - cpu) / reps * 1e3
+
+
+def device_busy(fn: Callable[[], object], device: torch.device, reps: int) -> float | str | None:
+    """Milliseconds per call the GPU spent running `fn`'s kernels and copies (summed from torch's
+    profiler; on one stream they do not overlap): near the wall time, the device sets the pace and
+    the work does not hide behind a model's step on the same GPU; far below it, the host does.
+    None on the CPU; the error's text if the profiler cannot read the device."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize(device)
+        busy = sum(event.device_time_total for event in prof.events() if event.device_type == DeviceType.CUDA)
+    except Exception as e:  # the table's other columns still print
+        return f"{type(e).__name__}: {e}"[:80]
+    return busy / reps / 1e3
 
 
 def main() -> None:
@@ -62,7 +88,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     order = [(int(i), int(i)) for i in rng.permutation(len(samples))]  # (index, sample seed), shuffled
 
-    rows: list[tuple[str, float, float | None]] = []  # (part, img/s, CPU ms per batch)
+    rows: list[tuple[str, float, float | None, float | str | None]] = []  # (part, img/s, CPU ms, GPU ms a batch)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=order * 3, collate_fn=collate_encoded,
                         num_workers=args.workers, drop_last=True, pin_memory=cuda)  # fmt: skip
     batches = iter(loader)
@@ -72,7 +98,7 @@ def main() -> None:
     for batch in batches:
         images += len(batch.labels)
     rows.append((f"hand-over: {args.workers} loader workers read files, decode non-JPEGs, draw parameters", images
-                 / (time.perf_counter() - start), None))  # fmt: skip
+                 / (time.perf_counter() - start), None, None))  # fmt: skip
     del batches
 
     batch = collate_encoded([dataset[item] for item in order[: args.batch]])
@@ -93,15 +119,16 @@ def main() -> None:
     )  # fmt: skip
     for name, part in parts.items():
         ms, cpu = timed(part, device, args.reps)
-        rows.append((name, args.batch / ms * 1e3, cpu))
+        rows.append((name, args.batch / ms * 1e3, cpu, device_busy(part, device, args.reps)))
 
     name = torch.cuda.get_device_name(device) if cuda else f"CPU, {os.cpu_count()} cores"
     others = len(batch.decoded)
     print(f"\n{name}; torch {torch.__version__}; batch {args.batch} of {len(samples)} images from {root} "
           f"({others} of this batch decoded in the worker: not JPEGs)\n")  # fmt: skip
-    print("| part | img/s | ms per batch | of them the host's CPU time |\n|---|---:|---:|---:|")
-    for name, speed, cpu in rows:
-        print(f"| {name} | {speed:,.0f} | {args.batch / speed * 1e3:.1f} | {'-' if cpu is None else f'{cpu:.1f}'} |")
+    print("| part | img/s | ms per batch | the host's CPU time | the GPU's busy time |\n|---|---:|---:|---:|---:|")
+    for name, speed, cpu, busy in rows:
+        cells = ["-" if v is None else v if isinstance(v, str) else f"{v:.1f}" for v in (cpu, busy)]
+        print(f"| {name} | {speed:,.0f} | {args.batch / speed * 1e3:.1f} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from tests.conftest import ROOT, write_image_folder
 from tests.test_fault_tolerance import QUIET, _free_port, assert_bit_identical, signal_at, weights
 from vit.cli import main
 from vit.data import StreamingDataModule
+from vit.data.augment import Augment
+from vit.data.device import EncodedFiles
 from vit.data.images import CorruptImageError, scan_image_folder
 from vit.data.sampling import ChunkedSampler
 from vit.data.streaming import StreamingImages, open_streaming
@@ -69,6 +71,32 @@ def test_reading_in_a_shuffled_order_deserializes_only_the_samples_read(tmp_path
     for i in np.random.default_rng(0).permutation(len(images))[:20]:
         assert images.read_bytes(int(i))[:3] == b"\xff\xd8\xff"
     assert len(read) == 2 * 20  # each read: its own label and path
+
+
+def test_a_loader_worker_reads_its_batch_chunk_by_chunk_and_returns_it_in_the_order_asked(tmp_path, monkeypatch):
+    """litdata keeps a few chunks mapped in each process: a shuffled batch read sample by sample
+    maps and unmaps them in turn. A worker's batch (`__getitems__`, as the DataLoader asks) is read
+    chunk by chunk, each chunk in stored order, and comes back as reading each sample alone gives
+    it, for the device path's encoded files as for the per-sample path's decoded images."""
+    convert_image_folder(_source(tmp_path), tmp_path / "stream", chunk_bytes="8KB")
+    images = StreamingImages(str(tmp_path / "stream" / "train"))
+    assert len(images.index["chunks"]) >= 4
+    rng = np.random.default_rng(0)
+    items = [(int(i), int(rng.integers(2**31))) for i in rng.permutation(len(images))[:20]]
+    read: list[int] = []
+    stored_read = images.read_bytes
+    monkeypatch.setattr(images, "read_bytes", lambda i: read.append(int(images.positions[i])) or stored_read(i))
+    for dataset in (EncodedFiles(images, train=True, augment=Augment(crop="rrc", hflip=True)), images):
+        read.clear()
+        batch = dataset.__getitems__(items)
+        assert read == sorted(read) and sorted(read) == sorted(i for i, _ in items)  # stored order: chunk by chunk
+        alone = [dataset[item] for item in items]
+        for (image, label, *params), (image_alone, label_alone, *params_alone) in zip(batch, alone, strict=True):
+            assert np.array_equal(np.asarray(image), np.asarray(image_alone)) and label == label_alone
+            for a, b in zip(params, params_alone, strict=True):  # the parameters drawn (NaN: an op not taken)
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    half = images.subset(np.arange(len(images))[::2], None)  # a split of it: its positions 3, 0, 1 are stored 6, 0, 2
+    assert [int(half.positions[[3, 0, 1][k]]) for k in half.read_order([3, 0, 1])] == [0, 2, 6]
 
 
 def test_conversion_names_a_corrupt_image_leaves_it_out_with_skip_corrupt_and_caps_sizes(tmp_path, capsys):

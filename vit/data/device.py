@@ -110,6 +110,9 @@ class EncodedFiles(ImageFiles):
         position, (image, height, width) = found
         return image, self.samples[position].label, self._params(seed, height, width, position)
 
+    def read_order(self, positions: Sequence[int]) -> Sequence[int]:
+        return self.source.read_order(positions)
+
     def _read(self, position: int) -> tuple[torch.Tensor, int, int]:
         """(JPEG bytes or the decoded image, height, width); CorruptImageError naming the file if unreadable."""
         name = self.samples[position].path

@@ -247,6 +247,18 @@ class ImageFiles(_SeededTransform):
         """The encoded file of sample `position`, as stored."""
         return Path(self.samples[position].path).read_bytes()
 
+    def read_order(self, positions: Sequence[int]) -> Sequence[int]:
+        """The order to read a batch's samples in (indices into `positions`): as asked, for files."""
+        return range(len(positions))
+
+    def __getitems__(self, items: Sequence[int | tuple[int, int]]) -> list[Any]:
+        """A loader worker's batch: the samples read in `read_order`, returned in the order asked.
+        Each sample depends only on its own (index, seed), so the order read changes nothing else."""
+        out: list[Any] = [None] * len(items)
+        for k in self.read_order([item[0] if isinstance(item, tuple) else item for item in items]):
+            out[k] = self[items[k]]
+        return out
+
     def first_readable(
         self, index: int, read: Callable[[int], Any], substitute: bool | None = None
     ) -> tuple[int, Any] | None:

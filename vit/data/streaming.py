@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,13 @@ class StreamingImages(ImageFiles):
 
     def read_image(self, position: int) -> np.ndarray:
         return read_rgb(io.BytesIO(self.read_bytes(position)), self.samples[position].path)
+
+    def read_order(self, positions: Sequence[int]) -> Sequence[int]:
+        """Chunk by chunk, each in stored order: litdata keeps only a few chunks mapped in each
+        process, so a shuffled batch read as asked maps and unmaps them sample by sample (2.5-4x
+        the time a read, 8 chunks of 64 MB, one process)."""
+        stored = self.positions[np.asarray(positions, dtype=np.int64)]
+        return np.lexsort((stored, self.chunk_of[np.asarray(positions, dtype=np.int64)])).tolist()
 
     def subset(self, indices: Any, transform: Transform | None) -> StreamingImages:
         return StreamingImages(self.url, transform, self.skip_corrupt, self.cache_dir, self.max_cache_size,

@@ -34,11 +34,12 @@ import importlib.util
 import io
 import multiprocessing
 import os
+import re
 import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,11 @@ def recipe_name(config: str) -> str:
 
 
 VARIANTS = ("prefetch", "decode", "streaming")  # check_recipe's variants of a recipe, in the order they run
+CAP = re.compile(r"cap(\d+)")  # and "cap<N>" (after them): a copy of the tree with the longer side capped at N
+
+
+def unknown_variants(variants: Sequence[str]) -> list[str]:
+    return [v for v in variants if v not in VARIANTS and not (CAP.fullmatch(v) and int(v[3:]) > 0)]
 
 
 def check_recipe(
@@ -238,11 +244,13 @@ def check_recipe(
     compiled; the fits' notes give end to end as a share of the model alone. Then, eager and
     labelled, the `variants` of the recipe: "prefetch", the other `device_prefetch` (0 on a GPU, 1 on
     the CPU); "decode", `device_decode` the other way; "streaming", from the tree converted to
-    litdata chunks (`case.root`-streaming, written on first use)."""
-    if unknown := set(variants) - set(VARIANTS):
-        raise ValueError(f"unknown data check variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    litdata chunks (`case.root`-streaming, written on first use); "cap<N>", from a copy of the tree
+    with each image's longer side capped at N (`case.root`-capN, vit.tools.resize_folder)."""
+    if unknown := unknown_variants(variants):
+        raise ValueError(f"unknown data check variants {unknown}; choose from {', '.join(VARIANTS)} or cap<N>")
     from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.flops import forward_flops
+    from vit.tools.resize_folder import resize_folder
 
     name = recipe_name(case.config)
     with tempfile.TemporaryDirectory() as workdir:
@@ -270,6 +278,15 @@ def check_recipe(
         print("[data-check] litdata is not installed (pip install -e '.[stream]'): no streaming rows", flush=True)
     elif "streaming" in variants:
         paths.append((" (streaming)", streaming, ("eager",)))
+
+    def capped(side: int) -> DataCase:
+        capped_root = case.root.with_name(f"{case.root.name}-cap{side}")
+        if not (capped_root / "train").is_dir():
+            resize_folder(case.root, capped_root, side, workers=max(1, (os.cpu_count() or 1) - 1))
+        return replace(case, root=capped_root)
+
+    for side in (int(v[3:]) for v in variants if CAP.fullmatch(v)):
+        paths.append((f" (longer side <= {side})", lambda side=side: capped(side), ("eager",)))
 
     models = {}
 

@@ -321,7 +321,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from vit.tools.data_check import VARIANTS
+    from vit.tools.data_check import VARIANTS, unknown_variants
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="cpu: the float32 debug path")
@@ -344,15 +344,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-warmup", type=int, help="untimed steps before them (default 20; 1 on the CPU)")
     p.add_argument("--data-variants", default=",".join(VARIANTS),
                    help="each recipe's variants, comma-separated (none: ''): prefetch (the other "
-                        "device_prefetch), decode (the other device_decode), streaming (litdata chunks)")  # fmt: skip
+                        "device_prefetch), decode (the other device_decode), streaming (litdata chunks), "
+                        "cap<N> (a copy with the longer side capped at N, e.g. cap320)")  # fmt: skip
     p.add_argument("--json", help="write the rows here (a worker: its row)")
     p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     args.data_recipes = [c.strip() for c in args.data_recipes.split(",") if c.strip()]
     args.data_variants = [v.strip() for v in args.data_variants.split(",") if v.strip()]
-    if unknown := [v for v in args.data_variants if v not in VARIANTS]:
-        p.error(f"--data-variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if unknown := unknown_variants(args.data_variants):
+        p.error(f"--data-variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)} or cap<N>")
     if unknown := [c for c in args.checks if c not in CHECKS]:
         p.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     return args

@@ -189,7 +189,9 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     for name in ("vit b16", "resnet50"):  # the shipped configs decode on the device; the other rows do not
         assert "decode on the training device" in rows[f"{name}: data path alone"]["note"]
         assert "decode on the training device" not in rows[f"{name} (per-sample): data path alone"]["note"]
-    assert "decode on the training device" in rows["vit b16 (streaming): data path alone"]["note"]
+    streaming = rows["vit b16 (streaming): data path alone"]["note"]
+    assert "decode on the training device" in streaming
+    assert re.search(r"litdata maps the chunks in place, \d+ a process at a time", streaming)
     ms, two = r"\d+\.\d", r"\d+\.\d \+ \d+\.\d"
     stages = rf"waited {ms} ms a batch for data; preparing one took {two} ms \({two} on the CPU\)"
     for name in ("vit b16", "vit b16 (prefetch 1)", "vit b16 (streaming)", "resnet50"):  # decoding, then augmenting

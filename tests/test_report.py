@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,17 +71,35 @@ def test_the_installed_commands():
     ]  # fmt: skip
 
 
+def _script(command: str) -> Path:
+    module = SCRIPTS[command].partition(":")[0]
+    return ROOT / "scripts" / f"{module.rsplit('.', 1)[1]}.py"
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess]:
+    """Each checkout script's `--help`, all started at once (each spends seconds importing)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    running = {
+        command: subprocess.Popen([sys.executable, str(_script(command)), "--help"], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for command in SCRIPTS
+    }  # fmt: skip
+    done = {}
+    for command, process in running.items():
+        out, err = process.communicate(timeout=240)
+        done[command] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    return done
+
+
 @pytest.mark.parametrize("command", sorted(SCRIPTS))
-def test_installed_command_points_at_a_function_and_its_checkout_script_runs(command):
+def test_installed_command_points_at_a_function_and_its_checkout_script_runs(command, helps):
     """`vit-x` (after pip install) and `python scripts/x.py` (in a checkout) run the same `cli`."""
     module, _, attr = SCRIPTS[command].partition(":")
     assert callable(getattr(importlib.import_module(module), attr))
-    script = ROOT / "scripts" / f"{module.rsplit('.', 1)[1]}.py"
-    assert f"from {module} import {attr}" in script.read_text()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "usage:" in done.stdout.lower()
+    assert f"from {module} import {attr}" in _script(command).read_text()
+    assert helps[command].returncode == 0, helps[command].stderr
+    assert "usage:" in helps[command].stdout.lower()
 
 
 def test_the_studies_read_data_and_weights_from_the_environment_or_the_project_folders(monkeypatch):

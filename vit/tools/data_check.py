@@ -177,7 +177,20 @@ def loader_speed(case: DataCase) -> tuple[float, str]:
         seconds = time.perf_counter() - start
         del loader
         gc.collect()  # its workers end now: not garbage-collected later inside the next loader's forked workers
-    return images / seconds, f"{data.num_workers} workers: {data.describe_transforms()[0]}"
+    how = f"{data.num_workers} workers: {data.describe_transforms()[0]}"
+    return images / seconds, how + (f"; {litdata_reads(data.train_set)}" if case.streaming else "")
+
+
+def litdata_reads(dataset: Any) -> str:
+    """How litdata reads the chunks of a vit.data.streaming set (as a loader worker's first read
+    sets it up here): mapped in place, or copied into its cache first."""
+    source = getattr(dataset, "source", dataset)
+    source.read_bytes(0)
+    stored = source._open()
+    reader = getattr(getattr(stored, "cache", None), "_reader", None)
+    if getattr(reader, "_posix_fast", False):
+        return f"litdata maps the chunks in place, {getattr(reader, '_posix_keep', '?')} a process at a time"
+    return f"litdata copies the chunks into its cache ({getattr(stored, 'cache_dir', None) or 'its default'}) first"
 
 
 def model_speed(case: DataCase, compile: bool) -> tuple[float, str]:

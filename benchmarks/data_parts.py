@@ -104,17 +104,18 @@ def main() -> None:
     batch = collate_encoded([dataset[item] for item in order[: args.batch]])
     if cuda:  # as the datamodule's loader hands it over (pin_memory on CUDA): the decoder copies each file
         batch = apply_to_collection(batch, torch.Tensor, torch.Tensor.pin_memory)
-    files, params = batch.images(), batch.params
-    images = decode_batch(files, device)
+    params = batch.params
+    images = decode_batch(batch.images(device), device)
     cropped = crop_resize_flip(images, params, args.size)
     parts = {
-        "decode (nvjpeg on CUDA, libjpeg on the CPU)": lambda: decode_batch(files, device),
+        "decode (nvjpeg on CUDA, libjpeg on the CPU)": lambda: decode_batch(batch.images(device), device),
         "crop + resize + flip": lambda: crop_resize_flip(images, params, args.size),
         "RandAugment, 2 ops at magnitude 9": lambda: rand_augment(cropped, params[:, RA_START:INDEX]),
         "normalise": lambda: normalize(cropped, IMAGENET_MEAN, IMAGENET_STD),
     }
     parts["all four, one after another"] = lambda: normalize(
-        rand_augment(crop_resize_flip(decode_batch(files, device), params, args.size), params[:, RA_START:INDEX]),
+        rand_augment(crop_resize_flip(decode_batch(batch.images(device), device), params, args.size),
+                     params[:, RA_START:INDEX]),
         IMAGENET_MEAN, IMAGENET_STD,
     )  # fmt: skip
     for name, part in parts.items():
@@ -122,7 +123,7 @@ def main() -> None:
         rows.append((name, args.batch / ms * 1e3, cpu, device_busy(part, device, args.reps)))
 
     name = torch.cuda.get_device_name(device) if cuda else f"CPU, {os.cpu_count()} cores"
-    others = len(batch.decoded)
+    others = len(batch.sizes)
     print(f"\n{name}; torch {torch.__version__}; batch {args.batch} of {len(samples)} images from {root} "
           f"({others} of this batch decoded in the worker: not JPEGs)\n")  # fmt: skip
     print("| part | img/s | ms per batch | the host's CPU time | the GPU's busy time |\n|---|---:|---:|---:|---:|")

@@ -76,9 +76,38 @@ def test_a_worker_hands_over_the_jpegs_as_one_block_of_bytes_and_decodes_the_res
     assert batch.data.is_shared() and bytes(batch.data.numpy()) == b"".join(jpegs)
     assert batch.lengths.tolist() == [len(jpegs[0]), len(jpegs[1]), 0, 0] and batch.labels.tolist() == [0, 1, 2, 3]
     pixels = [torch.from_numpy(read_rgb(p)).permute(2, 0, 1) for p in files]
-    assert [torch.equal(image, expected) for image, expected in zip(batch.decoded, pixels[2:], strict=True)] == [1, 1]
+    assert batch.pixels.is_shared() and batch.sizes.tolist() == [[90, 140], [90, 150]]  # the PNGs, end to end
+    assert [torch.equal(image, expected) for image, expected in zip(batch.decoded(), pixels[2:], strict=True)] == [1, 1]
     for image, expected in zip(decode_batch(batch.images(), "cpu"), pixels, strict=True):
         assert image.shape == expected.shape and (image.int() - expected.int()).abs().max() <= 1
+
+
+def test_worker_decode_has_that_share_of_the_jpegs_decoded_in_the_workers_the_same_ones_each_time(tmp_path):
+    """Decoding on a GPU takes its cores from the model: `worker_decode` moves a share of the JPEGs
+    to the loader workers (PIL, the per-sample path's decoder), spread evenly over the files and the
+    same ones every epoch; they cross as one block of pixels, and the batch decodes as before."""
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        synthetic_photo(rng, 24 + i % 5, 16).save(tmp_path / f"{i}.jpg", quality=90)
+    samples = [Sample(str(tmp_path / f"{i}.jpg"), i) for i in range(40)]
+    pixels = [torch.from_numpy(read_rgb(s.path)).permute(2, 0, 1) for s in samples]
+    chosen = []
+    for share in (0.0, 0.25, 0.5, 1.0):
+        dataset = EncodedFiles(samples, train=False, worker_decode=share)
+        here = [i for i in range(40) if dataset[i][0].dim() == 3]
+        chosen.append(set(here))
+        assert here == [i for i in range(40) if dataset.decoded_here(i)] and abs(len(here) - 40 * share) <= 1
+        assert all(torch.equal(dataset[i][0], pixels[i]) for i in here)
+        assert max(np.diff([-1, *here, 40]), default=0) <= {0.0: 41, 0.25: 8, 0.5: 3, 1.0: 1}[share]  # spread out
+    assert chosen[0] < chosen[1] < chosen[2] < chosen[3]  # a larger share adds files to the smaller's
+    loader = torch.utils.data.DataLoader(EncodedFiles(samples, False, worker_decode=0.5), batch_size=20,
+                                         num_workers=1, collate_fn=collate_encoded)  # fmt: skip
+    for k, batch in enumerate(loader):
+        assert batch.pixels.is_shared() and len(batch.sizes) == int((batch.lengths == 0).sum()) > 5
+        for image, expected in zip(decode_batch(batch.images("cpu"), "cpu"), pixels[20 * k : 20 * k + 20], strict=True):
+            assert image.shape == expected.shape and (image.int() - expected.int()).abs().max() <= 1
+    with pytest.raises(ValueError, match=r"worker_decode is a share of the JPEGs, from 0 to 1; got 1\.5"):
+        EncodedFiles(samples, train=False, worker_decode=1.5)
 
 
 def test_formats_the_device_decoder_does_not_take_decode_as_the_per_sample_path_decodes_them(tmp_path):
@@ -92,7 +121,7 @@ def test_formats_the_device_decoder_does_not_take_decode_as_the_per_sample_path_
     dataset = EncodedFiles([Sample(str(p), i) for i, p in enumerate(paths)], train=False)
     batch = collate_encoded([dataset[i] for i in range(3)])
     assert batch.lengths.tolist() == [0, 0, 0]  # all three decoded in the worker
-    for image, path, grey in zip(batch.decoded, paths, (77, 33, 50), strict=True):
+    for image, path, grey in zip(batch.decoded(), paths, (77, 33, 50), strict=True):
         assert torch.equal(image, torch.from_numpy(read_rgb(path)).permute(2, 0, 1))
         assert image.shape == (3, 9, 11) and image.unique().tolist() == [grey]
 
@@ -109,7 +138,7 @@ def test_progressive_and_cmyk_jpegs_are_decoded_in_the_worker_as_the_per_sample_
     dataset = EncodedFiles([Sample(str(p), i) for i, p in enumerate(paths)], train=False)
     batch = collate_encoded([dataset[i] for i in range(3)])
     assert batch.lengths.tolist() == [0, 0, len(paths[2].read_bytes())]  # the grey baseline JPEG goes as bytes
-    for image, path in zip(batch.decoded, paths[:2], strict=True):
+    for image, path in zip(batch.decoded(), paths[:2], strict=True):
         assert torch.equal(image, torch.from_numpy(read_rgb(path)).permute(2, 0, 1))
     assert [tuple(image.shape) for image in batch.images()] == [(3, 90, 120)] * 2 + [(len(paths[2].read_bytes()),)]
 
@@ -273,14 +302,15 @@ def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog)
 def _recipe(data: Path, run: Path, *extra: str) -> list[str]:
     """configs/imagenet_resnet50.yaml (random resized crops, 0.875 eval crop, SGD, label smoothing) with
     a ResNet-18 at 72 px on a small JPEG folder, device_decode (a batch ahead, in a thread, as on a
-    GPU) and RandAugment on: 3 epochs of 4 steps."""
+    GPU; half the JPEGs decoded in the loader worker) and RandAugment on: 3 epochs of 4 steps."""
     return [
         "fit", "--config", str(ROOT / "configs/imagenet_resnet50.yaml"), *QUIET,
         "--trainer.default_root_dir", str(run), "--trainer.accelerator", "cpu", "--trainer.devices", "1",
         "--trainer.strategy", "auto", "--trainer.precision", "32-true", "--trainer.max_epochs", "3",
         "--trainer.logger", "false", "--model.model_name", "resnet18", "--data.root", str(data),
         "--data.img_size", "72", "--data.batch_size", "8", "--data.num_workers", "0",
-        "--data.device_decode", "true", "--data.device_prefetch", "1", "--data.augment.randaugment_ops", "2", *extra,
+        "--data.device_decode", "true", "--data.device_prefetch", "1", "--data.worker_decode", "0.5",
+        "--data.augment.randaugment_ops", "2", *extra,
     ]  # fmt: skip
 
 
@@ -300,7 +330,8 @@ def test_the_resnet50_recipe_with_device_decoding_resumes_mid_epoch_to_the_same_
     assert resumed.trainer.global_step == straight.trainer.global_step == 12
     assert_bit_identical(weights(resumed), weights(straight))
     train_line = straight.datamodule.describe_transforms()[0]
-    assert train_line.startswith("decode on the training device, random resized") and "RandAugment 2 ops" in train_line
+    assert train_line.startswith("decode on the training device (50% of the JPEGs in the loader workers), random")
+    assert "RandAugment 2 ops" in train_line
     assert float(straight.trainer.callback_metrics["val/acc1"]) > 0.25  # 4 classes by grey level: it learns
 
 
@@ -311,3 +342,7 @@ def test_device_decoding_refuses_what_it_does_not_do():
         ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, augment={"crop": "pad_crop"})
     with pytest.raises(ValueError, match="default, which device_decode does not do"):  # small images' default crop
         ImageFolderDataModule(str(ROOT / "tests"), img_size=32, device_decode=True)
+    with pytest.raises(ValueError, match=r"worker_decode 0\.5 is a share of device_decode's JPEGs, and device_decode"):
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, worker_decode=0.5)
+    with pytest.raises(ValueError, match=r"from 0 to 1; got -0\.1"):
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, worker_decode=-0.1)

@@ -91,6 +91,9 @@ class ImageDataModule(L.LightningDataModule):
         device_prefetch: with device_decode, how many batches a thread decodes ahead of the step,
             on a CUDA stream of its own (vit.data.prefetch); 0: each when its step begins; None: 1
             on a GPU, 0 on the CPU (there the thread only competes with the model for the cores).
+        worker_decode: with device_decode, the share of the JPEGs (0 to 1, the same files every
+            epoch) that the loader workers decode (PIL) instead of the device: decoding on a GPU
+            takes its cores from the model, and workers with cores to spare can take part of it.
 
     A group given in Python as a dict changes only the fields it names of the class's default,
     e.g. `CIFARDataModule(augment={"cutout": 8})` keeps its pad-crop.
@@ -132,6 +135,7 @@ class ImageDataModule(L.LightningDataModule):
         train_sizes: list[tuple[float, int]] | None = None,
         device_decode: bool = False,
         device_prefetch: int | None = None,
+        worker_decode: float = 0.0,
     ) -> None:
         super().__init__()
         self.img_size = img_size
@@ -155,7 +159,14 @@ class ImageDataModule(L.LightningDataModule):
                 f"in_memory=True augments batches with augment.crop 'pad_crop' or 'resize'; got {crop!r} "
                 "(use in_memory=False for it)"
             )
-        self.device_decode, self.device_prefetch = device_decode, device_prefetch
+        self.device_decode, self.device_prefetch, self.worker_decode = device_decode, device_prefetch, worker_decode
+        if not 0.0 <= worker_decode <= 1.0:
+            raise ValueError(f"worker_decode is a share of device_decode's JPEGs, from 0 to 1; got {worker_decode}")
+        if worker_decode and not device_decode:
+            raise ValueError(
+                f"worker_decode {worker_decode} is a share of device_decode's JPEGs, and device_decode is false: "
+                "set --data.device_decode true, or worker_decode 0"
+            )
         if device_decode and (in_memory or crop not in DEVICE_CROPS):
             raise ValueError(
                 f"device_decode decodes image files on the training device and crops with {' or '.join(DEVICE_CROPS)}; "
@@ -187,6 +198,8 @@ class ImageDataModule(L.LightningDataModule):
         """One line each for what training and evaluation do to an image (logged at setup)."""
         size, augment, padding = self.img_size, self.augment, self.augment.crop_padding
         device = ["decode on the training device"] if self.device_decode else []
+        if self.device_decode and self.worker_decode:
+            device = [f"decode on the training device ({self.worker_decode:.0%} of the JPEGs in the loader workers)"]
         if self.in_memory:  # decoded once at the eval geometry, then augmented in batches
             train = [f"decode once at {size} (shorter side, centre crop)"]
             train += [f"pad {padding} + random crop {size}"] if augment.crop == "pad_crop" else []
@@ -232,7 +245,7 @@ class ImageDataModule(L.LightningDataModule):
             return dataset
         if not isinstance(dataset, ImageFiles):
             raise ValueError(f"device_decode reads image files; {type(self).__name__} holds decoded arrays")
-        return EncodedFiles(dataset, train, self.augment, self.eval_crop_pct, self.skip_corrupt)
+        return EncodedFiles(dataset, train, self.augment, self.eval_crop_pct, self.skip_corrupt, self.worker_decode)
 
     def train_dataloader(self) -> DataLoader:
         seed = run_seed(self.trainer)

@@ -49,6 +49,7 @@ from vit.data.images import MISSING, CorruptImageError, ImageFiles, Sample, read
 log = logging.getLogger(__name__)
 
 JPEG_MAGIC = b"\xff\xd8\xff"
+GOLDEN = (5**0.5 - 1) / 2  # EncodedFiles.decoded_here: n x GOLDEN mod 1 spreads evenly over [0, 1)
 DEVICE_CROPS = ("rrc", "resize")
 # A worker sends each image's augmentation parameters (vit.data.augment: crop box, flip, RandAugment)
 # and, last, the index of the file read (to name it if it does not decode).
@@ -95,12 +96,20 @@ class EncodedFiles(ImageFiles):
         augment: Augment = Augment(),
         crop_pct: float = 1.0,
         skip_corrupt: bool = False,
+        worker_decode: float = 0.0,
     ) -> None:
         if augment.crop not in DEVICE_CROPS:
             raise ValueError(f"device_decode crops with {' or '.join(DEVICE_CROPS)}, not {augment.crop!r}")
+        if not 0.0 <= worker_decode <= 1.0:
+            raise ValueError(f"worker_decode is a share of the JPEGs, from 0 to 1; got {worker_decode}")
         self.source = source if isinstance(source, ImageFiles) else ImageFiles(source)
         super().__init__(self.source.samples, skip_corrupt=skip_corrupt, substitute=train)
-        self.train, self.augment, self.crop_pct = train, augment, crop_pct
+        self.train, self.augment, self.crop_pct, self.worker_decode = train, augment, crop_pct, worker_decode
+
+    def decoded_here(self, position: int) -> bool:
+        """Whether the worker decodes sample `position` even if the device could (`worker_decode`
+        of them, spread evenly over the positions, the same ones every epoch)."""
+        return ((position + 1) * GOLDEN) % 1.0 < self.worker_decode
 
     def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int, torch.Tensor]:
         index, seed = item if isinstance(item, tuple) else (item, None)
@@ -120,7 +129,7 @@ class EncodedFiles(ImageFiles):
             data = self.source.read_bytes(position)
             if data.startswith(JPEG_MAGIC):
                 height, width, for_device = read_header(data)
-                if for_device:
+                if for_device and not self.decoded_here(position):
                     return torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise CorruptImageError(f"cannot decode image {name}: {e}") from e
@@ -145,31 +154,44 @@ class EncodedBatch(NamedTuple):
     """A batch as a loader worker hands it over: few tensors, each one shared-memory block."""
 
     data: torch.Tensor  # uint8 (N,): the batch's JPEGs, end to end
-    lengths: torch.Tensor  # int64 (B,): each image's bytes in `data`; 0 for an image in `decoded`
-    decoded: list[torch.Tensor]  # uint8 (3, H, W), in batch order: the images decoded in the worker
+    lengths: torch.Tensor  # int64 (B,): each image's bytes in `data`; 0 for an image in `pixels`
+    pixels: torch.Tensor  # uint8 (M,): the images decoded in the worker, each (3, H, W) flattened, end to end
+    sizes: torch.Tensor  # int64 (D, 2): their (H, W), in batch order
     labels: torch.Tensor  # int64 (B,)
     params: torch.Tensor  # float64 (B, columns): EncodedFiles._params
 
-    def images(self) -> list[torch.Tensor]:
-        """Each image as EncodedFiles gave it: JPEG bytes (views into `data`) or decoded."""
+    def decoded(self, device: torch.device | str | None = None) -> list[torch.Tensor]:
+        """The images decoded in the worker, uint8 (3, H, W) views of `pixels` (moved to `device`
+        in one copy)."""
+        pixels = self.pixels if device is None else self.pixels.to(device, non_blocking=True)
+        sizes = self.sizes.tolist()
+        parts = pixels.split([3 * h * w for h, w in sizes])
+        return [part.view(3, h, w) for part, (h, w) in zip(parts, sizes, strict=True)]
+
+    def images(self, device: torch.device | str | None = None) -> list[torch.Tensor]:
+        """Each image as EncodedFiles gave it: JPEG bytes (views into `data`) or decoded (on
+        `device`, if given)."""
         lengths = self.lengths.tolist()
-        decoded = iter(self.decoded)
+        decoded = iter(self.decoded(device))
         return [next(decoded) if n == 0 else jpeg for jpeg, n in zip(self.data.split(lengths), lengths, strict=True)]
 
 
 def collate_encoded(batch: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> EncodedBatch:
-    """EncodedFiles' samples -> an EncodedBatch; in a loader worker the bytes are written straight
-    into shared memory (as torch's default collate does), so handing them over copies nothing more."""
+    """EncodedFiles' samples -> an EncodedBatch; in a loader worker the bytes and the pixels are
+    written straight into shared memory (as torch's default collate does), so handing them over
+    copies nothing more (a tensor an image would cost a shared-memory block each)."""
     images, labels, params = zip(*batch, strict=True)
     jpegs = [image for image in images if image.dim() == 1]
-    data = torch.empty(sum(len(j) for j in jpegs), dtype=torch.uint8)
-    if get_worker_info() is not None:
-        data.share_memory_()
-    if jpegs:
-        torch.cat(jpegs, out=data)
+    decoded = [image.flatten() for image in images if image.dim() == 3]
+    data, pixels = (torch.empty(sum(len(part) for part in parts), dtype=torch.uint8) for parts in (jpegs, decoded))
+    for block, parts in ((data, jpegs), (pixels, decoded)):
+        if get_worker_info() is not None:
+            block.share_memory_()
+        if parts:
+            torch.cat(parts, out=block)
     lengths = torch.tensor([len(image) if image.dim() == 1 else 0 for image in images], dtype=torch.int64)
-    decoded = [image for image in images if image.dim() == 3]
-    return EncodedBatch(data, lengths, decoded, torch.tensor(labels, dtype=torch.int64), torch.stack(params))
+    sizes = torch.tensor([image.shape[1:] for image in images if image.dim() == 3], dtype=torch.int64).view(-1, 2)
+    return EncodedBatch(data, lengths, pixels, sizes, torch.tensor(labels, dtype=torch.int64), torch.stack(params))
 
 
 def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
@@ -236,7 +258,7 @@ class DecodedBatch(NamedTuple):
 def decode_encoded(batch: EncodedBatch, device: torch.device | str, samples: Sequence[Sample]) -> DecodedBatch:
     """A collated batch (on the CPU) decoded on `device`; `samples` name a file that does not decode."""
     try:
-        images = decode_batch(batch.images(), device)
+        images = decode_batch(batch.images(device), device)
     except UndecodableError as e:
         path = samples[int(batch.params[e.position, INDEX])].path
         raise CorruptImageError(f"cannot decode image {path}: {e}") from e

@@ -243,10 +243,15 @@ def recipe_name(config: str) -> str:
 
 VARIANTS = ("prefetch", "decode", "streaming")  # check_recipe's variants of a recipe, in the order they run
 CAP = re.compile(r"cap(\d+)")  # and "cap<N>" (after them): a copy of the tree with the longer side capped at N
+WORKER_DECODE = re.compile(r"worker-decode(\d*\.?\d+)")  # "worker-decode<share>": data.worker_decode <share>
 
 
 def unknown_variants(variants: Sequence[str]) -> list[str]:
-    return [v for v in variants if v not in VARIANTS and not (CAP.fullmatch(v) and int(v[3:]) > 0)]
+    def known(v: str) -> bool:
+        cap, share = CAP.fullmatch(v), WORKER_DECODE.fullmatch(v)
+        return v in VARIANTS or bool(cap and int(cap[1]) > 0) or bool(share and 0 < float(share[1]) <= 1)
+
+    return [v for v in variants if not known(v)]
 
 
 def check_recipe(
@@ -257,10 +262,13 @@ def check_recipe(
     compiled; the fits' notes give end to end as a share of the model alone. Then, eager and
     labelled, the `variants` of the recipe: "prefetch", the other `device_prefetch` (0 on a GPU, 1 on
     the CPU); "decode", `device_decode` the other way; "streaming", from the tree converted to
-    litdata chunks (`case.root`-streaming, written on first use); "cap<N>", from a copy of the tree
-    with each image's longer side capped at N (`case.root`-capN, vit.tools.resize_folder)."""
+    litdata chunks (`case.root`-streaming, written on first use); "worker-decode<share>", with
+    `data.worker_decode` <share> (recipes that decode on the device); "cap<N>", from a copy of the
+    tree with each image's longer side capped at N (`case.root`-capN, vit.tools.resize_folder)."""
     if unknown := unknown_variants(variants):
-        raise ValueError(f"unknown data check variants {unknown}; choose from {', '.join(VARIANTS)} or cap<N>")
+        raise ValueError(
+            f"unknown data check variants {unknown}; choose from {', '.join(VARIANTS)}, worker-decode<share> or cap<N>"
+        )
     from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.flops import forward_flops
     from vit.tools.resize_folder import resize_folder
@@ -291,6 +299,11 @@ def check_recipe(
         print("[data-check] litdata is not installed (pip install -e '.[stream]'): no streaming rows", flush=True)
     elif "streaming" in variants:
         paths.append((" (streaming)", streaming, ("eager",)))
+
+    for share in (WORKER_DECODE.fullmatch(v)[1] for v in variants if WORKER_DECODE.fullmatch(v)):
+        if configured:  # the share of the JPEGs decoded in the loader workers, not on the device
+            label = f" (worker_decode {float(share):g})"
+            paths.append((label, lambda share=share: variant_of(case, "--data.worker_decode", share), ("eager",)))
 
     def capped(side: int) -> DataCase:
         capped_root = case.root.with_name(f"{case.root.name}-cap{side}")

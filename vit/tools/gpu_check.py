@@ -345,6 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-variants", default=",".join(VARIANTS),
                    help="each recipe's variants, comma-separated (none: ''): prefetch (the other "
                         "device_prefetch), decode (the other device_decode), streaming (litdata chunks), "
+                        "worker-decode<share> (data.worker_decode, e.g. worker-decode0.5), "
                         "cap<N> (a copy with the longer side capped at N, e.g. cap320)")  # fmt: skip
     p.add_argument("--json", help="write the rows here (a worker: its row)")
     p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
@@ -353,7 +354,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.data_recipes = [c.strip() for c in args.data_recipes.split(",") if c.strip()]
     args.data_variants = [v.strip() for v in args.data_variants.split(",") if v.strip()]
     if unknown := unknown_variants(args.data_variants):
-        p.error(f"--data-variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)} or cap<N>")
+        p.error(f"--data-variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}, "
+                "worker-decode<share> or cap<N>")  # fmt: skip
     if unknown := [c for c in args.checks if c not in CHECKS]:
         p.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     return args

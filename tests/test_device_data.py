@@ -26,7 +26,7 @@ from vit.data.augment import (
     random_resized_crop_box,
     resize_crops_together,
 )
-from vit.data.device import EncodedFiles, collate_encoded, decode_and_augment, decode_batch
+from vit.data.device import EncodedFiles, collate_encoded, decode_and_augment, decode_batch, read_header
 from vit.data.images import CorruptImageError, Sample, read_rgb
 from vit.data.transforms import resize_transform
 from vit.tools.data_check import synthetic_photo
@@ -141,6 +141,41 @@ def test_progressive_and_cmyk_jpegs_are_decoded_in_the_worker_as_the_per_sample_
     for image, path in zip(batch.decoded(), paths[:2], strict=True):
         assert torch.equal(image, torch.from_numpy(read_rgb(path)).permute(2, 0, 1))
     assert [tuple(image.shape) for image in batch.images()] == [(3, 90, 120)] * 2 + [(len(paths[2].read_bytes()),)]
+
+
+def test_the_frame_header_gives_pils_size_and_kind_for_every_jpeg(tmp_path, monkeypatch):
+    """A worker reads each JPEG's size and kind (baseline YCbCr or grey: the device's) from its frame
+    header alone, not through PIL: the same answer as PIL's for JPEGs written every which way and for
+    real ones where ../shared has them; PIL still reads the rest, and refuses what it refused."""
+    photo = synthetic_photo(np.random.default_rng(0), 61, 47)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # an orientation tag: an APP1 segment before the frame
+    variants = {
+        "plain": {}, "q50 4:4:4": {"quality": 50, "subsampling": 0}, "optimized": {"optimize": True},
+        "exif": {"exif": exif.tobytes()}, "icc": {"icc_profile": b"\0" * 3000}, "progressive": {"progressive": True},
+        "restart markers": {"restart_marker_blocks": 1},
+    }  # fmt: skip
+    files = []
+    for name, options in variants.items():
+        for mode in ("RGB", "L", "CMYK"):
+            path = tmp_path / f"{name} {mode}.jpg"
+            photo.convert(mode).save(path, "JPEG", **options)
+            files.append(path)
+    for pattern in ("cifar10/test/cat/*.jpg", "tiny-imagenet-200/val/images/*.JPEG"):
+        files += sorted((SHARED / "data").glob(pattern))[:50]
+    for path in files:
+        data = path.read_bytes()
+        with Image.open(path) as image:  # what PIL's header says
+            device = image.mode in ("RGB", "L") and not image.info.get("progressive")
+            assert read_header(data) == (image.height, image.width, device), path
+    assert [read_header((tmp_path / f"plain {m}.jpg").read_bytes())[2] for m in ("RGB", "L", "CMYK")] == [1, 1, 0]
+    assert not read_header((tmp_path / "progressive RGB.jpg").read_bytes())[2]
+    monkeypatch.setattr(Image, "open", lambda *_: pytest.fail("PIL opened a baseline JPEG"))
+    assert read_header((tmp_path / "exif RGB.jpg").read_bytes()) == (47, 61, True)
+    with pytest.raises(Image.DecompressionBombError):  # a frame header claiming 65535 x 65535 pixels
+        data = (tmp_path / "plain RGB.jpg").read_bytes()
+        at = data.index(b"\xff\xc0")
+        read_header(data[: at + 5] + b"\xff\xff\xff\xff" + data[at + 9 :])
 
 
 def test_the_cuda_decoder_runs_only_after_the_callers_stream_is_drained(tmp_path, monkeypatch):

@@ -16,7 +16,9 @@ the per-sample path's distribution, op for op (tests/test_augment.py compares th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import random
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -78,8 +80,20 @@ SHARPEN_LIGHTNESS = (0.5, 1.0)  # albumentations' Sharpen default
 GREY = (0.299, 0.587, 0.114)  # RGB -> grey weights (OpenCV's, as albumentations' colour ops use)
 
 
+Rng = np.random.Generator | random.Random  # the draws below use its random() alone: uniform in [0, 1)
+
+
+def _uniform(rng: Rng, low: float, high: float) -> float:
+    return low + (high - low) * rng.random()
+
+
+def _below(rng: Rng, n: int) -> int:
+    """Uniform in 0..n-1."""
+    return min(int(rng.random() * n), n - 1)
+
+
 def random_resized_crop_box(
-    rng: np.random.Generator,
+    rng: Rng,
     height: int,
     width: int,
     scale: tuple[float, float] = (0.08, 1.0),
@@ -91,12 +105,12 @@ def random_resized_crop_box(
     area = height * width
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
-        target = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(*log_ratio))
+        target = area * _uniform(rng, scale[0], scale[1])
+        aspect = math.exp(_uniform(rng, *log_ratio))
         w = round(math.sqrt(target * aspect))
         h = round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
-            return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
+            return _below(rng, height - h + 1), _below(rng, width - w + 1), h, w
     in_ratio = width / height
     if in_ratio < ratio[0]:
         w, h = width, round(width / ratio[0])
@@ -246,18 +260,31 @@ def rand_augment_ranges(magnitude: float) -> dict[str, tuple[float, float]]:
     }
 
 
-def draw_rand_augment(rng: np.random.Generator, ops: int, magnitude: float, count: int = 1) -> np.ndarray:
+@functools.lru_cache(maxsize=8)
+def _range_table(magnitude: float) -> tuple[tuple[float, float], ...]:
+    ranges = rand_augment_ranges(magnitude)
+    return tuple(ranges[name] for name in RA_OPS)
+
+
+POSTERIZE = RA_OPS.index("posterize")
+
+
+def draw_rand_augment(rng: Rng, ops: int, magnitude: float, count: int = 1) -> np.ndarray:
     """(count, RA_COLUMNS) float64 parameters: `ops` distinct ops per image, uniformly, each with
-    its strength (all NaN with ops 0)."""
+    its strength (all NaN with ops 0). A loader worker draws these for every image: plain Python
+    draws, a few microseconds, where numpy's per-call overhead made them tens."""
     params = np.full((count, RA_COLUMNS), np.nan)
     if ops <= 0:
         return params
-    ranges = rand_augment_ranges(magnitude)
+    table, n = _range_table(magnitude), len(RA_OPS)
     for row in params:
-        for op in rng.choice(len(RA_OPS), size=min(ops, len(RA_OPS)), replace=False):
-            low, high = ranges[RA_OPS[op]]
-            row[op] = rng.integers(low, high + 1) if RA_OPS[op] == "posterize" else rng.uniform(low, high)
-        row[LIGHTNESS] = rng.uniform(*SHARPEN_LIGHTNESS)
+        pool = list(range(n))
+        for j in range(min(ops, n)):  # distinct ops, uniformly: the first steps of a Fisher-Yates shuffle
+            pick = j + _below(rng, n - j)
+            pool[j], pool[pick] = pool[pick], pool[j]
+            op, (low, high) = pool[j], table[pool[j]]
+            row[op] = low + _below(rng, int(high - low) + 1) if op == POSTERIZE else _uniform(rng, low, high)
+        row[LIGHTNESS] = _uniform(rng, *SHARPEN_LIGHTNESS)
     return params
 
 

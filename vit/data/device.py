@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import logging
+import random
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -56,6 +57,34 @@ DEVICE_CROPS = ("rrc", "resize")
 INDEX = -1
 
 
+BASELINE = 0xC0  # the start-of-frame marker of a baseline JPEG
+_NOT_FRAMES = (0xC4, 0xC8, 0xCC)  # markers in 0xC0..0xCF that start no frame (tables, reserved)
+
+
+def jpeg_frame(data: bytes) -> tuple[int, int, int, int, int] | None:
+    """(start-of-frame marker, sample precision, height, width, components) from a JPEG's first
+    frame header, skipping the segments before it by their lengths; None if it has none before its
+    first scan or is cut short. A few microseconds where PIL's header parsing (its tables included)
+    takes tens: a loader worker reads one for every file."""
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xDA, 0xD9):  # a scan or the end, and no frame yet
+            return None
+        if 0xC0 <= marker <= 0xCF and marker not in _NOT_FRAMES:
+            if i + 10 > n:
+                return None
+            height, width = int.from_bytes(data[i + 5 : i + 7], "big"), int.from_bytes(data[i + 7 : i + 9], "big")
+            return marker, data[i + 4], height, width, data[i + 9]
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    return None
+
+
 def image_size(data: bytes) -> tuple[int, int]:
     """(height, width) from the file's header, without decoding the pixels. A JPEG without its
     end-of-image marker (FF D9, which cannot occur inside the compressed data) is truncated: libjpeg
@@ -68,9 +97,18 @@ def read_header(data: bytes) -> tuple[int, int, bool]:
     device takes baseline JPEGs in YCbCr or grey: nvJPEG's batched hardware decoder does not take
     progressive ones (torchvision decodes those one at a time, in the thread that feeds the model,
     waiting on the device after each), and PIL converts CMYK as the per-sample path does. The rest
-    are decoded in the loader workers."""
+    are decoded in the loader workers. A baseline JPEG is read from its frame header alone
+    (jpeg_frame); anything else by PIL."""
     if data.startswith(JPEG_MAGIC) and data.rfind(b"\xff\xd9") < max(0, len(data) - 4096):
         raise ValueError("the JPEG is truncated (no end-of-image marker)")
+    frame = jpeg_frame(data) if data.startswith(JPEG_MAGIC) else None
+    if frame is not None and frame[0] == BASELINE and frame[1] == 8 and frame[4] in (1, 3) and min(frame[2:4]) > 0:
+        height, width = frame[2:4]
+        if Image.MAX_IMAGE_PIXELS and height * width > 2 * Image.MAX_IMAGE_PIXELS:  # as Image.open refuses it
+            raise Image.DecompressionBombError(
+                f"{height * width} pixels exceeds twice PIL's limit of {Image.MAX_IMAGE_PIXELS}"
+            )
+        return height, width, True
     with Image.open(io.BytesIO(data)) as image:
         baseline = image.format == "JPEG" and image.mode in ("RGB", "L") and not image.info.get("progressive")
         return image.height, image.width, baseline
@@ -141,7 +179,7 @@ class EncodedFiles(ImageFiles):
         if not self.train:
             box, flip, ra = center_crop_box(height, width, self.crop_pct), 0, np.full(RA_COLUMNS, np.nan)
         else:
-            rng = np.random.default_rng(seed)
+            rng = random.Random(seed)  # a few microseconds to seed, where numpy's Generator takes 12
             whole = (0, 0, height, width)
             augment = self.augment
             box = random_resized_crop_box(rng, height, width, augment.crop_scale) if augment.crop == "rrc" else whole

@@ -272,6 +272,7 @@ def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     dataset = EncodedFiles([Sample(str(path), 0)], train=True, augment=Augment(crop_scale=(0.3, 1.0)))
     a, b, c = (dataset[item][2].nan_to_num(-1) for item in [(0, 7), (0, 7), (0, 8)])  # NaN: no RandAugment
     assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(dataset[(0, np.int64(7))][2].nan_to_num(-1), a)  # a numpy seed draws as its int does
     flips = [int(dataset[(0, seed)][2][4]) for seed in range(400)]
     assert 160 < sum(flips) < 240  # a flip with probability 1/2
     x, _ = decode_and_augment(collate_encoded([dataset[(0, 7)]]), "cpu", 32, dataset.samples)

@@ -179,7 +179,7 @@ class EncodedFiles(ImageFiles):
         if not self.train:
             box, flip, ra = center_crop_box(height, width, self.crop_pct), 0, np.full(RA_COLUMNS, np.nan)
         else:
-            rng = random.Random(seed)  # a few microseconds to seed, where numpy's Generator takes 12
+            rng = random.Random(None if seed is None else int(seed))  # seeded in microseconds, numpy's in 12
             whole = (0, 0, height, width)
             augment = self.augment
             box = random_resized_crop_box(rng, height, width, augment.crop_scale) if augment.crop == "rrc" else whole

@@ -161,6 +161,10 @@ def test_the_frame_header_gives_pils_size_and_kind_for_every_jpeg(tmp_path, monk
             path = tmp_path / f"{name} {mode}.jpg"
             photo.convert(mode).save(path, "JPEG", **options)
             files.append(path)
+    padded = tmp_path / "fill bytes.jpg"  # a marker may follow any number of 0xFF fill bytes
+    data = (tmp_path / "exif RGB.jpg").read_bytes()
+    padded.write_bytes(data[:2] + b"\xff\xff" + data[2:])
+    files.append(padded)
     for pattern in ("cifar10/test/cat/*.jpg", "tiny-imagenet-200/val/images/*.JPEG"):
         files += sorted((SHARED / "data").glob(pattern))[:50]
     for path in files:

@@ -74,6 +74,9 @@ def jpeg_frame(data: bytes) -> tuple[int, int, int, int, int] | None:
         if marker == 0xFF:  # fill byte
             i += 1
             continue
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
+            i += 2
+            continue
         if marker in (0xDA, 0xD9):  # a scan or the end, and no frame yet
             return None
         if 0xC0 <= marker <= 0xCF and marker not in _NOT_FRAMES:

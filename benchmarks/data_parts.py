@@ -10,6 +10,7 @@ Run it alone: `flock /tmp/vit-bench.lock python -m benchmarks.data_parts [--batc
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 import time
@@ -102,6 +103,10 @@ def main() -> None:
     rows.append((f"hand-over: {args.workers} loader workers read files, decode {decoding}, draw parameters", images
                  / (time.perf_counter() - start), None, None))  # fmt: skip
     del batches
+    chunks = itertools.cycle([order[k : k + args.batch] for k in range(0, len(order) - args.batch + 1, args.batch)])
+    ms, cpu = timed(lambda: collate_encoded(dataset.__getitems__(next(chunks))), torch.device("cpu"), args.reps)
+    rows.append(("one worker's own work, in this process (no hand-over): the same for a batch", args.batch / ms * 1e3,
+                 cpu, None))  # fmt: skip
 
     batch = collate_encoded([dataset[item] for item in order[: args.batch]])
     if cuda:  # as the datamodule's loader hands it over (pin_memory on CUDA): the decoder copies each file

@@ -282,7 +282,7 @@ def check_recipe(
     def streaming() -> DataCase:
         stream_root = case.root.with_name(f"{case.root.name}-streaming")
         convert_image_folder(case.root, stream_root, workers=max(1, (os.cpu_count() or 1) - 1))
-        return DataCase(case.config, stream_root, case.device, case.steps, case.warmup, case.overrides, True)
+        return replace(case, root=stream_root, streaming=True)
 
     modes = ("eager", "compiled") if compiled else ("eager",)
     paths = [("", lambda: case, modes)]
@@ -408,8 +408,7 @@ def prefetch_agrees(case: DataCase, batches: int = 8) -> tuple[bool, str]:
 
 def variant_of(case: DataCase, *options: str) -> DataCase:
     """`case` with more `scripts/train.py` options."""
-    return DataCase(case.config, case.root, case.device, case.steps, case.warmup, [*case.overrides, *options],
-                    case.streaming)  # fmt: skip
+    return replace(case, overrides=[*case.overrides, *options])
 
 
 def host_syncs(device: str, images: int = 32) -> list[str]:

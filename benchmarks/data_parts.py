@@ -22,8 +22,9 @@ import torch
 
 
 def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> tuple[float, float]:
-    """Milliseconds per call of `fn`, the device's queued work included, and of them the calling
-    thread's CPU time: near the whole on a GPU, the host's launching sets the pace, not the device."""
+    """Milliseconds per call of `fn`, the device's queued work included, and the calling thread's
+    CPU time in the calls, the final wait for the device left out (a wait inside a call, the
+    decoder's, spins and counts): near the whole on a GPU, the host's work sets the pace."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
@@ -31,9 +32,10 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int
     start, cpu = time.perf_counter(), time.thread_time()
     for _ in range(reps):
         fn()
+    cpu = time.thread_time() - cpu
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / reps * 1e3, (time.thread_time() - cpu) / reps * 1e3
+    return (time.perf_counter() - start) / reps * 1e3, cpu / reps * 1e3
 
 
 def device_busy(fn: Callable[[], object], device: torch.device, reps: int) -> float | str | None:

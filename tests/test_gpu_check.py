@@ -92,7 +92,8 @@ def test_checks_option_runs_only_the_named_checks(tmp_path):
     assert rows[0] == "nano_patch4_16 fit, eager" and rows[1].startswith("flash SDPA") and len(rows) == 2
     with pytest.raises(SystemExit):
         main([*CPU_DEBUG, "--checks", "fit,nope"])
-    refused = ("streamin", "cap", "cap0", "capx", "prefetch,cap-1", "worker-decode0", "worker-decode1.5")
+    refused = ("streamin", "cap", "cap0", "capx", "prefetch,cap-1", "worker-decode0", "worker-decode1.5", "switch0",
+               "switch")  # fmt: skip
     for variants in refused:  # before any check runs
         with pytest.raises(SystemExit):
             main([*CPU_DEBUG, "--checks", "data", "--data-variants", variants])
@@ -198,7 +199,8 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     for name in ("vit b16", "vit b16 (prefetch 1)", "vit b16 (streaming)", "resnet50"):  # decoding, then augmenting
         assert re.search(stages, rows[f"{name}: end to end, eager"]["note"])
     assert "waited" not in rows["vit b16 (per-sample): end to end, eager"]["note"]
-    chosen = ["--data-recipes", "configs/imagenet_resnet50.yaml", "--data-variants", "decode,worker-decode.5,cap60"]
+    variants = "decode,worker-decode.5,cap60,switch100"
+    chosen = ["--data-recipes", "configs/imagenet_resnet50.yaml", "--data-variants", variants]
     assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), *chosen,
                  "--json", str(tmp_path / "chosen.json")]) == 0  # fmt: skip
     assert [r["check"] for r in json.loads((tmp_path / "chosen.json").read_text())] == [
@@ -206,10 +208,15 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
         "resnet50: end to end, eager", "resnet50 (per-sample): data path alone",
         "resnet50 (per-sample): end to end, eager", "resnet50 (worker_decode 0.5): data path alone",
         "resnet50 (worker_decode 0.5): end to end, eager", "resnet50 (longer side <= 60): data path alone",
-        "resnet50 (longer side <= 60): end to end, eager",
+        "resnet50 (longer side <= 60): end to end, eager", "resnet50 (switch interval 100 us): data path alone",
+        "resnet50 (switch interval 100 us): end to end, eager",
     ]  # fmt: skip
-    note = json.loads((tmp_path / "chosen.json").read_text())[-4]["note"]  # worker_decode 0.5: data path alone
-    assert "decode on the training device (50% of the JPEGs in the loader workers)" in note
+    chosen_rows = json.loads((tmp_path / "chosen.json").read_text())
+    assert "decode on the training device (50% of the JPEGs in the loader workers)" in chosen_rows[-6]["note"]
+    for row in chosen_rows[-2:]:  # read while it was measured; the other rows ran at Python's 5 ms
+        assert "threads switched every 100 us" in row["note"]
+    assert not any("threads switched" in row["note"] for row in chosen_rows[:-2])
+    assert sys.getswitchinterval() == 0.005
     capped = [Image.open(f).size for f in (tmp_path / "tree-cap60" / "train").rglob("*.*")]
     assert len(capped) == 48 and max(max(size) for size in capped) == 60  # the ~120x90 tree's copy
     for name in ("vit b16", "vit b16 (per-sample)", "vit b16 (streaming)", "resnet50", "resnet50 (per-sample)"):

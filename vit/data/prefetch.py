@@ -33,8 +33,9 @@ Stage = Callable[[Any, torch.device], Any]
 @dataclass
 class LoaderTimes:
     """Seconds, per batch of the current epoch: `prepared[k]`, wall time in stage k of `prepare`;
-    `prepared_cpu[k]`, the CPU time of the thread running it over that span (the rest it waited:
-    for the device, or for the interpreter's lock while another thread ran Python); `waited`, how
+    `prepared_cpu[k]`, the CPU time of the thread running it over that span (the rest it waited for
+    the interpreter's lock while another thread ran Python, or slept on the device; a wait that
+    spins on the device, as CUDA's do with cores to spare, counts as CPU); `waited`, how
     long the consumer (the training step) waited for the batch once it asked (0 when it was ready).
     What the data check reports to say whether the data path or its sharing of the process limits
     a run."""

@@ -35,6 +35,7 @@ import io
 import multiprocessing
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -121,6 +122,7 @@ class DataCase:
     warmup: int
     overrides: list[str] = field(default_factory=list)
     streaming: bool = False  # root holds the tree converted to litdata chunks (vit.data.StreamingDataModule)
+    switch_interval: float | None = None  # seconds: the interpreter's thread switch interval while measured
 
     def args(self, workdir: str, *extra: str) -> list[str]:
         """The recipe's `scripts/train.py fit` options, on one device, training only, nothing saved."""
@@ -153,6 +155,18 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def switch_interval(seconds: float | None) -> Iterator[None]:
+    """Python's thread switch interval at `seconds` inside (None: as it is), restored after."""
+    before = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
 def loader_speed(case: DataCase) -> tuple[float, str]:
     """Images per second out of the recipe's train loader (after `warmup` batches), each batch moved
     to the device and through the datamodule's device-side work (decoding and cropping, with
@@ -177,8 +191,14 @@ def loader_speed(case: DataCase) -> tuple[float, str]:
         seconds = time.perf_counter() - start
         del loader
         gc.collect()  # its workers end now: not garbage-collected later inside the next loader's forked workers
-    how = f"{data.num_workers} workers: {data.describe_transforms()[0]}"
+    how = f"{data.num_workers} workers: {data.describe_transforms()[0]}" + switched()
     return images / seconds, how + (f"; {litdata_reads(data.train_set)}" if case.streaming else "")
+
+
+def switched() -> str:
+    """A note's words for Python's thread switch interval when it is not the default 5 ms."""
+    seconds = sys.getswitchinterval()
+    return "" if abs(seconds - 0.005) < 1e-9 else f"; threads switched every {seconds * 1e6:.0f} us"
 
 
 def litdata_reads(dataset: Any) -> str:
@@ -217,7 +237,7 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
     if cli.trainer.global_step != case.steps:
         raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")
-    note = f"batch {cli.datamodule.batch_size}, {case.steps - case.warmup} steps timed"
+    note = f"batch {cli.datamodule.batch_size}, {case.steps - case.warmup} steps timed" + switched()
     return timer.images_per_second, note + data_times(cli.trainer.train_dataloader, case.steps - case.warmup)
 
 
@@ -244,12 +264,14 @@ def recipe_name(config: str) -> str:
 VARIANTS = ("prefetch", "decode", "streaming")  # check_recipe's variants of a recipe, in the order they run
 CAP = re.compile(r"cap(\d+)")  # and "cap<N>" (after them): a copy of the tree with the longer side capped at N
 WORKER_DECODE = re.compile(r"worker-decode(\d*\.?\d+)")  # "worker-decode<share>": data.worker_decode <share>
+SWITCH = re.compile(r"switch(\d+)")  # "switch<us>": Python's thread switch interval (sys.setswitchinterval), in us
 
 
 def unknown_variants(variants: Sequence[str]) -> list[str]:
     def known(v: str) -> bool:
-        cap, share = CAP.fullmatch(v), WORKER_DECODE.fullmatch(v)
-        return v in VARIANTS or bool(cap and int(cap[1]) > 0) or bool(share and 0 < float(share[1]) <= 1)
+        cap, share, switch = CAP.fullmatch(v), WORKER_DECODE.fullmatch(v), SWITCH.fullmatch(v)
+        return (v in VARIANTS or bool(cap and int(cap[1]) > 0) or bool(share and 0 < float(share[1]) <= 1)
+                or bool(switch and int(switch[1]) > 0))  # fmt: skip
 
     return [v for v in variants if not known(v)]
 
@@ -264,10 +286,14 @@ def check_recipe(
     the CPU); "decode", `device_decode` the other way; "streaming", from the tree converted to
     litdata chunks (`case.root`-streaming, written on first use); "worker-decode<share>", with
     `data.worker_decode` <share> (recipes that decode on the device); "cap<N>", from a copy of the
-    tree with each image's longer side capped at N (`case.root`-capN, vit.tools.resize_folder)."""
+    tree with each image's longer side capped at N (`case.root`-capN, vit.tools.resize_folder);
+    "switch<us>", with Python's thread switch interval at us microseconds (default 5,000): how long
+    a thread that holds the interpreter's lock keeps the others, the thread launching the model's
+    kernels among them, waiting."""
     if unknown := unknown_variants(variants):
         raise ValueError(
-            f"unknown data check variants {unknown}; choose from {', '.join(VARIANTS)}, worker-decode<share> or cap<N>"
+            f"unknown data check variants {unknown}; choose from {', '.join(VARIANTS)}, worker-decode<share>, cap<N> "
+            "or switch<us>"
         )
     from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.flops import forward_flops
@@ -313,6 +339,9 @@ def check_recipe(
 
     for side in (int(v[3:]) for v in variants if CAP.fullmatch(v)):
         paths.append((f" (longer side <= {side})", lambda side=side: capped(side), ("eager",)))
+    for us in (int(SWITCH.fullmatch(v)[1]) for v in variants if SWITCH.fullmatch(v)):
+        label = f" (switch interval {us} us)"
+        paths.append((label, lambda us=us: replace(case, switch_interval=us / 1e6), ("eager",)))
 
     models = {}
 
@@ -325,10 +354,12 @@ def check_recipe(
         yield shown((f"{name}: model alone, {mode}", models[mode], model_note, flops))
     for label, make, fit_modes in paths:
         path = make()
-        speed, note = loader_speed(path)
+        with switch_interval(path.switch_interval):
+            speed, note = loader_speed(path)
         yield shown((f"{name}{label}: data path alone", speed, note, 0))
         for mode in fit_modes:
-            fit, fit_note = end_to_end_speed(path, compile=mode == "compiled")
+            with switch_interval(path.switch_interval):
+                fit, fit_note = end_to_end_speed(path, compile=mode == "compiled")
             share = f"{fit_note}; {100 * fit / models[mode]:.0f}% of the model alone"
             yield shown((f"{name}{label}: end to end, {mode}", fit, share, flops))
 

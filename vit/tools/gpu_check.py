@@ -346,7 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="each recipe's variants, comma-separated (none: ''): prefetch (the other "
                         "device_prefetch), decode (the other device_decode), streaming (litdata chunks), "
                         "worker-decode<share> (data.worker_decode, e.g. worker-decode0.5), "
-                        "cap<N> (a copy with the longer side capped at N, e.g. cap320)")  # fmt: skip
+                        "cap<N> (a copy with the longer side capped at N, e.g. cap320), "
+                        "switch<us> (Python's thread switch interval, e.g. switch100)")  # fmt: skip
     p.add_argument("--json", help="write the rows here (a worker: its row)")
     p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -355,7 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.data_variants = [v.strip() for v in args.data_variants.split(",") if v.strip()]
     if unknown := unknown_variants(args.data_variants):
         p.error(f"--data-variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}, "
-                "worker-decode<share> or cap<N>")  # fmt: skip
+                "worker-decode<share>, cap<N> or switch<us>")  # fmt: skip
     if unknown := [c for c in args.checks if c not in CHECKS]:
         p.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     return args

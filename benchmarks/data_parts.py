@@ -38,13 +38,14 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int
     return (time.perf_counter() - start) / reps * 1e3, cpu / reps * 1e3
 
 
-def device_busy(fn: Callable[[], object], device: torch.device, reps: int) -> float | str | None:
+def device_busy(fn: Callable[[], object], device: torch.device, reps: int) -> tuple[float | str | None, str]:
     """Milliseconds per call the GPU spent running `fn`'s kernels and copies (summed from torch's
     profiler; on one stream they do not overlap): near the wall time, the device sets the pace and
     the work does not hide behind a model's step on the same GPU; far below it, the host does.
-    None on the CPU; the error's text if the profiler cannot read the device."""
+    None on the CPU; the error's text if the profiler cannot read the device. And the kernels that
+    took longest, with their ms per call: what to make cheaper first."""
     if device.type != "cuda":
-        return None
+        return None, ""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -55,10 +56,14 @@ def device_busy(fn: Callable[[], object], device: torch.device, reps: int) -> fl
             for _ in range(reps):
                 fn()
             torch.cuda.synchronize(device)
-        busy = sum(event.device_time_total for event in prof.events() if event.device_type == DeviceType.CUDA)
+        kernels: dict[str, float] = {}
+        for event in prof.events():
+            if event.device_type == DeviceType.CUDA:
+                kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / reps / 1e3
     except Exception as e:  # the table's other columns still print
-        return f"{type(e).__name__}: {e}"[:80]
-    return busy / reps / 1e3
+        return f"{type(e).__name__}: {e}"[:80], ""
+    longest = sorted(kernels.items(), key=lambda item: -item[1])[:4]
+    return sum(kernels.values()), "; ".join(f"{name[:60]} {ms:.2f}" for name, ms in longest)
 
 
 def main() -> None:
@@ -93,6 +98,7 @@ def main() -> None:
     order = [(int(i), int(i)) for i in rng.permutation(len(samples))]  # (index, sample seed), shuffled
 
     rows: list[tuple[str, float, float | None, float | str | None]] = []  # (part, img/s, CPU ms, GPU ms a batch)
+    longest: dict[str, str] = {}  # part: its longest kernels
     loader = DataLoader(dataset, batch_size=args.batch, sampler=order * 3, collate_fn=collate_encoded,
                         num_workers=args.workers, drop_last=True, pin_memory=cuda)  # fmt: skip
     batches = iter(loader)
@@ -129,7 +135,8 @@ def main() -> None:
     )  # fmt: skip
     for name, part in parts.items():
         ms, cpu = timed(part, device, args.reps)
-        rows.append((name, args.batch / ms * 1e3, cpu, device_busy(part, device, args.reps)))
+        busy, longest[name] = device_busy(part, device, args.reps)
+        rows.append((name, args.batch / ms * 1e3, cpu, busy))
 
     name = torch.cuda.get_device_name(device) if cuda else f"CPU, {os.cpu_count()} cores"
     others = len(batch.sizes)
@@ -139,6 +146,10 @@ def main() -> None:
     for name, speed, cpu, busy in rows:
         cells = ["-" if v is None else v if isinstance(v, str) else f"{v:.1f}" for v in (cpu, busy)]
         print(f"| {name} | {speed:,.0f} | {args.batch / speed * 1e3:.1f} | {' | '.join(cells)} |")
+    if any(longest.values()):
+        print("\n| part | the GPU's longest kernels, ms per batch |\n|---|---|")
+        for name, kernels in longest.items():
+            print(f"| {name} | {kernels} |")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def test_checks_option_runs_only_the_named_checks(tmp_path):
     with pytest.raises(SystemExit):
         main([*CPU_DEBUG, "--checks", "fit,nope"])
     refused = ("streamin", "cap", "cap0", "capx", "prefetch,cap-1", "worker-decode0", "worker-decode1.5", "switch0",
-               "switch")  # fmt: skip
+               "switch", "syncs")  # fmt: skip
     for variants in refused:  # before any check runs
         with pytest.raises(SystemExit):
             main([*CPU_DEBUG, "--checks", "data", "--data-variants", variants])
@@ -199,7 +199,7 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     for name in ("vit b16", "vit b16 (prefetch 1)", "vit b16 (streaming)", "resnet50"):  # decoding, then augmenting
         assert re.search(stages, rows[f"{name}: end to end, eager"]["note"])
     assert "waited" not in rows["vit b16 (per-sample): end to end, eager"]["note"]
-    variants = "decode,worker-decode.5,cap60,switch100"
+    variants = "decode,worker-decode.5,cap60,sync,switch100"
     chosen = ["--data-recipes", "configs/imagenet_resnet50.yaml", "--data-variants", variants]
     assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), *chosen,
                  "--json", str(tmp_path / "chosen.json")]) == 0  # fmt: skip
@@ -208,11 +208,14 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
         "resnet50: end to end, eager", "resnet50 (per-sample): data path alone",
         "resnet50 (per-sample): end to end, eager", "resnet50 (worker_decode 0.5): data path alone",
         "resnet50 (worker_decode 0.5): end to end, eager", "resnet50 (longer side <= 60): data path alone",
-        "resnet50 (longer side <= 60): end to end, eager", "resnet50 (switch interval 100 us): data path alone",
+        "resnet50 (longer side <= 60): end to end, eager", "resnet50 (host sync each step): data path alone",
+        "resnet50 (host sync each step): end to end, eager", "resnet50 (switch interval 100 us): data path alone",
         "resnet50 (switch interval 100 us): end to end, eager",
     ]  # fmt: skip
     chosen_rows = json.loads((tmp_path / "chosen.json").read_text())
-    assert "decode on the training device (50% of the JPEGs in the loader workers)" in chosen_rows[-6]["note"]
+    assert "decode on the training device (50% of the JPEGs in the loader workers)" in chosen_rows[-8]["note"]
+    synced = [row["check"] for row in chosen_rows if "the host waiting for the device after each" in row["note"]]
+    assert synced == ["resnet50 (host sync each step): end to end, eager"]
     for row in chosen_rows[-2:]:  # read while it was measured; the other rows ran at Python's 5 ms
         assert "threads switched every 100 us" in row["note"]
     assert not any("threads switched" in row["note"] for row in chosen_rows[:-2])

@@ -351,31 +351,56 @@ def rescale_lr(checkpoint: dict[str, Any], ratio: float, now: str, saved: str) -
 
 class StepTimer(Callback):
     """Images per second over the optimizer steps after the first `warmup` (compilation, autotuning,
-    loader start-up), data loading included; on CUDA each step is synchronised before it is timed.
+    loader start-up), data loading included. On CUDA the span is read from events queued on the
+    training stream, so the host never waits for the device inside it, as in a run that does not
+    read a value back each step; `sync_each_step` makes it wait after every step, as Lightning's
+    progress bar does when it shows the logged loss (`prog_bar=True`) at every step.
     `backend`: the process group's, under DDP. What the GPU and data checks (vit.tools) measure;
     Throughput is the per-epoch figure a run logs (`--trainer.callbacks+=vit.training.Throughput`)."""
 
-    def __init__(self, warmup: int = 0) -> None:
-        self.warmup = warmup
-        self.images, self.start, self.seconds = 0, 0.0, 0.0
+    def __init__(self, warmup: int = 0, sync_each_step: bool = False) -> None:
+        self.warmup, self.sync_each_step = warmup, sync_each_step
+        self.images = 0
         self.backend: str | None = None
+        self._start: float | torch.cuda.Event | None = None
+        self._end: float | torch.cuda.Event | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.backend = torch.distributed.get_backend()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        if trainer.strategy.root_device.type == "cuda":
+        cuda = trainer.strategy.root_device.type == "cuda"
+        if cuda and self.sync_each_step:
             torch.cuda.synchronize()
         if trainer.global_step == self.warmup:
-            self.start = time.perf_counter()
+            self._start = _now(cuda)
         elif trainer.global_step > self.warmup:
-            self.seconds = time.perf_counter() - self.start
+            self._end = _now(cuda)
             self.images += len(batch[0]) * trainer.world_size
+
+    @property
+    def seconds(self) -> float:
+        """From the end of the warmup's last step to the end of the last step timed (0 before)."""
+        if self._start is None or self._end is None:
+            return 0.0
+        if isinstance(self._end, torch.cuda.Event):
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start
 
     @property
     def images_per_second(self) -> float | None:
         return self.images / self.seconds if self.seconds else None
+
+
+def _now(cuda: bool) -> float | torch.cuda.Event:
+    """The time, or on CUDA an event the current stream reaches once the work queued so far is done."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class Throughput(Callback):

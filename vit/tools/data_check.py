@@ -123,6 +123,7 @@ class DataCase:
     overrides: list[str] = field(default_factory=list)
     streaming: bool = False  # root holds the tree converted to litdata chunks (vit.data.StreamingDataModule)
     switch_interval: float | None = None  # seconds: the interpreter's thread switch interval while measured
+    sync_each_step: bool = False  # the host waits for the device after every step (StepTimer)
 
     def args(self, workdir: str, *extra: str) -> list[str]:
         """The recipe's `scripts/train.py fit` options, on one device, training only, nothing saved."""
@@ -231,13 +232,15 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     from vit.cli import main
 
     with tempfile.TemporaryDirectory() as workdir:
-        timer = ["--trainer.callbacks+=vit.training.StepTimer", f"--trainer.callbacks.warmup={case.warmup}"]
+        timer = ["--trainer.callbacks+=vit.training.StepTimer", f"--trainer.callbacks.warmup={case.warmup}",
+                 f"--trainer.callbacks.sync_each_step={str(case.sync_each_step).lower()}"]  # fmt: skip
         with _quiet():
             cli = main(["fit", *case.args(workdir, "--model.speed.compile", str(compile).lower(), *timer)])
     timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
     if cli.trainer.global_step != case.steps:
         raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")
     note = f"batch {cli.datamodule.batch_size}, {case.steps - case.warmup} steps timed" + switched()
+    note += ", the host waiting for the device after each" if timer.sync_each_step else ""
     return timer.images_per_second, note + data_times(cli.trainer.train_dataloader, case.steps - case.warmup)
 
 
@@ -262,6 +265,7 @@ def recipe_name(config: str) -> str:
 
 
 VARIANTS = ("prefetch", "decode", "streaming")  # check_recipe's variants of a recipe, in the order they run
+SYNC = "sync"  # and, only if asked, "sync" (after them): the host waits for the device after every step
 CAP = re.compile(r"cap(\d+)")  # and "cap<N>" (after them): a copy of the tree with the longer side capped at N
 WORKER_DECODE = re.compile(r"worker-decode(\d*\.?\d+)")  # "worker-decode<share>": data.worker_decode <share>
 SWITCH = re.compile(r"switch(\d+)")  # "switch<us>": Python's thread switch interval (sys.setswitchinterval), in us
@@ -270,7 +274,7 @@ SWITCH = re.compile(r"switch(\d+)")  # "switch<us>": Python's thread switch inte
 def unknown_variants(variants: Sequence[str]) -> list[str]:
     def known(v: str) -> bool:
         cap, share, switch = CAP.fullmatch(v), WORKER_DECODE.fullmatch(v), SWITCH.fullmatch(v)
-        return (v in VARIANTS or bool(cap and int(cap[1]) > 0) or bool(share and 0 < float(share[1]) <= 1)
+        return (v in (*VARIANTS, SYNC) or bool(cap and int(cap[1]) > 0) or bool(share and 0 < float(share[1]) <= 1)
                 or bool(switch and int(switch[1]) > 0))  # fmt: skip
 
     return [v for v in variants if not known(v)]
@@ -289,11 +293,13 @@ def check_recipe(
     tree with each image's longer side capped at N (`case.root`-capN, vit.tools.resize_folder);
     "switch<us>", with Python's thread switch interval at us microseconds (default 5,000): how long
     a thread that holds the interpreter's lock keeps the others, the thread launching the model's
-    kernels among them, waiting."""
+    kernels among them, waiting; "sync", the host waiting for the device after every step (as a
+    progress bar showing the loss at every step makes it; the other fits never wait inside the
+    timed steps)."""
     if unknown := unknown_variants(variants):
         raise ValueError(
-            f"unknown data check variants {unknown}; choose from {', '.join(VARIANTS)}, worker-decode<share>, cap<N> "
-            "or switch<us>"
+            f"unknown data check variants {unknown}; choose from {', '.join(VARIANTS)}, {SYNC}, worker-decode<share>, "
+            "cap<N> or switch<us>"
         )
     from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.flops import forward_flops
@@ -339,6 +345,8 @@ def check_recipe(
 
     for side in (int(v[3:]) for v in variants if CAP.fullmatch(v)):
         paths.append((f" (longer side <= {side})", lambda side=side: capped(side), ("eager",)))
+    if SYNC in variants:
+        paths.append((" (host sync each step)", lambda: replace(case, sync_each_step=True), ("eager",)))
     for us in (int(SWITCH.fullmatch(v)[1]) for v in variants if SWITCH.fullmatch(v)):
         label = f" (switch interval {us} us)"
         paths.append((label, lambda us=us: replace(case, switch_interval=us / 1e6), ("eager",)))

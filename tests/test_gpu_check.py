@@ -164,6 +164,51 @@ def test_the_step_timer_counts_the_images_after_the_warmup_steps(tmp_path):
     assert timer.images == (7 - 2) * 5 and timer.images_per_second == pytest.approx(25 / timer.seconds)
 
 
+def test_on_cuda_the_step_timer_reads_its_span_from_events_not_waiting_inside_it(tmp_path, monkeypatch):
+    """The span runs from the event queued at the end of the warmup's last step to the one queued
+    at the end of the last step (each event standing here for the step it ends), read once, after."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import vit.training
+    from vit.training import StepTimer
+
+    class StepEvent(torch.cuda.Event):  # reached at "second" = the step it was queued after
+        def __new__(cls, step: int) -> StepEvent:
+            return super().__new__(cls, enable_timing=True)
+
+        def __init__(self, step: int) -> None:
+            self.step, self.waited = step, False
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+        def elapsed_time(self, end: StepEvent) -> float:  # milliseconds, as CUDA's
+            return (end.step - self.step) * 1e3
+
+    queued: list[StepEvent] = []
+    monkeypatch.setattr(vit.training, "_now", lambda cuda: queued.append(StepEvent(len(queued) + 1)) or queued[-1])
+
+    class Linear(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    timer = StepTimer(warmup=2)
+    trainer = L.Trainer(max_steps=7, callbacks=[timer], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Linear(), DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=5))
+    assert [e.waited for e in queued] == [False] * 6  # steps 2..7 queued one each; none waited on yet
+    assert timer.seconds == 5.0 and timer.images_per_second == 25 / 5.0  # steps 3..7, 5 images each
+    assert queued[-1].waited and not queued[0].waited
+
+
 @pytest.mark.slow
 def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     """`--checks data` on the CPU: the recipes as scripts/train.py builds them (random resized crops,

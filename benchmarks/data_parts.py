@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--worker-decode", type=float, default=0.0, help="data.worker_decode (1: workers' decode rate)")
     args = parser.parse_args()
     device = torch.device("cuda" if cuda else "cpu")
+    torch.set_float32_matmul_precision("high")  # as scripts/train.py runs: the crops' resizing uses TF32 on a GPU
 
     root = args.root or Path(tempfile.mkdtemp(prefix="vit-data-parts-"))
     if not (root / "train").is_dir():

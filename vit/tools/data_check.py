@@ -306,6 +306,7 @@ def check_recipe(
     from vit.tools.resize_folder import resize_folder
 
     name = recipe_name(case.config)
+    torch.set_float32_matmul_precision("high")  # as vit.cli.main sets it for a fit: the data path resizes with TF32
     with tempfile.TemporaryDirectory() as workdir:
         cli = build(case, workdir)
     flops = 3 * forward_flops(cli.model.model, cli.datamodule.img_size)

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,11 +141,10 @@ def test_the_synthetic_imagenet_is_imagenet_like(tmp_path):
     assert 3.0 < float(np.mean(bits)) < 5.0
 
 
-def test_the_step_timer_counts_the_images_after_the_warmup_steps(tmp_path):
+def _fit_seven_steps_of_five_images(timer: object, root: Path) -> None:
+    """A linear model trained 7 SGD steps of 5 images each on the CPU, `timer` among its callbacks."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
-
-    from vit.training import StepTimer
 
     class Linear(L.LightningModule):
         def __init__(self) -> None:
@@ -157,19 +157,22 @@ def test_the_step_timer_counts_the_images_after_the_warmup_steps(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    timer = StepTimer(warmup=2)
     trainer = L.Trainer(max_steps=7, callbacks=[timer], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)  # fmt: skip
     trainer.fit(Linear(), DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=5))
+
+
+def test_the_step_timer_counts_the_images_after_the_warmup_steps(tmp_path):
+    from vit.training import StepTimer
+
+    timer = StepTimer(warmup=2)
+    _fit_seven_steps_of_five_images(timer, tmp_path)
     assert timer.images == (7 - 2) * 5 and timer.images_per_second == pytest.approx(25 / timer.seconds)
 
 
 def test_on_cuda_the_step_timer_reads_its_span_from_events_not_waiting_inside_it(tmp_path, monkeypatch):
     """The span runs from the event queued at the end of the warmup's last step to the one queued
     at the end of the last step (each event standing here for the step it ends), read once, after."""
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
-
     import vit.training
     from vit.training import StepTimer
 
@@ -188,22 +191,8 @@ def test_on_cuda_the_step_timer_reads_its_span_from_events_not_waiting_inside_it
 
     queued: list[StepEvent] = []
     monkeypatch.setattr(vit.training, "_now", lambda cuda: queued.append(StepEvent(len(queued) + 1)) or queued[-1])
-
-    class Linear(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     timer = StepTimer(warmup=2)
-    trainer = L.Trainer(max_steps=7, callbacks=[timer], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(Linear(), DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=5))
+    _fit_seven_steps_of_five_images(timer, tmp_path)
     assert [e.waited for e in queued] == [False] * 6  # steps 2..7 queued one each; none waited on yet
     assert timer.seconds == 5.0 and timer.images_per_second == 25 / 5.0  # steps 3..7, 5 images each
     assert queued[-1].waited and not queued[0].waited

@@ -40,13 +40,13 @@ class DiskFullAfter(L.Callback):
 
 class PoisonAt(L.Callback):
     """Sets the head's weights to NaN after optimizer step `step`, as a diverging update would
-    (before that step's checkpoint is written: checkpoint callbacks run last)."""
+    (before that step's checkpoint is written: checkpoint callbacks run last); on `rank` only if given."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             import torch
 
             with torch.no_grad():

@@ -123,6 +123,18 @@ def test_batch_sampler_orders_by_seed_and_epoch_shards_ranks_and_resumes():
     assert len(ragged) == len(list(ragged)) == 3  # 20 = 3 x 6 + 2: the ragged batch is dropped
 
 
+def test_a_loaded_batch_carries_its_augmentation_seed_as_a_host_number():
+    """A tensor seed would move to the device with the batch and be read back there each step,
+    the host waiting for the device; a Python int stays on the host through loader and transfer."""
+    from torch.utils.data import DataLoader
+
+    dataset = TensorImages(_images(n=8), torch.arange(8))
+    sampler = BatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=1)
+    for (_, labels, seed), (indices, expected) in zip(loader, list(sampler), strict=True):
+        assert type(seed) is int and seed == expected and labels.tolist() == indices.tolist()
+
+
 def test_holdout_is_stratified_disjoint_and_fixed():
     labels = np.repeat(np.arange(5), 100)
     train, val = holdout_indices(labels, 50)

@@ -297,6 +297,27 @@ def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_nan_loss_on_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Rank 1's weights turn NaN after step 2 of a 2-process run: at step 2 both ranks stop with
+    the NaN error before the update (rank 0's own loss was finite), neither waits for the other
+    forever, and no checkpoint of the NaN state is written."""
+    data = write_image_folder(tmp_path / "data")
+    stopped = run_script(
+        cifar_recipe(data, tmp_path / "run", "--data.in_memory", "false", "--trainer.accelerator", "cpu",
+                     "--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.batch_size", "4",
+                     "--trainer.callbacks+=tests.faults.PoisonAt", "--trainer.callbacks.step=2",
+                     "--trainer.callbacks.rank=1"),
+        env={"MASTER_PORT": str(_free_port())}, timeout=180,
+    )  # fmt: skip
+    assert stopped.returncode != 0
+    assert "training loss is nan at step 2 (epoch 0, batch 2); the weights were already not finite" in stopped.stderr
+    assert "training loss is not finite on another rank at step 2 (epoch 0, batch 2); stopped before" in stopped.stderr
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    assert saved and all(torch.load(tmp_path / "run" / "checkpoints" / name, weights_only=True)["global_step"] <= 2
+                         for name in saved)  # fmt: skip
+
+
+@pytest.mark.slow
 def test_skip_corrupt_under_ddp_keeps_the_ranks_in_step_to_the_end(tmp_path):
     """The same with --data.skip_corrupt: a corrupt training image is replaced by the next one and a
     corrupt validation image left out, every batch keeps its size, so both ranks finish together."""
@@ -323,9 +344,9 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step_and_saves
     tmp_path, signal_name, rank, exit_code
 ):
     """A signal to one process of a 2-process run (`kill PID` reaches rank 0 only, a scheduler or
-    Ctrl-C each rank at its own moment): the ranks agree to stop after the step it arrived in, save
-    one interrupt checkpoint together, the run says how to resume and exits 128 + the signal;
-    resuming finishes the run."""
+    Ctrl-C each rank at its own moment), after step 5: the ranks agree to stop after the next step
+    (their marks, reduced on the device, are read a step later), save one interrupt checkpoint
+    together, the run says how to resume and exits 128 + the signal; resuming finishes the run."""
     data = write_image_folder(tmp_path / "data")
     ddp = ["--data.in_memory", "false", "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
            "--trainer.devices", "2", "--data.batch_size", "4"]  # fmt: skip
@@ -334,10 +355,10 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step_and_saves
         env={"MASTER_PORT": str(_free_port())}, timeout=180,
     )  # fmt: skip
     assert stopped.returncode == exit_code, stopped.stderr[-3000:]
-    assert stopped.stderr.count(f"Stopped by {signal_name} at step 5; saved") == 1, stopped.stderr[-3000:]
+    assert stopped.stderr.count(f"Stopped by {signal_name} at step 6; saved") == 1, stopped.stderr[-3000:]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("last-interrupted*.ckpt")) == ["last-interrupted.ckpt"]
-    assert torch.load(checkpoints / "last-interrupted.ckpt", weights_only=True)["global_step"] == 5
+    assert torch.load(checkpoints / "last-interrupted.ckpt", weights_only=True)["global_step"] == 6
     if rank == 0:  # resuming is the same for every row; run it once
         resumed = run_script(
             cifar_recipe(data, tmp_path / "run", *ddp, "--ckpt_path", "last"), env={"MASTER_PORT": str(_free_port())},

@@ -87,7 +87,7 @@ def test_sharded_fit_resumes_and_matches_ddp(tmp_path):
         "    - class_path: tests.test_sharded.SigtermAt\n      init_args:\n        step: 3\n"
     )
     stopped = _train(tmp_path, "sharded", SHARDED, callbacks=callbacks)
-    assert stopped.returncode == 143, stopped.stderr[-3000:]  # stopped by SIGTERM after step 3, saved
+    assert stopped.returncode == 143, stopped.stderr[-3000:]  # SIGTERM after step 3: all ranks stop after step 4, saved
     checkpoints = tmp_path / "sharded" / "checkpoints"
     interrupted = checkpoints / "last-interrupted.ckpt"
     assert sharded_checkpoint_complete(interrupted)
@@ -104,7 +104,7 @@ def test_sharded_fit_resumes_and_matches_ddp(tmp_path):
     ddp = _train(tmp_path, "ddp", "    ddp\n")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
 
-    # the sharded run, stopped at step 3 and resumed, ends where the uninterrupted DDP run does
+    # the sharded run, stopped at step 4 and resumed, ends where the uninterrupted DDP run does
     full = consolidate(checkpoints / "last.ckpt", tmp_path / "vit_nano.ckpt")
     checkpoint = read_lightning_checkpoint(full)
     assert checkpoint["global_step"] == 6 and len(checkpoint["optimizer_states"]) == 1

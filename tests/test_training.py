@@ -427,6 +427,56 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tm
     assert not (tmp_path / "checkpoints" / "last-interrupted.ckpt").exists()
 
 
+def test_the_nan_guard_reads_each_loss_once_its_backward_is_queued_not_before(tmp_path, monkeypatch):
+    """Reading a device value makes the host wait for it; the guard reads each micro-batch's
+    finiteness only after the backward passes of its optimizer step are queued (and before the
+    step), so on a GPU the backward runs meanwhile, and the host never waits inside a step."""
+    from vit.fault_tolerance import HostCopy
+
+    order: list[str] = []
+    get = HostCopy.get
+    monkeypatch.setattr(HostCopy, "get", lambda self: order.append("read") or get(self))
+
+    class Order(Callback):
+        def on_after_backward(self, *args):
+            order.append("backward")
+
+        def on_before_optimizer_step(self, *args):  # callbacks' hooks run before the module's
+            order.append("step")
+
+    module = ImageClassifier("vit_nano_patch4_16", num_classes=10)
+    trainer = quiet_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, callbacks=[Order()])
+    trainer.fit(module, DigitsDataModule(batch_size=16, num_workers=0))
+    assert order == ["backward", "backward", "step", "read", "read"] * 3
+
+
+def test_the_progress_bar_reads_the_logged_loss_back_only_when_the_loggers_do(tmp_path, monkeypatch):
+    """Showing the loss reads it back from the device (the host waits for the step); Lightning's
+    default bar does so after every step. A run's bar refreshes every log_every_n_steps (10 in
+    default.yaml; 22 steps an epoch) and at epoch and run ends; a bar the config names is kept."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    reads: list[int] = []
+    get_metrics = TQDMProgressBar.get_metrics
+    monkeypatch.setattr(
+        TQDMProgressBar,
+        "get_metrics",
+        lambda bar, trainer, module: reads.append(trainer.global_step) or get_metrics(bar, trainer, module),
+    )
+    on = ["--trainer.enable_progress_bar", "true", "--trainer.max_steps", "25", "--trainer.num_sanity_val_steps", "0"]
+    cli = fit("configs/default.yaml", tmp_path, *on)
+    assert set(reads) == {10, 20, 22, 25}
+    configured = [
+        "--trainer.callbacks+=TQDMProgressBar",
+        "--trainer.callbacks.refresh_rate",
+        "3",
+        "--trainer.max_steps",
+        "1",
+    ]
+    cli = fit("configs/default.yaml", tmp_path / "configured", *on, *configured)
+    assert cli.trainer.progress_bar_callback.refresh_rate == 3
+
+
 def test_fresh_run_moves_an_earlier_runs_checkpoints_aside(tmp_path):
     fit("configs/default.yaml", tmp_path, "--trainer.max_epochs", "1")
     first_last = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()

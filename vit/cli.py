@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from vit.data.images import CorruptImageError
@@ -285,6 +286,19 @@ class TrainCLI(LightningCLI):
                     f"model.{name} is {given} but data.{name} is {data_value}; set it once, on the data "
                     "(the model follows it)"
                 )
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Unless a progress bar is configured or the bar is off, it refreshes every
+        `log_every_n_steps` steps, when the loggers read the logged values anyway: Lightning's
+        default bar shows the loss after every step, reading it back from the device, so the host
+        would wait for each step to finish before queueing the next."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            every = config.get("log_every_n_steps") or 50  # Lightning's default
+            kwargs.setdefault("callbacks", [*callbacks, TQDMProgressBar(refresh_rate=every)])
+        return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
         """A fresh run must not mix its checkpoints with an earlier run's in the same directory:

@@ -57,6 +57,28 @@ def destroy_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+class HostCopy:
+    """A small tensor's value for the host to read later, without waiting for the rest of the
+    device's queue: on CUDA copied into pinned memory behind an event, and `get` waits for that
+    event only (a `.item()` would wait for everything queued since, e.g. the whole backward pass).
+    On the CPU a plain copy."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._ready: torch.cuda.Event | None = None
+        if value.device.type == "cuda":
+            self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self._host.copy_(value, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(value.device))
+        else:
+            self._host = value.detach().clone()
+
+    def get(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
 
@@ -321,19 +343,21 @@ class SynchronizedStop(Callback):
     process group) or only rank 0 (`kill PID`). Lightning's own handler broadcasts from inside the
     signal handler, which can pair with another collective and hang both ranks. Here SIGTERM or a
     first Ctrl-C only marks the stop; after each training batch the ranks take the max of their
-    marks (one scalar all-reduce) and, if any rank was signalled, all stop there: SIGTERM as
-    Lightning stops (SIGTERMException at the end of the step), Ctrl-C as a KeyboardInterrupt. A
-    second Ctrl-C interrupts at once. A signal during validation takes effect at the next training
-    batch. Single-process runs keep Lightning's own handling."""
+    marks (one scalar all-reduce, queued on the device) and read it after the next batch (reading
+    it at once would make the host wait for the whole step), and if any rank was signalled, all
+    stop there: SIGTERM as Lightning stops (SIGTERMException at the end of the step), Ctrl-C as a
+    KeyboardInterrupt. A second Ctrl-C interrupts at once. A signal during validation takes
+    effect at the next training batch but one. Single-process runs keep Lightning's own handling."""
 
     def __init__(self) -> None:
         self._marked = 0  # the signal number to stop for, 0 for none
+        self._agreed: HostCopy | None = None  # the ranks' marks after the last batch, on their way to the host
         self._previous: dict[int, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.world_size < 2:
             return
-        self._marked = 0
+        self._marked, self._agreed = 0, None
         # Installed after Lightning's handlers (registered before the fit loop starts), replacing them.
         self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for signum in self._previous:
@@ -347,9 +371,11 @@ class SynchronizedStop(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self._previous:
             return
-        agreed = torch.tensor([self._marked], device=pl_module.device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-        signum = int(agreed.item())
+        agreed, self._agreed = self._agreed, None
+        marks = torch.full((1,), self._marked, device=pl_module.device)  # not a copy from the host: that waits
+        torch.distributed.all_reduce(marks, op=torch.distributed.ReduceOp.MAX)
+        self._agreed = HostCopy(marks)
+        signum = int(agreed.get().item()) if agreed is not None else 0
         if signum == signal.SIGTERM:
             trainer._signal_connector.received_sigterm = True  # Lightning raises at the end of this step
         elif signum == signal.SIGINT:

@@ -28,6 +28,7 @@ from torch import nn
 from vit.checkpoint import is_head
 from vit.data.sampling import carry_position, data_position, mix_seed
 from vit.fault_tolerance import (
+    HostCopy,
     InterruptCheckpoint,
     NonFiniteLossError,
     SafeCheckpoints,
@@ -113,7 +114,8 @@ class TrainingTask(L.LightningModule):
       read it from here (vit.data.sampling.run_seed).
     - dropout and drop-path masks seeded by (seed, step, rank) before every step: exact resume,
       and ranks differ.
-    - the NaN guard: a non-finite loss stops the run on every rank before it reaches the weights.
+    - the NaN guard: a non-finite loss stops the run on every rank before it reaches the weights,
+      without the host waiting for the device at each step.
     - checkpoints: `vit` holds the model name and kwargs (vit.checkpoint.load_model rebuilds the
       model from the file alone); a run resumed with another `lr` trains at it (rescale_lr).
     - the optimizer (`make_optimizer`, AdamW by default) at the peak rate (`peak_lr`), stepped
@@ -149,6 +151,7 @@ class TrainingTask(L.LightningModule):
         super().__init__()
         self.seed: int | None = None
         self._batch_idx = 0  # for the NaN guard's message
+        self._losses: list[tuple[HostCopy, torch.Tensor, int]] = []  # the NaN guard's, since the last optimizer step
 
     @classmethod
     def upgrade_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
@@ -183,27 +186,38 @@ class TrainingTask(L.LightningModule):
         self._batch_idx = batch_idx
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
-        """Stop on a NaN/inf loss, on every rank together, before it reaches a checkpoint (and,
-        where the weights are still finite, before it reaches them). Here, not in training_step,
-        so every task is guarded; the loss is the one backpropagated (divided for gradient
-        accumulation, scaled under fp16), which is non-finite exactly when the task's was."""
-        bad = not bool(torch.isfinite(loss.detach()))
-        trainer = self.trainer
-        if trainer.world_size > 1:
-            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
-        if not bad:
-            return
-        weights = non_finite(dict(self.named_parameters()))
-        state = (
-            f"the weights were already not finite ({', '.join(weights[:3])}): an earlier step made them so"
-            if weights
-            else "stopped before this step changed the weights"
-        )
-        raise NonFiniteLossError(
-            f"training loss is {loss.item()} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
-            f"batch {self._batch_idx}); {state}. "
-            f"{nan_advice(trainer_checkpoint_dir(trainer))}"
-        )
+        """Note whether the loss is finite (every rank's, reduced on the device) without waiting for
+        the device: on_before_optimizer_step reads it. The loss is the one backpropagated (divided
+        for gradient accumulation, scaled under fp16), which is non-finite exactly when the task's was."""
+        bad = (~torch.isfinite(loss.detach())).to(torch.int32)
+        if self.trainer.world_size > 1:  # queued on the device; Lightning's reduce would wait for it on the host
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        self._losses.append((HostCopy(bad), loss.detach(), self._batch_idx))
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The NaN guard: stop on a non-finite loss, on every rank together, before the step changes
+        the weights (and so before they reach a checkpoint). Here, after the backward pass is queued,
+        the host waits only for the forward passes that made the losses, and the device keeps busy
+        with the backward meanwhile; a check before the backward would leave it idle until the host
+        queued that. Here, not in training_step, so every task is guarded."""
+        losses, self._losses = self._losses, []
+        for bad, loss, batch_idx in losses:
+            if not bad.get().item():
+                continue
+            trainer = self.trainer
+            weights = non_finite(dict(self.named_parameters()))
+            state = (
+                f"the weights were already not finite ({', '.join(weights[:3])}): an earlier step made them so"
+                if weights
+                else "stopped before this step changed the weights"
+            )
+            value = loss.item()
+            where = f"{value}" if not math.isfinite(value) else "not finite on another rank"
+            raise NonFiniteLossError(
+                f"training loss is {where} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
+                f"batch {batch_idx}); {state}. "
+                f"{nan_advice(trainer_checkpoint_dir(trainer))}"
+            )
 
     def configure_optimizers(self) -> dict[str, Any]:
         lr = self.peak_lr()

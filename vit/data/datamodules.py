@@ -338,12 +338,12 @@ class ImageDataModule(L.LightningDataModule):
         if len(batch) == 2:  # evaluation: uint8 at img_size, normalise only
             return normalize(batch[0], self.mean, self.std), batch[1]
         x, y, seed = batch  # training, with the batch's augmentation seed
-        generator = torch.Generator(device=x.device).manual_seed(int(seed))
+        generator = torch.Generator(device=x.device).manual_seed(seed)
         augment = self.augment
         padding = augment.crop_padding if augment.crop == "pad_crop" else 0
         x = batch_augment(x, generator, padding, augment.hflip)
         if augment.randaugment_ops > 0:  # before cutout, as RandAugment precedes random erasing in timm
-            rng = np.random.default_rng(mix_seed(int(seed), 2))
+            rng = np.random.default_rng(mix_seed(seed, 2))
             x = rand_augment(x, torch.from_numpy(draw_rand_augment(rng, *augment.randaugment, count=len(x))))
         x = batch_augment(x, generator, cutout=augment.cutout)  # the generator's draws in the order of one call
         x = normalize(x, self.mean, self.std)

@@ -34,7 +34,9 @@ class TensorImages(Dataset):
     """uint8 images (N, 3, H, W) and labels (N,), indexed by whole batches of indices.
 
     `dataset[indices]` -> (images, labels); `dataset[(indices, seed)]` -> (images, labels, seed),
-    the seed travelling with the batch to the device-side augmentation.
+    the seed (a Python int) travelling with the batch to the device-side augmentation. Not a
+    tensor: that would move to the device with the batch and be read back each step, the host
+    waiting there for the device.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -50,7 +52,7 @@ class TensorImages(Dataset):
     def __getitem__(self, item):
         if isinstance(item, tuple):
             indices, seed = item
-            return self.images[indices], self.labels[indices], torch.tensor(seed, dtype=torch.int64)
+            return self.images[indices], self.labels[indices], seed
         return self.images[item], self.labels[item]
 
 

@@ -344,6 +344,34 @@ def test_ema_follows_the_weights_at_the_configured_rate(tmp_path):
         assert not torch.equal(module.ema.module.head.weight, weights[0]["head.weight"])
 
 
+def test_ema_averages_as_torchs_ema_does_without_reading_its_count_back_each_update():
+    """vit.lit.EMA against AveragedModel with torch's EMA function, on a model with float weights
+    and an integer buffer (BatchNorm's count): equal after every update, and after a load_state_dict
+    part-way. Its count is read from the device once: moved to the meta device (no values to
+    read), the next update still runs."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from vit.lit import EMA
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    ours, torchs = EMA(model, 0.9), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for step in range(4):
+        model(torch.randn(2, 3, 5, 5))  # BatchNorm's running statistics and count move
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        if step == 2:
+            ours.load_state_dict(torchs.state_dict())
+        ours.update_parameters(model)
+        torchs.update_parameters(model)
+        for (name, a), b in zip(ours.state_dict().items(), torchs.state_dict().values(), strict=True):
+            assert torch.equal(a, b), (step, name)
+    ours.to("meta").update_parameters(model.to("meta"))
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):  # AveragedModel reads its count
+        torchs.to("meta").update_parameters(model)
+
+
 def test_mixup_applies_to_training_batches_only(tmp_path):
     targets = {}
 

@@ -9,6 +9,7 @@ layer-wise lr decay and frozen parts for fine-tuning; optional weight EMA. What 
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -26,6 +27,40 @@ from vit.options import set_option_groups
 from vit.registry import create_model, model_config
 from vit.schedule import stepwise, training_progress
 from vit.training import Optimizer, Schedule, TrainingTask, param_groups
+
+
+class EMA(AveragedModel):
+    """An exponential moving average of a model's weights and buffers, as
+    AveragedModel(multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True) keeps it, with its
+    checkpoint keys (`ema.module.*`, `ema.n_averaged`), updated without reading the device:
+    AveragedModel tests its update count, a tensor there, at every update, so the host would wait
+    for the device each step. Here the count is mirrored on the host, read from the buffer once."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        super().__init__(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self._updates: int | None = None  # n_averaged on the host; None until read
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module) -> None:
+        if self._updates is None:
+            self._updates = int(self.n_averaged)
+        averaged = [*self.module.parameters(), *self.module.buffers()]
+        current = [t.detach() for t in (*model.parameters(), *model.buffers())]
+        if self._updates == 0:
+            torch._foreach_copy_(averaged, current)
+        else:
+            by_dtype: dict[torch.dtype, tuple[list, list]] = defaultdict(lambda: ([], []))
+            for mine, theirs in zip(averaged, current, strict=True):
+                by_dtype[mine.dtype][0].append(mine)
+                by_dtype[mine.dtype][1].append(theirs)
+            for mine, theirs in by_dtype.values():
+                self.multi_avg_fn(mine, theirs, self.n_averaged)
+        self.n_averaged += 1
+        self._updates += 1
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._updates = None  # the loaded count, read at the next update
+        super()._load_from_state_dict(*args, **kwargs)
 
 
 def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:
@@ -238,7 +273,7 @@ class ImageClassifier(TrainingTask):
             self.model.set_grad_checkpointing(True)
         self.ema = None
         if hp.ema_decay is not None:
-            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(hp.ema_decay), use_buffers=True)
+            self.ema = EMA(self.model, hp.ema_decay)
             self.ema.requires_grad_(False)  # not trained by the optimizer; DDP must not wait for its grads
         # Kept out of the module tree so checkpoints hold the plain model's weights, not `_orig_mod.` copies.
         self.__dict__["_compiled"] = torch.compile(self.model) if self.speed.compile else None

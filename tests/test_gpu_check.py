@@ -291,6 +291,37 @@ def test_a_data_check_cut_short_keeps_each_row_it_measured(tmp_path, monkeypatch
     assert rows[2]["note"] == "RuntimeError: the call ended here"
 
 
+def test_the_sync_audit_counts_each_threads_waits_a_step_and_where_and_shows_other_warnings():
+    """SyncAudit over steps 3 and 4, the waits (warnings, as set_sync_debug_mode reports them)
+    raised by `wait`: twice in this thread (the training thread's), once in another; any other
+    warning is shown as before, and so is a wait after the audit."""
+    import threading
+    import warnings
+
+    from vit.tools.data_check import SYNC_WARNING, SyncAudit
+
+    def wait() -> None:
+        warnings.warn(SYNC_WARNING, stacklevel=1)
+
+    audit = SyncAudit(start=3, stop=5)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        audit.begin(cuda=False)
+        wait()
+        wait()
+        thread = threading.Thread(target=wait)
+        thread.start()
+        thread.join()
+        warnings.warn("something else", stacklevel=1)
+        audit.end()
+        wait()
+    site = f"test_gpu_check.py:{wait.__code__.co_firstlineno + 1}"
+    assert audit.summary() == (
+        f"; host waits a step (2 steps): 1.0 in the training thread ({site} x2), 0.5 in the data threads ({site} x1)"
+    )
+    assert [str(w.message) for w in shown] == ["something else", SYNC_WARNING]
+
+
 def test_host_waits_count_the_syncs_torch_reports_and_not_its_prototype_notice():
     """torch.cuda.set_sync_debug_mode("warn") warns at each host wait and, once, that the mode is a
     prototype (the texts of torch 2.11's libc10_cuda / libtorch_python): only the waits count."""

@@ -37,15 +37,20 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import Callback
 from PIL import Image
 
 from vit.training import StepTimer
@@ -233,15 +238,93 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
 
     with tempfile.TemporaryDirectory() as workdir:
         timer = ["--trainer.callbacks+=vit.training.StepTimer", f"--trainer.callbacks.warmup={case.warmup}",
-                 f"--trainer.callbacks.sync_each_step={str(case.sync_each_step).lower()}"]  # fmt: skip
+                 f"--trainer.callbacks.sync_each_step={str(case.sync_each_step).lower()}",
+                 "--trainer.callbacks+=vit.tools.data_check.SyncAudit",  # the last warmup steps: not timed
+                 f"--trainer.callbacks.start={max(case.warmup - 3, 0)}",
+                 f"--trainer.callbacks.stop={case.warmup}"]  # fmt: skip
         with _quiet():
             cli = main(["fit", *case.args(workdir, "--model.speed.compile", str(compile).lower(), *timer)])
     timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
+    audit = next(cb for cb in cli.trainer.callbacks if isinstance(cb, SyncAudit))
     if cli.trainer.global_step != case.steps:
         raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")
     note = f"batch {cli.datamodule.batch_size}, {case.steps - case.warmup} steps timed" + switched()
     note += ", the host waiting for the device after each" if timer.sync_each_step else ""
+    note += audit.summary()
     return timer.images_per_second, note + data_times(cli.trainer.train_dataloader, case.steps - case.warmup)
+
+
+class SyncAudit(Callback):
+    """Where the host waits for the device during training steps `start` .. `stop` - 1, by thread,
+    as torch.cuda.set_sync_debug_mode("warn") reports the waits (on CUDA only; a CPU never waits).
+    A wait in the training thread stops it queueing the next kernels while the device works
+    through those queued; a data thread's wait holds up only that thread. Each wait's site is the
+    innermost frame outside torch (file:line)."""
+
+    def __init__(self, start: int = 0, stop: int = 0) -> None:
+        self.start, self.stop = start, stop
+        self.waits: list[tuple[bool, str]] = []  # (in the training thread, site)
+        self.audited = False
+        self._caught: warnings.catch_warnings | None = None
+        self._cuda = False
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self.start < self.stop and trainer.strategy.root_device.type == "cuda":
+            self.begin(cuda=True)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step >= self.stop:
+            self.end()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.end()
+
+    def begin(self, cuda: bool) -> None:
+        """Record the waits from here on: every thread's, the calling one's as the training thread's."""
+        self._caught, self._cuda, self.audited = warnings.catch_warnings(), cuda, True
+        self._caught.__enter__()
+        warnings.simplefilter("always")
+        training, show = threading.current_thread(), warnings.showwarning
+
+        def record(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+            if SYNC_WARNING in str(message):
+                self.waits.append((threading.current_thread() is training, _site(traceback.extract_stack()[:-1])))
+            else:
+                show(message, category, filename, lineno, *rest)
+
+        warnings.showwarning = record
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def end(self) -> None:
+        if self._caught is None:
+            return
+        if self._cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        self._caught.__exit__(None, None, None)
+        self._caught = None
+
+    def summary(self) -> str:
+        """The note's words: waits a step in each kind of thread, and where; "" if nothing was audited."""
+        if not self.audited:
+            return ""
+        steps, parts = max(self.stop - self.start, 1), []
+        for training, who in ((True, "the training thread"), (False, "the data threads")):
+            sites = Counter(site for in_training, site in self.waits if in_training == training)
+            where = ", ".join(f"{site} x{n}" for site, n in sites.most_common(3))
+            parts.append(f"{sum(sites.values()) / steps:.1f} in {who}" + (f" ({where})" if where else ""))
+        return f"; host waits a step ({steps} steps): " + ", ".join(parts)
+
+
+def _site(stack: traceback.StackSummary) -> str:
+    """file:line of the innermost frame outside torch and the warnings module."""
+    skipped = (str(Path(torch.__file__).parent), warnings.__file__)
+    for frame in reversed(stack):
+        if not frame.filename.startswith(skipped):
+            return f"{Path(frame.filename).name}:{frame.lineno}"
+    return "?"
 
 
 def data_times(loader: Any, batches: int) -> str:

@@ -291,6 +291,27 @@ def test_a_data_check_cut_short_keeps_each_row_it_measured(tmp_path, monkeypatch
     assert rows[2]["note"] == "RuntimeError: the call ended here"
 
 
+def test_the_gpu_busy_shares_count_overlaps_once_and_part_the_busiest_stream_from_the_others():
+    """Kernels as (stream, start, end) over a window of 100: stream 7 at 0-40 and 30-60 (60
+    covered), stream 13 at 50-70, stream 17 at 80-90: busy 80%, the busiest stream 60%, the others
+    30% (13's 50-60 overlaps 7's and counts in both, once in the total)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vit.tools.data_check import DeviceBusy, busy_shares, spans
+
+    shares = busy_shares([(7, 0, 40), (7, 30, 60), (13, 50, 70), (17, 80, 90)], 100)
+    assert shares == pytest.approx({"any": 0.8, "busiest": 0.6, "others": 0.3})
+    assert busy_shares([], 100) == {"any": 0.0, "busiest": 0.0, "others": 0.0}
+    with profile(activities=[ProfilerActivity.CPU]) as ran:  # the spans the profiler records: here ops on the CPU
+        torch.ones(64, 64).matmul(torch.ones(64, 64))
+    ops = spans(ran, "cpu")
+    assert ops and all(start <= end for _, start, end in ops) and not spans(ran, "cuda")
+    busy = DeviceBusy(start=3, stop=7)
+    assert busy.summary() == ""  # nothing measured (a CPU run)
+    busy.shares = shares
+    assert busy.summary() == "; GPU busy 80% of 4 steps (its busiest stream 60%, the others 30%)"
+
+
 def test_the_sync_audit_counts_each_threads_waits_a_step_and_where_and_shows_other_warnings():
     """SyncAudit over steps 3 and 4, the waits (warnings, as set_sync_debug_mode reports them)
     raised by `wait`: twice in this thread (the training thread's), once in another; any other

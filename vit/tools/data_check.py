@@ -239,18 +239,22 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as workdir:
         timer = ["--trainer.callbacks+=vit.training.StepTimer", f"--trainer.callbacks.warmup={case.warmup}",
                  f"--trainer.callbacks.sync_each_step={str(case.sync_each_step).lower()}",
-                 "--trainer.callbacks+=vit.tools.data_check.SyncAudit",  # the last warmup steps: not timed
+                 "--trainer.callbacks+=vit.tools.data_check.DeviceBusy",  # the last warmup steps: not timed
+                 f"--trainer.callbacks.start={max(case.warmup - 7, 0)}",
+                 f"--trainer.callbacks.stop={max(case.warmup - 3, 0)}",
+                 "--trainer.callbacks+=vit.tools.data_check.SyncAudit",
                  f"--trainer.callbacks.start={max(case.warmup - 3, 0)}",
                  f"--trainer.callbacks.stop={case.warmup}"]  # fmt: skip
         with _quiet():
             cli = main(["fit", *case.args(workdir, "--model.speed.compile", str(compile).lower(), *timer)])
     timer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, StepTimer))
     audit = next(cb for cb in cli.trainer.callbacks if isinstance(cb, SyncAudit))
+    busy = next(cb for cb in cli.trainer.callbacks if isinstance(cb, DeviceBusy))
     if cli.trainer.global_step != case.steps:
         raise RuntimeError(f"ran {cli.trainer.global_step} of {case.steps} steps")
     note = f"batch {cli.datamodule.batch_size}, {case.steps - case.warmup} steps timed" + switched()
     note += ", the host waiting for the device after each" if timer.sync_each_step else ""
-    note += audit.summary()
+    note += busy.summary() + audit.summary()
     return timer.images_per_second, note + data_times(cli.trainer.train_dataloader, case.steps - case.warmup)
 
 
@@ -316,6 +320,90 @@ class SyncAudit(Callback):
             where = ", ".join(f"{site} x{n}" for site, n in sites.most_common(3))
             parts.append(f"{sum(sites.values()) / steps:.1f} in {who}" + (f" ({where})" if where else ""))
         return f"; host waits a step ({steps} steps): " + ", ".join(parts)
+
+
+class DeviceBusy(Callback):
+    """How busy the GPU was over training steps `start` .. `stop` - 1, from torch's profiler (its
+    kernels and copies, CUDA activity only, so the host is not slowed by recording its ops): the
+    share of the wall time some stream was running, and the shares of the busiest stream (the
+    model's) and of the others (the data path's). Near 100%, the GPU sets the pace and cheaper
+    kernels are what helps; well below it, the host does not queue work fast enough. CUDA only."""
+
+    def __init__(self, start: int = 0, stop: int = 0) -> None:
+        self.start, self.stop = start, stop
+        self.shares: dict[str, float] | None = None
+        self._profile: Any = None
+        self._began = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.start < self.stop and trainer.strategy.root_device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()  # the window starts with nothing queued
+            self._profile = profile(activities=[ProfilerActivity.CUDA])
+            self._profile.__enter__()
+            self._began = time.perf_counter_ns()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._profile is None or trainer.global_step < self.stop:
+            return
+        torch.cuda.synchronize()
+        wall = time.perf_counter_ns() - self._began
+        profile, self._profile = self._profile, None
+        profile.__exit__(None, None, None)
+        self.shares = busy_shares(spans(profile, "cuda"), wall)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self._profile is not None:
+            self._profile.__exit__(None, None, None)
+            self._profile = None
+
+    def summary(self) -> str:
+        """The note's words; "" if nothing was measured."""
+        if self.shares is None:
+            return ""
+        s = self.shares
+        return (
+            f"; GPU busy {s['any']:.0%} of {self.stop - self.start} steps (its busiest stream {s['busiest']:.0%}, "
+            f"the others {s['others']:.0%})"
+        )
+
+
+def spans(profile: Any, device: str) -> list[tuple[int, int, int]]:
+    """(stream, start_ns, end_ns) of each of a finished torch.profiler run's events on `device`
+    ("cuda": kernels and copies, by stream; "cpu": ops, by thread)."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+    events = profile.profiler.kineto_results.events()
+    return [(e.device_resource_id(), e.start_ns(), e.end_ns()) for e in events if e.device_type() == kind]
+
+
+def busy_shares(intervals: Sequence[tuple[int, int, int]], wall_ns: int) -> dict[str, float]:
+    """Shares of `wall_ns` covered by (stream, start_ns, end_ns) intervals: by any stream (`any`),
+    by the stream that covers most (`busiest`), and by the other streams together (`others`);
+    overlapping intervals count once."""
+
+    def covered(spans: Sequence[tuple[int, int]]) -> int:
+        total, reach = 0, None
+        for start, end in sorted(spans):
+            if reach is None or start > reach:
+                total, reach = total + end - start, end
+            elif end > reach:
+                total, reach = total + end - reach, end
+        return total
+
+    streams: dict[int, list[tuple[int, int]]] = {}
+    for stream, start, end in intervals:
+        streams.setdefault(stream, []).append((start, end))
+    busiest = max(streams, key=lambda s: covered(streams[s]), default=None)
+    others = [span for s, spans in streams.items() if s != busiest for span in spans]
+    wall = max(wall_ns, 1)
+    return {
+        "any": covered([span for spans in streams.values() for span in spans]) / wall,
+        "busiest": covered(streams.get(busiest, [])) / wall,
+        "others": covered(others) / wall,
+    }
 
 
 def _site(stack: traceback.StackSummary) -> str:

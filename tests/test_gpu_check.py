@@ -310,6 +310,8 @@ def test_the_gpu_busy_shares_count_overlaps_once_and_part_the_busiest_stream_fro
     assert busy.summary() == ""  # nothing measured (a CPU run)
     busy.shares = shares
     assert busy.summary() == "; GPU busy 80% of 4 steps (its busiest stream 60%, the others 30%)"
+    busy.error = "RuntimeError: no CUPTI"  # a profiler that failed: said, not fatal
+    assert busy.summary() == "; GPU busy not measured (RuntimeError: no CUPTI)"
 
 
 def test_the_sync_audit_counts_each_threads_waits_a_step_and_where_and_shows_other_warnings():

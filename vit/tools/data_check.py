@@ -327,11 +327,13 @@ class DeviceBusy(Callback):
     kernels and copies, CUDA activity only, so the host is not slowed by recording its ops): the
     share of the wall time some stream was running, and the shares of the busiest stream (the
     model's) and of the others (the data path's). Near 100%, the GPU sets the pace and cheaper
-    kernels are what helps; well below it, the host does not queue work fast enough. CUDA only."""
+    kernels are what helps; well below it, the host does not queue work fast enough. CUDA only.
+    A profiler that fails is named in the note; the run goes on."""
 
     def __init__(self, start: int = 0, stop: int = 0) -> None:
         self.start, self.stop = start, stop
         self.shares: dict[str, float] | None = None
+        self.error: str | None = None
         self._profile: Any = None
         self._began = 0
 
@@ -340,8 +342,11 @@ class DeviceBusy(Callback):
             from torch.profiler import ProfilerActivity, profile
 
             torch.cuda.synchronize()  # the window starts with nothing queued
-            self._profile = profile(activities=[ProfilerActivity.CUDA])
-            self._profile.__enter__()
+            try:
+                self._profile = profile(activities=[ProfilerActivity.CUDA])
+                self._profile.__enter__()
+            except Exception as e:
+                self._profile, self.error = None, f"{type(e).__name__}: {e}"[:80]
             self._began = time.perf_counter_ns()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -350,8 +355,11 @@ class DeviceBusy(Callback):
         torch.cuda.synchronize()
         wall = time.perf_counter_ns() - self._began
         profile, self._profile = self._profile, None
-        profile.__exit__(None, None, None)
-        self.shares = busy_shares(spans(profile, "cuda"), wall)
+        try:
+            profile.__exit__(None, None, None)
+            self.shares = busy_shares(spans(profile, "cuda"), wall)
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"[:80]
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if self._profile is not None:
@@ -360,6 +368,8 @@ class DeviceBusy(Callback):
 
     def summary(self) -> str:
         """The note's words; "" if nothing was measured."""
+        if self.error is not None:
+            return f"; GPU busy not measured ({self.error})"
         if self.shares is None:
             return ""
         s = self.shares

@@ -458,7 +458,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tm
 def test_the_nan_guard_reads_each_loss_once_its_backward_is_queued_not_before(tmp_path, monkeypatch):
     """Reading a device value makes the host wait for it; the guard reads each micro-batch's
     finiteness only after the backward passes of its optimizer step are queued (and before the
-    step), so on a GPU the backward runs meanwhile, and the host never waits inside a step."""
+    step), so on a GPU the backward runs while the host waits for the forward passes' results."""
     from vit.fault_tolerance import HostCopy
 
     order: list[str] = []
@@ -492,15 +492,10 @@ def test_the_progress_bar_reads_the_logged_loss_back_only_when_the_loggers_do(tm
         lambda bar, trainer, module: reads.append(trainer.global_step) or get_metrics(bar, trainer, module),
     )
     on = ["--trainer.enable_progress_bar", "true", "--trainer.max_steps", "25", "--trainer.num_sanity_val_steps", "0"]
-    cli = fit("configs/default.yaml", tmp_path, *on)
+    fit("configs/default.yaml", tmp_path, *on)
     assert set(reads) == {10, 20, 22, 25}
-    configured = [
-        "--trainer.callbacks+=TQDMProgressBar",
-        "--trainer.callbacks.refresh_rate",
-        "3",
-        "--trainer.max_steps",
-        "1",
-    ]
+    configured = ["--trainer.callbacks+=TQDMProgressBar", "--trainer.callbacks.refresh_rate", "3",
+                  "--trainer.max_steps", "1"]  # fmt: skip
     cli = fit("configs/default.yaml", tmp_path / "configured", *on, *configured)
     assert cli.trainer.progress_bar_callback.refresh_rate == 3
 

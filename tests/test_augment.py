@@ -105,3 +105,16 @@ def test_an_image_taking_two_warps_gets_them_in_order_each_rounded_as_one_op_at_
     assert torch.equal(batch[0], one_by_one[0]) and not torch.equal(batch[0], batch[1])
     assert torch.equal(batch[1], rand_augment(image, torch.from_numpy(rotate))[0])
     assert torch.equal(batch[2], rand_augment(image, torch.from_numpy(grey))[0])
+
+
+def test_each_image_of_a_batch_is_augmented_as_it_would_be_alone():
+    """Images taking 0 to 3 warps and colour ops, mixed in one batch: the passes group each
+    image's k-th warp and every op's images, and no image's result depends on the others'."""
+    rng = np.random.default_rng(2)
+    params = np.concatenate([draw_rand_augment(rng, ops, 9.0, count=8) for ops in (0, 1, 3, 5)])
+    images = torch.from_numpy(rng.integers(0, 256, (len(params), 3, 24, 24)).astype(np.float32))
+    batch = rand_augment(images, torch.from_numpy(params))
+    assert (np.isfinite(params[:, :5]).sum(1) >= 3).any()  # some image takes three warps
+    for i in range(len(params)):
+        assert torch.equal(batch[i], rand_augment(images[i : i + 1], torch.from_numpy(params[i : i + 1]))[0]), i
+    assert torch.equal(batch[:8], images[:8].round())  # no ops: unchanged

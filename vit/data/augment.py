@@ -302,23 +302,21 @@ def rand_augment(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     params, device = params.detach().to("cpu", torch.float64).numpy(), images.device
     images = images.to(torch.float32, copy=True).round_().clamp_(0, 255)
     steps = _warp_passes(params, images.shape[-1])
+    chosen = np.isfinite(params)
     for op in range(len(WARPS), len(RA_OPS)):
-        index = np.flatnonzero(np.isfinite(params[:, op]))
+        index = np.flatnonzero(chosen[:, op])
         if len(index):
             values = np.zeros((len(index), 6))
-            values[:, :2] = params[index][:, [op, LIGHTNESS]]
+            values[:, 0], values[:, 1] = params[index, op], params[index, LIGHTNESS]
             steps.append((_RA_FUNCTIONS[RA_OPS[op]], index, values))
     if not steps:
         return images
+    lengths = [len(index) for _, index, _ in steps]
     index_all = torch.from_numpy(np.concatenate([index for _, index, _ in steps]))
     values_all = torch.from_numpy(np.concatenate([values for _, _, values in steps]).astype(np.float32))
-    index_all, values_all = (t.to(device, non_blocking=True) for t in (index_all, values_all))
-    start = 0
-    for function, index, _ in steps:
-        rows = slice(start, start + len(index))
-        start += len(index)
-        index = index_all[rows]
-        images[index] = function(images[index], values_all[rows]).round_().clamp_(0, 255)
+    index_all, values_all = (t.to(device, non_blocking=True).split(lengths) for t in (index_all, values_all))
+    for (function, _, _), index, values in zip(steps, index_all, values_all, strict=True):
+        images[index] = function(images[index], values).round_().clamp_(0, 255)
     return images
 
 
@@ -328,15 +326,19 @@ WARPS = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")  # RA_OPS
 def _warp_passes(params: np.ndarray, side: int) -> list[tuple[Callable, np.ndarray, np.ndarray]]:
     """(_warp, image indices, (n, 6) flattened 2x3 matrices) for pass k = 0, 1, ...: each image's
     k-th warp op in RA_OPS order. An image's warps are then applied in the order rand_augment
-    applied them one op at a time, each to the pixels the previous left."""
+    applied them one op at a time, each to the pixels the previous left. Worked out for the whole
+    batch in a few numpy calls: this runs in the thread that feeds the model."""
     chosen = np.isfinite(params[:, : len(WARPS)])
-    passes = []
-    for k in range(int(chosen.sum(1).max(initial=0))):
-        index = np.flatnonzero(chosen.sum(1) > k)
-        op = np.array([np.flatnonzero(chosen[i])[k] for i in index])
-        strength = params[index, op]
-        passes.append((_warp, index, _warp_matrices(op, strength, side).reshape(len(index), 6)))
-    return passes
+    image, op = np.nonzero(chosen)  # row-major: each image's warps in RA_OPS order
+    if not len(image):
+        return []
+    k = np.cumsum(chosen, 1)[image, op] - 1  # the pass each (image, op) belongs to
+    order = np.lexsort((image, k))  # by pass, then by image
+    image, op, k = image[order], op[order], k[order]
+    matrices = _warp_matrices(op, params[image, op], side).reshape(len(image), 6)
+    starts = np.cumsum(np.bincount(k))[:-1]
+    passes = zip(np.split(image, starts), np.split(matrices, starts), strict=True)
+    return [(_warp, index, values) for index, values in passes]
 
 
 def _warp_matrices(op: np.ndarray, strength: np.ndarray, side: int) -> np.ndarray:

@@ -242,7 +242,7 @@ def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> li
     with its position in `data`."""
     device = torch.device(device)
     images: list[torch.Tensor | None] = [d.to(device, non_blocking=True) if d.dim() == 3 else None for d in data]
-    jpegs = [i for i, d in enumerate(data) if d.dim() == 1 and bytes(d[:3].tolist()) == JPEG_MAGIC]
+    jpegs = [i for i, d in enumerate(data) if d.dim() == 1 and d.numpy()[:3].tobytes() == JPEG_MAGIC]  # CPU bytes
     if jpegs:
         if device.type == "cuda":
             drain_before_decode(device)

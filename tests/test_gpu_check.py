@@ -108,6 +108,8 @@ def test_cpu_debug_run_of_the_sharded_and_ddp_fits(tmp_path):
         sys.executable,
         str(ROOT / "scripts" / "gpu_check.py"),
         *CPU_DEBUG,
+        "--checks",
+        "sharded,ddp",  # the one-process checks: test_cpu_debug_run_measures_every_single_device_check
         "--processes",
         "2",
         "--json",
@@ -233,14 +235,13 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     for name in ("vit b16", "vit b16 (prefetch 1)", "vit b16 (streaming)", "resnet50"):  # decoding, then augmenting
         assert re.search(stages, rows[f"{name}: end to end, eager"]["note"])
     assert "waited" not in rows["vit b16 (per-sample): end to end, eager"]["note"]
-    variants = "decode,worker-decode.5,cap60,sync,switch100"
+    variants = "worker-decode.5,cap60,sync,switch100"
     chosen = ["--data-recipes", "configs/imagenet_resnet50.yaml", "--data-variants", variants]
     assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), *chosen,
                  "--json", str(tmp_path / "chosen.json")]) == 0  # fmt: skip
     assert [r["check"] for r in json.loads((tmp_path / "chosen.json").read_text())] == [
         "batches decoded ahead = on demand", "resnet50: model alone, eager", "resnet50: data path alone",
-        "resnet50: end to end, eager", "resnet50 (per-sample): data path alone",
-        "resnet50 (per-sample): end to end, eager", "resnet50 (worker_decode 0.5): data path alone",
+        "resnet50: end to end, eager", "resnet50 (worker_decode 0.5): data path alone",
         "resnet50 (worker_decode 0.5): end to end, eager", "resnet50 (longer side <= 60): data path alone",
         "resnet50 (longer side <= 60): end to end, eager", "resnet50 (host sync each step): data path alone",
         "resnet50 (host sync each step): end to end, eager", "resnet50 (switch interval 100 us): data path alone",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -76,30 +77,35 @@ def _script(command: str) -> Path:
     return ROOT / "scripts" / f"{module.rsplit('.', 1)[1]}.py"
 
 
-@pytest.fixture(scope="module")
-def helps() -> dict[str, subprocess.CompletedProcess]:
-    """Each checkout script's `--help`, all started at once (each spends seconds importing)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    running = {
-        command: subprocess.Popen([sys.executable, str(_script(command)), "--help"], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for command in SCRIPTS
-    }  # fmt: skip
-    done = {}
-    for command, process in running.items():
-        out, err = process.communicate(timeout=240)
-        done[command] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
-    return done
+def _help(command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """(exit code, output) of the checkout script's `--help`, run as `__main__` in this process."""
+    from vit.cli import TrainCLI
+
+    script = str(_script(command))
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    monkeypatch.setattr(TrainCLI, "argv", TrainCLI.argv)  # vit.cli.main keeps the command line there
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(script, run_name="__main__")
+    return exit_info.value.code or 0, capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", sorted(SCRIPTS))
-def test_installed_command_points_at_a_function_and_its_checkout_script_runs(command, helps):
+def test_installed_command_points_at_a_function_and_its_checkout_script_runs(command, monkeypatch, capsys):
     """`vit-x` (after pip install) and `python scripts/x.py` (in a checkout) run the same `cli`."""
     module, _, attr = SCRIPTS[command].partition(":")
     assert callable(getattr(importlib.import_module(module), attr))
     assert f"from {module} import {attr}" in _script(command).read_text()
-    assert helps[command].returncode == 0, helps[command].stderr
-    assert "usage:" in helps[command].stdout.lower()
+    code, out = _help(command, monkeypatch, capsys)
+    assert code == 0 and "usage:" in out.lower()
+
+
+def test_a_checkout_script_runs_as_a_program_in_a_fresh_interpreter():
+    """What the in-process runs above cannot show: nothing it needs was imported by the tests first."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(_script("vit-train")), "--help"], env=env, text=True,
+                          capture_output=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout.lower()
 
 
 def test_the_studies_read_data_and_weights_from_the_environment_or_the_project_folders(monkeypatch):

@@ -90,12 +90,16 @@ def _write_one(job: tuple[Path, int, tuple[int, int]]) -> int:
     return len(buffer.getvalue())
 
 
+SPAWN_PIXELS = 10**8  # write_synthetic_imagenet's pixels (~20 s in one process) worth starting workers for
+
+
 def write_synthetic_imagenet(
     root: str | Path, train: int, val: int, classes: int = 100, size: tuple[int, int] = (500, 375),
     workers: int | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """`root/{train,val}/n<class>/<i>.JPEG` (every 20th a greyscale JPEG, every 20th from the 10th a
-    PNG), sizes within 20% of `size`; returns the image count and mean file size in KB."""
+    PNG), sizes within 20% of `size`; returns the image count and mean file size in KB. `workers`
+    (None: one a core, if the tree is large enough to repay starting them) write it in parallel."""
     root = Path(root)
     jobs = []
     for split, count in (("train", train), ("val", val)):
@@ -104,7 +108,9 @@ def write_synthetic_imagenet(
             folder.mkdir(parents=True, exist_ok=True)
             seed = i if split == "train" else 10**6 + i
             jobs.append((folder / f"{i}.{'png' if i % 20 == 10 else 'JPEG'}", seed, size))
-    workers = workers or max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+    if workers is None:  # a worker takes seconds to start (it imports torch); an image ~0.2 us a pixel
+        small = len(jobs) * size[0] * size[1] < SPAWN_PIXELS
+        workers = 1 if small else min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     if workers > 1:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
             sizes = pool.map(_write_one, jobs, chunksize=16)

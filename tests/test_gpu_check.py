@@ -109,7 +109,7 @@ def test_cpu_debug_run_of_the_sharded_and_ddp_fits(tmp_path):
         str(ROOT / "scripts" / "gpu_check.py"),
         *CPU_DEBUG,
         "--checks",
-        "sharded,ddp",  # the one-process checks: test_cpu_debug_run_measures_every_single_device_check
+        "sharded,ddp",  # the others run in test_cpu_debug_run_measures_every_single_device_check
         "--processes",
         "2",
         "--json",

@@ -94,7 +94,7 @@ def test_checks_option_runs_only_the_named_checks(tmp_path):
     with pytest.raises(SystemExit):
         main([*CPU_DEBUG, "--checks", "fit,nope"])
     refused = ("streamin", "cap", "cap0", "capx", "prefetch,cap-1", "worker-decode0", "worker-decode1.5", "switch0",
-               "switch", "syncs")  # fmt: skip
+               "switch", "syncs", "data.pin_memory", "pin_memory=false", "data.pin_memory=")  # fmt: skip
     for variants in refused:  # before any check runs
         with pytest.raises(SystemExit):
             main([*CPU_DEBUG, "--checks", "data", "--data-variants", variants])
@@ -235,20 +235,22 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     for name in ("vit b16", "vit b16 (prefetch 1)", "vit b16 (streaming)", "resnet50"):  # decoding, then augmenting
         assert re.search(stages, rows[f"{name}: end to end, eager"]["note"])
     assert "waited" not in rows["vit b16 (per-sample): end to end, eager"]["note"]
-    variants = "worker-decode.5,cap60,sync,switch100"
+    variants = "worker-decode.5,data.num_workers=0,cap60,sync,switch100"
     chosen = ["--data-recipes", "configs/imagenet_resnet50.yaml", "--data-variants", variants]
     assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), *chosen,
                  "--json", str(tmp_path / "chosen.json")]) == 0  # fmt: skip
     assert [r["check"] for r in json.loads((tmp_path / "chosen.json").read_text())] == [
         "batches decoded ahead = on demand", "resnet50: model alone, eager", "resnet50: data path alone",
         "resnet50: end to end, eager", "resnet50 (worker_decode 0.5): data path alone",
-        "resnet50 (worker_decode 0.5): end to end, eager", "resnet50 (longer side <= 60): data path alone",
+        "resnet50 (worker_decode 0.5): end to end, eager", "resnet50 (data.num_workers 0): data path alone",
+        "resnet50 (data.num_workers 0): end to end, eager", "resnet50 (longer side <= 60): data path alone",
         "resnet50 (longer side <= 60): end to end, eager", "resnet50 (host sync each step): data path alone",
         "resnet50 (host sync each step): end to end, eager", "resnet50 (switch interval 100 us): data path alone",
         "resnet50 (switch interval 100 us): end to end, eager",
     ]  # fmt: skip
     chosen_rows = json.loads((tmp_path / "chosen.json").read_text())
-    assert "decode on the training device (50% of the JPEGs in the loader workers)" in chosen_rows[-8]["note"]
+    assert "decode on the training device (50% of the JPEGs in the loader workers)" in chosen_rows[-10]["note"]
+    assert chosen_rows[-8]["note"].startswith("0 workers: ") and chosen_rows[2]["note"].startswith("1 workers: ")
     synced = [row["check"] for row in chosen_rows if "the host waiting for the device after each" in row["note"]]
     assert synced == ["resnet50 (host sync each step): end to end, eager"]
     for row in chosen_rows[-2:]:  # read while it was measured; the other rows ran at Python's 5 ms

@@ -456,13 +456,14 @@ SYNC = "sync"  # and, only if asked, "sync" (after them): the host waits for the
 CAP = re.compile(r"cap(\d+)")  # and "cap<N>" (after them): a copy of the tree with the longer side capped at N
 WORKER_DECODE = re.compile(r"worker-decode(\d*\.?\d+)")  # "worker-decode<share>": data.worker_decode <share>
 SWITCH = re.compile(r"switch(\d+)")  # "switch<us>": Python's thread switch interval (sys.setswitchinterval), in us
+OPTION = re.compile(r"((?:data|model|trainer)(?:\.\w+)+)=(\S+)")  # "<option>=<value>": any scripts/train.py option
 
 
 def unknown_variants(variants: Sequence[str]) -> list[str]:
     def known(v: str) -> bool:
         cap, share, switch = CAP.fullmatch(v), WORKER_DECODE.fullmatch(v), SWITCH.fullmatch(v)
         return (v in (*VARIANTS, SYNC) or bool(cap and int(cap[1]) > 0) or bool(share and 0 < float(share[1]) <= 1)
-                or bool(switch and int(switch[1]) > 0))  # fmt: skip
+                or bool(switch and int(switch[1]) > 0) or bool(OPTION.fullmatch(v)))  # fmt: skip
 
     return [v for v in variants if not known(v)]
 
@@ -480,13 +481,14 @@ def check_recipe(
     tree with each image's longer side capped at N (`case.root`-capN, vit.tools.resize_folder);
     "switch<us>", with Python's thread switch interval at us microseconds (default 5,000): how long
     a thread that holds the interpreter's lock keeps the others, the thread launching the model's
-    kernels among them, waiting; "sync", the host waiting for the device after every step (as a
-    progress bar showing the loss at every step makes it; the other fits never wait inside the
-    timed steps)."""
+    kernels among them, waiting; "<option>=<value>", with that `scripts/train.py` option (e.g.
+    data.pin_memory=false; the model-alone rows run without it); "sync", the host waiting for the
+    device after every step (as a progress bar showing the loss at every step makes it; the other
+    fits never wait inside the timed steps)."""
     if unknown := unknown_variants(variants):
         raise ValueError(
             f"unknown data check variants {unknown}; choose from {', '.join(VARIANTS)}, {SYNC}, worker-decode<share>, "
-            "cap<N> or switch<us>"
+            "cap<N>, switch<us> or <option>=<value>"
         )
     from vit.tools.convert_streaming import convert_image_folder
     from vit.tools.flops import forward_flops
@@ -531,6 +533,9 @@ def check_recipe(
             resize_folder(case.root, capped_root, side, workers=max(1, (os.cpu_count() or 1) - 1))
         return replace(case, root=capped_root)
 
+    for key, value in (OPTION.fullmatch(v).groups() for v in variants if OPTION.fullmatch(v)):
+        label = f" ({key} {value})"
+        paths.append((label, lambda key=key, value=value: variant_of(case, f"--{key}", value), ("eager",)))
     for side in (int(v[3:]) for v in variants if CAP.fullmatch(v)):
         paths.append((f" (longer side <= {side})", lambda side=side: capped(side), ("eager",)))
     if SYNC in variants:

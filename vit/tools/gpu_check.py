@@ -348,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "worker-decode<share> (data.worker_decode, e.g. worker-decode0.5), "
                         "cap<N> (a copy with the longer side capped at N, e.g. cap320), "
                         "switch<us> (Python's thread switch interval, e.g. switch100), "
+                        "<option>=<value> (a scripts/train.py option, e.g. data.pin_memory=false), "
                         "sync (the host waits for the device after every step, as a progress bar does)")  # fmt: skip
     p.add_argument("--json", help="write the rows here (a worker: its row)")
     p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
@@ -357,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.data_variants = [v.strip() for v in args.data_variants.split(",") if v.strip()]
     if unknown := unknown_variants(args.data_variants):
         p.error(f"--data-variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}, "
-                "sync, worker-decode<share>, cap<N> or switch<us>")  # fmt: skip
+                "sync, worker-decode<share>, cap<N>, switch<us> or <option>=<value>")  # fmt: skip
     if unknown := [c for c in args.checks if c not in CHECKS]:
         p.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     return args

@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/default.yaml
+# `make test` runs the suite in this many pytest-xdist processes, one torch thread each (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: train test lint format clean-venv gpu-check
 
@@ -18,7 +20,7 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The GPU paths (bf16 fits, compile, flash attention, sharded and NCCL DDP): a table; without a GPU it says so.
 gpu-check: $(VENV)/.installed

@@ -533,9 +533,8 @@ def check_recipe(
             resize_folder(case.root, capped_root, side, workers=max(1, (os.cpu_count() or 1) - 1))
         return replace(case, root=capped_root)
 
-    for key, value in (OPTION.fullmatch(v).groups() for v in variants if OPTION.fullmatch(v)):
-        label = f" ({key} {value})"
-        paths.append((label, lambda key=key, value=value: variant_of(case, f"--{key}", value), ("eager",)))
+    for key, value in (m.groups() for m in map(OPTION.fullmatch, variants) if m):
+        paths.append((f" ({key} {value})", lambda k=key, v=value: variant_of(case, f"--{k}", v), ("eager",)))
     for side in (int(v[3:]) for v in variants if CAP.fullmatch(v)):
         paths.append((f" (longer side <= {side})", lambda side=side: capped(side), ("eager",)))
     if SYNC in variants:

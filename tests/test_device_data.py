@@ -26,8 +26,16 @@ from vit.data.augment import (
     random_resized_crop_box,
     resize_crops_together,
 )
-from vit.data.device import EncodedFiles, collate_encoded, decode_and_augment, decode_batch, read_header
-from vit.data.images import CorruptImageError, Sample, read_rgb
+from vit.data.device import (
+    EncodedFiles,
+    augment_decoded,
+    collate_encoded,
+    decode_and_augment,
+    decode_batch,
+    decode_encoded,
+    read_header,
+)
+from vit.data.images import MISSING, CorruptImageError, ImageFiles, Sample, read_rgb
 from vit.data.transforms import resize_transform
 from vit.tools.data_check import synthetic_photo
 
@@ -265,7 +273,7 @@ def test_evaluation_crops_the_region_resize_and_centre_crop_keep(tmp_path):
     Image.fromarray(pixels).save(path)
     assert center_crop_box(90, 120, 0.875) == (5, 20, 79, 79)
     dataset = EncodedFiles([Sample(str(path), 3)], train=False, crop_pct=0.875)
-    x, y = decode_and_augment(collate_encoded([dataset[0]]), "cpu", 48, dataset.samples)
+    x, y = decode_and_augment(collate_encoded([dataset[0]]), "cpu", 48, dataset)
     expected = torch.from_numpy(resize_transform(48, 0.875)(image=read_rgb(path))["image"]).permute(2, 0, 1).float()
     assert y.tolist() == [3] and x.shape == (1, 3, 48, 48)
     assert (x[0] - expected).abs().mean() < 1.5
@@ -279,7 +287,7 @@ def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     assert torch.equal(dataset[(0, np.int64(7))][2].nan_to_num(-1), a)  # a numpy seed draws as its int does
     flips = [int(dataset[(0, seed)][2][4]) for seed in range(400)]
     assert 160 < sum(flips) < 240  # a flip with probability 1/2
-    x, _ = decode_and_augment(collate_encoded([dataset[(0, 7)]]), "cpu", 32, dataset.samples)
+    x, _ = decode_and_augment(collate_encoded([dataset[(0, 7)]]), "cpu", 32, dataset)
     top, left, h, w, flip = (int(v) for v in a[:5])
     crop = torch.from_numpy(read_rgb(path)).permute(2, 0, 1)[None, :, top : top + h, left : left + w].float()
     expected = torch.nn.functional.interpolate(crop, size=(32, 32), mode="bilinear", antialias=True)
@@ -292,7 +300,7 @@ def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     params = augmented[(0, 7)][2]
     assert torch.equal(params[:5], a[:5]) and torch.equal(params.nan_to_num(-1), augmented[(0, 7)][2].nan_to_num(-1))
     assert params[RA_START : RA_START + len(RA_OPS)].isfinite().sum() == 2
-    x, _ = decode_and_augment(collate_encoded([augmented[(0, 7)]]), "cpu", 32, dataset.samples)
+    x, _ = decode_and_augment(collate_encoded([augmented[(0, 7)]]), "cpu", 32, dataset)
     torch.testing.assert_close(x, rand_augment(expected, params[None, RA_START:-1]))
     assert (x - expected.round()).abs().mean() > 1
 
@@ -323,7 +331,7 @@ def test_crops_resized_together_equal_crops_resized_one_at_a_time():
 
 
 def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog):
-    """A truncated JPEG (libjpeg would decode it, grey below the cut, where PIL refuses it) and a
+    """A truncated JPEG (libjpeg may decode it, grey below the cut, where PIL refuses it) and a
     file that is not an image: named; with skip_corrupt replaced (training) or left out (evaluation)."""
     good, truncated, text = tmp_path / "good.jpg", tmp_path / "cut.jpg", tmp_path / "notes.jpg"
     synthetic_photo(np.random.default_rng(0), 200, 150).save(good, quality=90)
@@ -337,6 +345,62 @@ def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog)
         assert EncodedFiles(samples, train=True, skip_corrupt=True)[(0, 0)][1] == 2  # the next readable one
         assert EncodedFiles(samples, train=False, skip_corrupt=True)[1][1] == -1  # MISSING: not scored
     assert f"skipped cannot decode image {truncated}" in caplog.text
+
+
+def test_a_jpeg_is_truncated_when_no_end_marker_follows_its_scan_as_pil_says(tmp_path):
+    """Bytes after the end marker (a phone's appended video) are no harm; an end marker before the
+    scan (an embedded thumbnail's) does not make a cut file whole. PIL decides the same."""
+    rng = np.random.default_rng(0)
+    thumbnail = tmp_path / "thumbnail.jpg"
+    synthetic_photo(rng, 16, 12).save(thumbnail, quality=90)
+    full, trailed, cut = tmp_path / "full.jpg", tmp_path / "trailed.jpg", tmp_path / "cut.jpg"
+    synthetic_photo(rng, 256, 192).save(full, quality=90, comment=thumbnail.read_bytes())  # a segment before the scan
+    data = full.read_bytes()
+    trailed.write_bytes(data + bytes(5000))
+    assert read_header(trailed.read_bytes()) == (192, 256, True)
+    assert read_rgb(trailed).shape == (192, 256, 3)
+    after_thumbnail, scan = data.index(thumbnail.read_bytes()) + thumbnail.stat().st_size, data.index(b"\xff\xda")
+    for end in (after_thumbnail + 10, scan + 2000):  # cut within the headers, within the scan
+        cut.write_bytes(data[:end])
+        with pytest.raises(ValueError, match="truncated"):
+            read_header(cut.read_bytes())
+        with pytest.raises(CorruptImageError, match="truncated"):
+            read_rgb(cut)
+
+
+def test_a_file_the_training_process_cannot_decode_is_named_or_skipped_as_the_workers_skip_one(tmp_path, caplog):
+    """A JPEG whose header is sound but whose scan is not passes the worker and fails in the batch
+    decoder: named; with skip_corrupt the batch keeps its size, the next image that decoded taking
+    its place in training (label and augmentation too) and a stand-in left out of the scores in
+    evaluation, as the per-sample path scores it."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    paths = [folder / f"{i}.jpg" for i in range(4)]
+    for i, path in enumerate(paths):
+        synthetic_photo(np.random.default_rng(i), 64, 48).save(path, quality=90)
+    jpeg = paths[1].read_bytes()
+    paths[1].write_bytes(jpeg[:300] + bytes(len(jpeg) - 302) + jpeg[-2:])  # the scan zeroed
+    samples = [Sample(str(p), 10 + i) for i, p in enumerate(paths)]
+    strict = EncodedFiles(samples, train=True, augment=Augment(randaugment_ops=2))
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {paths[1]}: "):
+        decode_encoded(collate_encoded([strict[(i, i)] for i in range(4)]), "cpu", strict)
+
+    files = EncodedFiles(samples, train=True, augment=Augment(randaugment_ops=2), skip_corrupt=True)
+    batch = collate_encoded([files[(i, i)] for i in range(4)])
+    with caplog.at_level("WARNING", logger="vit"):
+        decoded = decode_encoded(batch, "cpu", files)
+    assert f"skipped cannot decode image {paths[1]}" in caplog.text and files.num_skipped == 1
+    assert decoded.labels.tolist() == [10, 12, 12, 13]
+    assert torch.equal(decoded.images[1], decoded.images[2])
+    torch.testing.assert_close(decoded.params[1], batch.params[2], rtol=0, atol=0, equal_nan=True)
+    x, y = augment_decoded(decoded, 32)
+    assert x.shape == (4, 3, 32, 32) and torch.equal(x[1], x[2]) and y.tolist() == [10, 12, 12, 13]
+
+    evaluation = EncodedFiles(samples, train=False, skip_corrupt=True)
+    decoded = decode_encoded(collate_encoded([evaluation[i] for i in range(4)]), "cpu", evaluation)
+    per_sample = ImageFiles(samples, skip_corrupt=True, substitute=False)
+    assert decoded.labels.tolist() == [per_sample.load(i)[1] for i in range(4)] == [10, MISSING, 12, 13]
+    assert augment_decoded(decoded, 32)[0].shape == (4, 3, 32, 32)
 
 
 def _recipe(data: Path, run: Path, *extra: str) -> list[str]:

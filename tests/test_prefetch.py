@@ -129,6 +129,18 @@ def test_an_old_epoch_finished_late_does_not_forget_the_running_threads(tmp_path
     new.close()
 
 
+
+def test_an_epoch_drawn_after_the_next_began_says_so_instead_of_waiting_forever():
+    loader = PreparedLoader(torch.arange(40), batch_size=4, prepare=lambda batch, device: batch * 10, ahead=2)
+    old = iter(loader)
+    assert next(old).tolist() == [0, 10, 20, 30]
+    new = iter(loader)  # stops the old epoch's thread
+    assert next(new).tolist() == [0, 10, 20, 30]
+    with pytest.raises(RuntimeError, match="a later iter\\(loader\\) began another epoch"):
+        list(old)
+    assert [batch[0].item() for batch in new] == [40, 80, 120, 160, 200, 240, 280, 320, 360]
+    assert not _preparing_threads()
+
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_the_loader_times_each_batchs_preparing_and_the_steps_wait_for_it(ahead):
     """A batch takes 50 ms to prepare, 10 of them on the CPU, and a step takes 100 ms: prepared on

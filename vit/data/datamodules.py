@@ -12,7 +12,6 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,7 +33,6 @@ from vit.data.device import (
 from vit.data.images import (
     ImageArrays,
     ImageFiles,
-    Sample,
     readable_class_names,
     scan_image_folder,
     scan_tiny_imagenet,
@@ -299,7 +297,7 @@ class ImageDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
         )
         if isinstance(dataset, EncodedFiles):  # bytes from the workers, decoded on the device (ahead of the step)
-            stages = (functools.partial(self._decode_on_device, dataset.samples), self._augment_on_device)
+            stages = (functools.partial(self._decode_on_device, dataset), self._augment_on_device)
             options.update(collate_fn=collate_encoded, prepare=stages, device=self._device, ahead=self.device_prefetch)
         return options
 
@@ -309,10 +307,10 @@ class ImageDataModule(L.LightningDataModule):
             return self.trainer.strategy.root_device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def _decode_on_device(self, samples: Sequence[Sample], batch: EncodedBatch, device: torch.device) -> DecodedBatch:
-        """device_decode's first stage: a batch of encoded files decoded on `device` (`samples`
-        name a file that does not decode)."""
-        return decode_encoded(batch, device, samples)
+    def _decode_on_device(self, files: EncodedFiles, batch: EncodedBatch, device: torch.device) -> DecodedBatch:
+        """device_decode's first stage: a batch of `files` decoded on `device` (a file that does not
+        decode is named, or skipped as the loader workers skip one: skip_corrupt)."""
+        return decode_encoded(batch, device, files)
 
     def _augment_on_device(self, batch: DecodedBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """device_decode's second stage: the decoded batch cropped, flipped, RandAugmented and

@@ -17,8 +17,9 @@ baseline JPEGs (PNG and other formats; progressive or CMYK JPEGs: read_header) a
 worker by the per-sample path's decoder (PIL), in parallel, not in the training process; the JPEGs
 `decode_jpeg` still refuses are decoded in the training process, on the CPU, by
 `torchvision.io.decode_image` and counted in the log. A file nothing decodes raises
-CorruptImageError naming it. With `skip_corrupt` a file that cannot be read is replaced by the
-next readable one (training) or left out of the scores (evaluation), as in the per-sample path.
+CorruptImageError naming it. With `skip_corrupt` a file that cannot be read or decoded is replaced
+(training: by the next readable file in the worker, by the next image of its batch that decoded
+in the training process) or left out of the scores (evaluation), as in the per-sample path.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch.utils.data import get_worker_info
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 from vit.data.augment import (
+    FLIP,
     RA_COLUMNS,
     RA_START,
     Augment,
@@ -57,41 +59,51 @@ DEVICE_CROPS = ("rrc", "resize")
 INDEX = -1
 
 
-BASELINE = 0xC0  # the start-of-frame marker of a baseline JPEG
+BASELINE, SOS, EOI = 0xC0, 0xDA, 0xD9  # the markers of a baseline JPEG's frame, the start of a scan, the end
 _NOT_FRAMES = (0xC4, 0xC8, 0xCC)  # markers in 0xC0..0xCF that start no frame (tables, reserved)
 
 
-def jpeg_frame(data: bytes) -> tuple[int, int, int, int, int] | None:
-    """(start-of-frame marker, sample precision, height, width, components) from a JPEG's first
-    frame header, skipping the segments before it by their lengths; None if it has none before its
-    first scan or is cut short. A few microseconds where PIL's header parsing (its tables included)
+def jpeg_markers(data: bytes) -> tuple[list[tuple[int, int]], int]:
+    """(offset, marker) of a JPEG's segments up to and including its first scan's (start-of-scan,
+    FF DA), each segment skipped by its length, and the offset where the walk stopped: at that scan,
+    at an end-of-image marker, at a byte that is not a marker, or, for a file cut short within its
+    headers, at or past its end. Microseconds where PIL's header parsing (its tables included)
     takes tens: a loader worker reads one for every file."""
-    i, n = 2, len(data)
+    markers, i, n = [], 2, len(data)
     while i + 4 <= n:
         if data[i] != 0xFF:
-            return None
+            break
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
             continue
+        markers.append((i, marker))
+        if marker in (SOS, EOI):
+            break
         if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
             i += 2
             continue
-        if marker in (0xDA, 0xD9):  # a scan or the end, and no frame yet
-            return None
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    else:
+        i = max(i, n)
+    return markers, i
+
+
+def jpeg_frame(data: bytes, markers: list[tuple[int, int]]) -> tuple[int, int, int, int, int] | None:
+    """(start-of-frame marker, sample precision, height, width, components) from a JPEG's first
+    frame header (`markers`: jpeg_markers'); None if it has none before its first scan or is cut short."""
+    for i, marker in markers:
         if 0xC0 <= marker <= 0xCF and marker not in _NOT_FRAMES:
-            if i + 10 > n:
+            if i + 10 > len(data):
                 return None
             height, width = int.from_bytes(data[i + 5 : i + 7], "big"), int.from_bytes(data[i + 7 : i + 9], "big")
             return marker, data[i + 4], height, width, data[i + 9]
-        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
     return None
 
 
 def image_size(data: bytes) -> tuple[int, int]:
-    """(height, width) from the file's header, without decoding the pixels. A JPEG without its
-    end-of-image marker (FF D9, which cannot occur inside the compressed data) is truncated: libjpeg
-    would decode it with grey below the cut, where the per-sample path (PIL) refuses it."""
+    """(height, width) from the file's header, without decoding the pixels; a truncated JPEG
+    raises ValueError (read_header)."""
     return read_header(data)[:2]
 
 
@@ -101,10 +113,19 @@ def read_header(data: bytes) -> tuple[int, int, bool]:
     progressive ones (torchvision decodes those one at a time, in the thread that feeds the model,
     waiting on the device after each), and PIL converts CMYK as the per-sample path does. The rest
     are decoded in the loader workers. A baseline JPEG is read from its frame header alone
-    (jpeg_frame); anything else by PIL."""
-    if data.startswith(JPEG_MAGIC) and data.rfind(b"\xff\xd9") < max(0, len(data) - 4096):
-        raise ValueError("the JPEG is truncated (no end-of-image marker)")
-    frame = jpeg_frame(data) if data.startswith(JPEG_MAGIC) else None
+    (jpeg_frame); anything else by PIL.
+
+    A JPEG with no end-of-image marker (FF D9, which cannot occur inside the compressed data) after
+    where its headers end raises ValueError: it is truncated, and libjpeg may decode it with grey
+    below the cut where the per-sample path (PIL) refuses it. Bytes after the marker (a phone's
+    appended video, a vendor's trailer) are no harm, as in PIL; a marker within the headers (an
+    embedded thumbnail's) does not count."""
+    frame = None
+    if data.startswith(JPEG_MAGIC):
+        markers, headers_end = jpeg_markers(data)
+        if data.rfind(b"\xff\xd9") < headers_end:
+            raise ValueError("the JPEG is truncated (no end-of-image marker after its headers)")
+        frame = jpeg_frame(data, markers)
     if frame is not None and frame[0] == BASELINE and frame[1] == 8 and frame[4] in (1, 3) and min(frame[2:4]) > 0:
         height, width = frame[2:4]
         if Image.MAX_IMAGE_PIXELS and height * width > 2 * Image.MAX_IMAGE_PIXELS:  # as Image.open refuses it
@@ -238,8 +259,8 @@ def collate_encoded(batch: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> 
 def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
     """RGB uint8 (3, H, W) images on `device` from encoded files (uint8 (N,)) and images already
     decoded (uint8 (3, H, W), moved there): JPEGs in one `decode_jpeg` call there, other files (and
-    JPEGs it refuses) by `decode_image` on the CPU. A file neither decodes raises UndecodableError
-    with its position in `data`."""
+    JPEGs it refuses) by `decode_image` on the CPU. Files neither decodes raise UndecodableError
+    with their positions in `data` and the images that did decode."""
     device = torch.device(device)
     images: list[torch.Tensor | None] = [d.to(device, non_blocking=True) if d.dim() == 3 else None for d in data]
     jpegs = [i for i, d in enumerate(data) if d.dim() == 1 and d.numpy()[:3].tobytes() == JPEG_MAGIC]  # CPU bytes
@@ -255,13 +276,16 @@ def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> li
         for i, image in zip(jpegs, decoded, strict=True):
             images[i] = image
     others = [i for i, image in enumerate(images) if image is None]
+    failures = {}
     for i in others:
         try:
             images[i] = decode_image(data[i], mode=ImageReadMode.RGB).to(device, non_blocking=True)
         except RuntimeError as e:
-            raise UndecodableError(i, str(e)) from e
+            failures[i] = str(e)
     if others:
         log.debug("decoded %d of %d images on the CPU (not JPEGs the device decoder takes)", len(others), len(data))
+    if failures:
+        raise UndecodableError(failures, images)
     return images  # type: ignore[return-value]
 
 
@@ -274,11 +298,12 @@ def drain_before_decode(device: torch.device) -> None:
 
 
 class UndecodableError(RuntimeError):
-    """The image at `position` of a batch could not be decoded."""
+    """Images of a batch that could not be decoded: `failures` maps each one's position to the
+    decoder's reason; `images` holds the batch's others, decoded (None where one failed)."""
 
-    def __init__(self, position: int, reason: str) -> None:
-        super().__init__(reason)
-        self.position = position
+    def __init__(self, failures: dict[int, str], images: list[torch.Tensor | None]) -> None:
+        super().__init__(next(iter(failures.values())))
+        self.failures, self.images = failures, images
 
 
 def _decode_one_jpeg(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -296,14 +321,34 @@ class DecodedBatch(NamedTuple):
     params: torch.Tensor  # as EncodedBatch's
 
 
-def decode_encoded(batch: EncodedBatch, device: torch.device | str, samples: Sequence[Sample]) -> DecodedBatch:
-    """A collated batch (on the CPU) decoded on `device`; `samples` name a file that does not decode."""
+def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: ImageFiles) -> DecodedBatch:
+    """A collated batch (on the CPU) of `files`' samples decoded on `device`. A file that does not
+    decode here raises CorruptImageError naming it; with `files.skip_corrupt` it is logged and
+    counted, and then, as the loader workers do, replaced (training: by the next image of the batch
+    that decoded, its label and augmentation with it) or given a stand-in left out of the scores
+    (evaluation: label MISSING), so the batch keeps its size."""
     try:
-        images = decode_batch(batch.images(device), device)
+        return DecodedBatch(decode_batch(batch.images(device), device), batch.labels, batch.params)
     except UndecodableError as e:
-        path = samples[int(batch.params[e.position, INDEX])].path
-        raise CorruptImageError(f"cannot decode image {path}: {e}") from e
-    return DecodedBatch(images, batch.labels, batch.params)
+        failures, images = e.failures, e.images
+    labels, params = batch.labels.clone(), batch.params.clone()
+    for position, reason in failures.items():
+        error = CorruptImageError(f"cannot decode image {files.samples[int(params[position, INDEX])].path}: {reason}")
+        if not files.skip_corrupt:
+            raise error
+        files.skipped(error)
+    decoded = [i for i, image in enumerate(images) if image is not None]
+    for position in failures:
+        if not files.substitute:
+            images[position] = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device)
+            labels[position] = MISSING
+            params[position, : FLIP + 1] = torch.tensor([0, 0, 1, 1, 0], dtype=params.dtype)  # the whole 1x1 stand-in
+            continue
+        if not decoded:
+            raise CorruptImageError(f"none of the {len(images)} images of a batch could be decoded (skip_corrupt)")
+        source = next((i for i in decoded if i > position), decoded[0])  # the next one that decoded, cyclically
+        images[position], labels[position], params[position] = images[source], labels[source], params[source]
+    return DecodedBatch(images, labels, params)  # type: ignore[arg-type]
 
 
 def augment_decoded(batch: DecodedBatch, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +362,7 @@ def augment_decoded(batch: DecodedBatch, size: int) -> tuple[torch.Tensor, torch
 
 
 def decode_and_augment(
-    batch: EncodedBatch, device: torch.device | str, size: int, samples: Sequence[Sample]
+    batch: EncodedBatch, device: torch.device | str, size: int, files: ImageFiles
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_encoded, then augment_decoded: the two stages a PreparedLoader may run in two threads."""
-    return augment_decoded(decode_encoded(batch, device, samples), size)
+    return augment_decoded(decode_encoded(batch, device, files), size)

@@ -274,11 +274,15 @@ class ImageFiles(_SeededTransform):
             except CorruptImageError as e:
                 if not self.skip_corrupt:
                     raise
-                self.num_skipped += 1
-                log.warning("skipped %s (%d corrupt images skipped so far in this process)", e, self.num_skipped)
+                self.skipped(e)
         if not substitute:
             return None
         raise CorruptImageError(f"none of the {len(self.samples)} images could be decoded")
+
+    def skipped(self, error: CorruptImageError) -> None:
+        """Log and count a file skipped for `error` (skip_corrupt)."""
+        self.num_skipped += 1
+        log.warning("skipped %s (%d corrupt images skipped so far in this process)", error, self.num_skipped)
 
 
 class ImageArrays(_SeededTransform):

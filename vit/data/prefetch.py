@@ -168,13 +168,17 @@ class PreparedLoader(DataLoader):
         self._stop_running = stop_running
         for thread in threads:
             thread.start()
-        return self._hand_out(queues[last], stop_running, device)
+        return self._hand_out(queues[last], stop, stop_running, device)
 
-    def _hand_out(self, ready: queue.Queue, stop_running: Callable[[], None], device: torch.device) -> Iterator[Any]:
+    def _hand_out(
+        self, ready: queue.Queue, stop: threading.Event, stop_running: Callable[[], None], device: torch.device
+    ) -> Iterator[Any]:
         try:
             while True:
                 asked = time.perf_counter()
-                item = ready.get()
+                item = _get(ready, stop)
+                if item is _DONE and stop.is_set():
+                    raise RuntimeError("this epoch's batches were stopped: a later iter(loader) began another epoch")
                 if item is _DONE:
                     return
                 self.times.waited.append(time.perf_counter() - asked)
@@ -183,6 +187,14 @@ class PreparedLoader(DataLoader):
                 yield _hand_over(*item, device)
         finally:
             stop_running()
+
+
+def _get(ready: queue.Queue, stop: threading.Event) -> Any:
+    """The next item of `ready`; _DONE once `stop` is set with nothing there."""
+    while not stop.is_set():
+        with contextlib.suppress(queue.Empty):
+            return ready.get(timeout=0.1)
+    return _DONE
 
 
 def _hand_over(out: Any, event: Any, device: torch.device) -> Any:

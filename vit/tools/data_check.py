@@ -649,7 +649,7 @@ def host_syncs(device: str, images: int = 32) -> list[str]:
     1 expected: the drain before the decoder (vit.data.device.drain_before_decode)."""
     from vit.data.augment import draw_rand_augment, normalize, random_resized_crop_box
     from vit.data.device import collate_encoded, decode_and_augment
-    from vit.data.images import Sample
+    from vit.data.images import ImageFiles, Sample
     from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
     rng = np.random.default_rng(0)
@@ -659,10 +659,10 @@ def host_syncs(device: str, images: int = 32) -> list[str]:
         box = random_resized_crop_box(rng, 375, 500)
         params = torch.tensor([*box, i % 2, *draw_rand_augment(rng, 2, 9.0)[0], i], dtype=torch.float64)
         batch.append((data, i % 10, params))
-    collated, samples = collate_encoded(batch), [Sample(f"synthetic {i}", i % 10) for i in range(images)]
+    collated, files = collate_encoded(batch), ImageFiles([Sample(f"synthetic {i}", i % 10) for i in range(images)])
 
     def run() -> torch.Tensor:
-        return normalize(decode_and_augment(collated, device, 224, samples)[0], IMAGENET_MEAN, IMAGENET_STD)
+        return normalize(decode_and_augment(collated, device, 224, files)[0], IMAGENET_MEAN, IMAGENET_STD)
 
     run()  # first use: the decoder's and kernels' set-up
     torch.cuda.synchronize(device)

@@ -257,6 +257,17 @@ def test_the_training_loader_starts_each_epoch_after_the_batches_the_trainer_fin
     assert [b.tolist() for b in alone] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
+def test_a_loader_without_a_trainer_counts_the_batches_a_resume_skipped_in_its_state():
+    """Saved after a batch, resumed, saved after another and resumed again: the third batch next."""
+    dataset, state = _Indices(), None
+    for expected in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]):
+        loader = resumable_loader(dataset, ResumableSampler(dataset, shuffle=False), None, batch_size=4)
+        if state is not None:
+            loader.load_state_dict(state)
+        assert next(iter(loader)).tolist() == expected
+        state = loader.state_dict()
+
+
 def test_image_folder_shapes_with_the_real_cifar_copy():
     root = shared_path("data/cifar10")
     classes, samples = scan_image_folder(root / "test")

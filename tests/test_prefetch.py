@@ -129,7 +129,6 @@ def test_an_old_epoch_finished_late_does_not_forget_the_running_threads(tmp_path
     new.close()
 
 
-
 def test_an_epoch_drawn_after_the_next_began_says_so_instead_of_waiting_forever():
     loader = PreparedLoader(torch.arange(40), batch_size=4, prepare=lambda batch, device: batch * 10, ahead=2)
     old = iter(loader)
@@ -140,6 +139,7 @@ def test_an_epoch_drawn_after_the_next_began_says_so_instead_of_waiting_forever(
         list(old)
     assert [batch[0].item() for batch in new] == [40, 80, 120, 160, 200, 240, 280, 320, 360]
     assert not _preparing_threads()
+
 
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_the_loader_times_each_batchs_preparing_and_the_steps_wait_for_it(ahead):

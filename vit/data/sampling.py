@@ -119,7 +119,9 @@ class ResumableLoader(PreparedLoader):
     def __iter__(self) -> Iterator[Any]:
         if self.batches_done is not None:
             self.load_state_dict(self.state_dict())
-        self._handed_out = 0
+        sampler = self.sampler  # without batches_done, a resumed epoch's count starts at the batches it skips
+        resumed = sampler.resume_position if sampler.epoch == sampler.resume_epoch else 0
+        self._handed_out = resumed // (self.batch_size or 1)
         for batch in super().__iter__():
             self._handed_out += 1
             yield batch

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from tests.test_fault_tolerance import QUIET, _free_port, assert_bit_identical, 
 from vit.cli import main
 from vit.data import StreamingDataModule
 from vit.data.augment import Augment
-from vit.data.device import EncodedFiles
+from vit.data.device import EncodedFiles, collate_encoded, decode_encoded
 from vit.data.images import CorruptImageError, scan_image_folder
 from vit.data.sampling import ChunkedSampler
 from vit.data.streaming import StreamingImages, open_streaming
@@ -84,8 +85,8 @@ def test_a_loader_worker_reads_its_batch_chunk_by_chunk_and_returns_it_in_the_or
     rng = np.random.default_rng(0)
     items = [(int(i), int(rng.integers(2**31))) for i in rng.permutation(len(images))[:20]]
     read: list[int] = []
-    stored_read = images.read_bytes
-    monkeypatch.setattr(images, "read_bytes", lambda i: read.append(int(images.positions[i])) or stored_read(i))
+    stored_read = images.read_item
+    monkeypatch.setattr(images, "read_item", lambda i: read.append(int(images.positions[i])) or stored_read(i))
     for dataset in (EncodedFiles(images, train=True, augment=Augment(crop="rrc", hflip=True)), images):
         read.clear()
         batch = dataset.__getitems__(items)
@@ -116,6 +117,90 @@ def test_conversion_names_a_corrupt_image_leaves_it_out_with_skip_corrupt_and_ca
     big = next(i for i in range(len(images)) if stored[i]["path"].endswith("big.jpg"))
     assert images.read_image(big).shape == (24, 60, 3)  # the longer side capped at 60
     assert len(list(tmp_path.joinpath("stream").glob(".*.tmp"))) == 0
+
+
+def test_conversion_decodes_the_files_that_are_not_jpegs_and_names_what_it_leaves_out(tmp_path):
+    """A cut PNG's header reads, its pixels do not: named at conversion, not first in training; an
+    image over PIL's pixel limit is left out with skip_corrupt, as training would skip it."""
+    source = _source(tmp_path, train=2)
+    png = source / "train" / "class0" / "cut.png"
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(png)
+    png.write_bytes(png.read_bytes()[:-40])
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {png}: image file is truncated"):
+        convert_image_folder(source, tmp_path / "stream")
+    png.unlink()
+    huge = source / "train" / "class1" / "huge.jpg"
+    Image.new("RGB", (400, 300)).save(huge)
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = 50_000  # 400 x 300 is over twice it
+    try:
+        report = convert_image_folder(source, tmp_path / "stream", skip_corrupt=True)
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+    assert report["train"]["written"] == 8 and report["train"]["left out"] == [
+        f"cannot decode image {huge}: 120000 pixels exceeds twice PIL's limit of 50000"
+    ]
+
+
+def test_conversion_refuses_what_it_would_not_write_where_asked_before_doing_any_work(tmp_path):
+    """An s3:// target (convert locally, then copy), a folder that is not a converted split, and a
+    litdata dataset written without our labels: refused, naming them, before a file is converted.
+    A file name that is not UTF-8 is stored readably."""
+    source = _source(tmp_path, train=2)
+    with pytest.raises(ValueError, match="s3:/bucket/x is not a local folder"):
+        convert_main([str(source), "s3://bucket/x", "--workers", "1"])
+    stream = tmp_path / "stream"
+    (stream / "train").mkdir(parents=True)
+    (stream / "train" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=f"{stream / 'train'} exists and is not a converted split"):
+        convert_image_folder(source, stream)
+    assert sorted(p.name for p in stream.iterdir()) == ["train"]  # no split begun
+    (stream / "train" / "notes.txt").unlink()
+    (stream / "val").mkdir()
+    (stream / "val" / "index.json").write_text(json.dumps({"chunks": [], "config": {}}))
+    with pytest.raises(ValueError, match=r"index\.json has no class names and labels"):
+        convert_image_folder(source, stream)
+    (stream / "val" / "index.json").unlink()
+    latin1 = source / "train" / "class0" / os.fsdecode(b"caf\xe9.jpg")
+    (source / "train" / "class0" / "0.jpg").rename(latin1)
+    assert convert_image_folder(source, stream)["train"]["written"] == 8  # into the empty folders left
+    stored = open_streaming(str(stream / "train"))
+    assert "train/class0/caf\\xe9.jpg" in {stored[i]["path"] for i in range(8)}
+
+
+def test_a_streaming_sample_that_does_not_decode_is_named_with_the_file_it_came_from(tmp_path):
+    source = _source(tmp_path, train=2)
+    broken = source / "train" / "class2" / "1.jpg"
+    jpeg = broken.read_bytes()
+    broken.write_bytes(jpeg[:300] + bytes(len(jpeg) - 302) + jpeg[-2:])  # header and end marker sound, scan not
+    convert_image_folder(source, tmp_path / "stream")
+    images = StreamingImages(str(tmp_path / "stream" / "train"))
+    position = next(i for i in range(len(images)) if images.name(i).endswith("(train/class2/1.jpg)"))
+    name = f"{tmp_path / 'stream' / 'train'}[{images.positions[position]}] (train/class2/1.jpg)"
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {re.escape(name)}: "):
+        images.read_image(position)
+    files = EncodedFiles(images, train=True)
+    batch = collate_encoded([files[(position, 0)]])
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {re.escape(name)}: "):
+        decode_encoded(batch, "cpu", files)
+
+
+def test_streaming_images_decoded_into_memory_are_cached_by_their_chunks(tmp_path):
+    convert_image_folder(_source(tmp_path, train=2), tmp_path / "stream")
+    data = StreamingDataModule(str(tmp_path / "stream"), img_size=16, batch_size=4, num_workers=0, in_memory=True,
+                               cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    data.setup("fit")
+    x, _, _ = next(iter(data.train_dataloader()))
+    assert x.shape == (4, 3, 16, 16) and x.dtype == torch.uint8
+    assert next(iter(data.val_dataloader()))[0].shape == (4, 3, 16, 16)
+    cached = {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("images-*.npz")}
+    assert len(cached) == 2  # train and val
+    again = StreamingDataModule(str(tmp_path / "stream"), img_size=16, batch_size=4, num_workers=0, in_memory=True,
+                                cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    again.setup("fit")
+    again.train_dataloader(), again.val_dataloader()
+    assert torch.equal(again.train_set.images, data.train_set.images)
+    assert {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("images-*.npz")} == cached  # read
 
 
 def test_the_chunked_order_gives_each_process_an_equal_share_of_its_own_chunks():

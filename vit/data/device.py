@@ -184,9 +184,11 @@ class EncodedFiles(ImageFiles):
     def read_order(self, positions: Sequence[int]) -> Sequence[int]:
         return self.source.read_order(positions)
 
+    def name(self, position: int) -> str:
+        return self.source.name(position)
+
     def _read(self, position: int) -> tuple[torch.Tensor, int, int]:
         """(JPEG bytes or the decoded image, height, width); CorruptImageError naming the file if unreadable."""
-        name = self.samples[position].path
         try:
             data = self.source.read_bytes(position)
             if data.startswith(JPEG_MAGIC):
@@ -194,8 +196,9 @@ class EncodedFiles(ImageFiles):
                 if for_device and not self.decoded_here(position):
                     return torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise CorruptImageError(f"cannot decode image {name}: {e}") from e
-        image = torch.from_numpy(np.ascontiguousarray(read_rgb(io.BytesIO(data), name).transpose(2, 0, 1)))
+            raise CorruptImageError(f"cannot decode image {self.name(position)}: {e}") from e
+        pixels = read_rgb(io.BytesIO(data), self.name(position))
+        image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
         return image, image.shape[1], image.shape[2]
 
     def _params(self, seed: int | None, height: int, width: int, index: int) -> torch.Tensor:
@@ -333,7 +336,7 @@ def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: Image
         failures, images = e.failures, e.images
     labels, params = batch.labels.clone(), batch.params.clone()
     for position, reason in failures.items():
-        error = CorruptImageError(f"cannot decode image {files.samples[int(params[position, INDEX])].path}: {reason}")
+        error = CorruptImageError(f"cannot decode image {files.name(int(params[position, INDEX]))}: {reason}")
         if not files.skip_corrupt:
             raise error
         files.skipped(error)

@@ -243,6 +243,19 @@ class ImageFiles(_SeededTransform):
         """The decoded RGB image of sample `position`; CorruptImageError naming it if it does not decode."""
         return read_rgb(self.samples[position].path)
 
+    def name(self, position: int) -> str:
+        """Sample `position` as errors name it: its file."""
+        return self.samples[position].path
+
+    def fingerprint(self) -> bytes:
+        """What the samples' content depends on, for a cache of them decoded (vit.data.memory): each
+        file's path, label, size and modification time."""
+        lines = []
+        for s in self.samples:
+            st = os.stat(s.path)
+            lines.append(f"{os.path.abspath(s.path)}|{s.label}|{st.st_size}|{st.st_mtime_ns}\n")
+        return "".join(lines).encode()
+
     def read_bytes(self, position: int) -> bytes:
         """The encoded file of sample `position`, as stored."""
         return Path(self.samples[position].path).read_bytes()

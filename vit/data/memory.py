@@ -206,9 +206,7 @@ def _available_memory() -> int | None:
 def _content_key(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -> str:
     h = hashlib.sha1()
     if isinstance(dataset, ImageFiles):
-        for s in dataset.samples:
-            st = os.stat(s.path)
-            h.update(f"{os.path.abspath(s.path)}|{s.label}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        h.update(dataset.fingerprint())
     else:
         h.update(np.ascontiguousarray(dataset.images).tobytes())
         h.update(dataset.labels.tobytes())

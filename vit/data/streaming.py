@@ -98,11 +98,28 @@ class StreamingImages(ImageFiles):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_dataset": None, "_pid": None}
 
+    def read_item(self, position: int) -> dict[str, Any]:
+        """Sample `position` as stored: {"image": the file's bytes, "label", "path" in the source folder}."""
+        return self._open()[int(self.positions[position])]
+
     def read_bytes(self, position: int) -> bytes:
-        return bytes(self._open()[int(self.positions[position])]["image"])
+        return bytes(self.read_item(position)["image"])
 
     def read_image(self, position: int) -> np.ndarray:
-        return read_rgb(io.BytesIO(self.read_bytes(position)), self.samples[position].path)
+        item = self.read_item(position)
+        return read_rgb(io.BytesIO(bytes(item["image"])), f"{self.samples[position].path} ({item['path']})")
+
+    def name(self, position: int) -> str:
+        """`url[i]` and the file it was converted from (read from its chunk: an error's name only)."""
+        try:
+            return f"{self.samples[position].path} ({self.read_item(position)['path']})"
+        except Exception:  # naming a sample must not raise a second error
+            return self.samples[position].path
+
+    def fingerprint(self) -> bytes:
+        """The split's chunks (names, sizes) and labels, and which of its samples these are."""
+        key = {"url": self.url, "chunks": self.index["chunks"], "vit": self.index["vit"]}
+        return json.dumps(key, sort_keys=True).encode() + np.asarray(self.positions, dtype=np.int64).tobytes()
 
     def read_order(self, positions: Sequence[int]) -> Sequence[int]:
         """Chunk by chunk, each in stored order: litdata keeps only a few chunks mapped in each

@@ -8,41 +8,51 @@ Each split (`--splits`, default train and val) of `SOURCE/<split>/<class>/*` bec
 `TARGET/<split>/` (chunks of about `--chunk-bytes`, and an index with the class folder names and the
 labels). The training split is written in a shuffled order (fixed seed), so every chunk holds a mix
 of classes. Images are stored as their files' bytes or, with `--max-side`, re-encoded with the longer
-side capped (as scripts/resize_folder.py does). A file that is not a readable image stops the run
-naming it, or, with `--skip-corrupt`, is left out and listed. A split is written to a temporary
-folder and renamed when complete, so a finished split is never half written; one already converted
-is kept (delete it to convert it again).
+side capped (as scripts/resize_folder.py does). A file that is not a readable image (`encoded`)
+stops the run naming it, or, with `--skip-corrupt`, is left out and listed. A split is written to a
+temporary folder and renamed when complete, so a finished split is never half written; one already
+converted is kept (delete it to convert it again). TARGET is a local folder: copy it to object
+storage after.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import sys
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
-from vit.data.device import image_size
-from vit.data.images import CorruptImageError, readable_class_names, scan_image_folder
+from vit.data.device import JPEG_MAGIC, image_size
+from vit.data.images import CorruptImageError, read_rgb, readable_class_names, scan_image_folder
 from vit.data.streaming import INDEX
 from vit.tools.args import image_copy_parser, run_command
 from vit.tools.resize_folder import capped
 
 
 def encoded(path: Path, max_side: int | None, quality: int) -> bytes:
-    """The bytes to store for the image file `path`; CorruptImageError naming it if it is not readable."""
+    """The bytes to store for the image file `path`; CorruptImageError naming it if it is not
+    readable: a JPEG whose header or end marker is missing (vit.data.device.read_header: the
+    compressed data between them is first decoded in training), any other file that does not decode
+    (decoded here: few files are not JPEGs)."""
     if max_side is not None:
         resized = capped(path, max_side, quality)
         if resized is not None:
             return resized
     data = path.read_bytes()
+    if not data.startswith(JPEG_MAGIC):
+        read_rgb(io.BytesIO(data), str(path))
+        return data
     try:
-        image_size(data)  # the header, and a JPEG's end marker (truncated files)
-    except (OSError, ValueError, SyntaxError) as e:
+        image_size(data)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise CorruptImageError(f"cannot decode image {path}: {e}") from e
     return data
 
@@ -72,18 +82,24 @@ def convert_image_folder(
     split, the images written and the files left out (or "kept": already converted)."""
     from litdata.streaming.writer import BinaryWriter
 
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", str(target)):  # s3://... (a Path has made it s3:/...)
+        raise ValueError(
+            f"{target} is not a local folder: convert into one, then copy it (e.g. aws s3 sync) and train "
+            "with --data.root s3://..."
+        )
     source, target = Path(source), Path(target)
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is not a folder")
     if target.resolve().is_relative_to(source.resolve()):
         raise ValueError(f"{target} is inside {source}: write the copy elsewhere")
+    kept = {split: converted_split(target / split) for split in splits}
     classes, _ = scan_image_folder(source / splits[0])
     names = readable_class_names(classes, source)
     report: dict[str, dict[str, int | list[str]]] = {}
     for number, split in enumerate(splits):
         out = target / split
-        if (out / INDEX).is_file():
-            report[split] = {"kept": len(json.loads((out / INDEX).read_text())["vit"]["labels"])}
+        if kept[split] is not None:
+            report[split] = {"kept": kept[split]}
             continue
         _, samples = scan_image_folder(source / split, classes=classes)
         if number == 0:  # the training split, shuffled once so that each chunk mixes the classes
@@ -102,7 +118,7 @@ def convert_image_folder(
                 if data is None:
                     left_out.append(what)
                     continue
-                relative = str(Path(sample.path).relative_to(source))
+                relative = os.fsencode(Path(sample.path).relative_to(source)).decode("utf-8", "backslashreplace")
                 writer.add_item(len(labels), {"image": data, "label": sample.label, "path": relative})
                 labels.append(sample.label)
         if not labels:
@@ -115,6 +131,22 @@ def convert_image_folder(
         os.replace(tmp, out)
         report[split] = {"written": len(labels), "left out": left_out}
     return report
+
+
+def converted_split(out: Path) -> int | None:
+    """The images of the split already converted at `out`, or None if there is none (nothing
+    there, or an empty folder); ValueError for anything else there, before any work is done."""
+    if (out / INDEX).is_file():
+        index = json.loads((out / INDEX).read_text())
+        if "vit" not in index:
+            raise ValueError(
+                f"{out / INDEX} has no class names and labels (a litdata dataset written otherwise): "
+                "delete it or convert into another folder"
+            )
+        return len(index["vit"]["labels"])
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not a converted split (no {INDEX}): delete it or convert elsewhere")
+    return None
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]:

@@ -286,7 +286,7 @@ class ImageDataModule(L.LightningDataModule):
         if self.in_memory:
             sampler = BatchSampler(dataset, self.batch_size, shuffle=False)
             return DataLoader(dataset, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
-        if isinstance(dataset, ImageFiles):  # score each readable image once; corrupt ones are left out
+        if isinstance(dataset, ImageFiles):  # a corrupt file is left out, not replaced by an image scored twice
             dataset.substitute = False
         return PreparedLoader(dataset, batch_size=self.batch_size, shuffle=False, **self._loader_options(dataset))
 

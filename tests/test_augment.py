@@ -57,6 +57,33 @@ def test_each_randaugment_op_equals_the_per_sample_op_at_the_same_strength(op):
     assert difference.max() <= 1 and difference.mean() < 0.05, (difference.max(), difference.mean())
 
 
+COLOUR = {  # each colour op at a strong setting, and albumentations' at the same
+    "brightness": (1.9, A.ColorJitter(**{**GREY_ONLY, "brightness": (1.9, 1.9)})),
+    "contrast": (1.9, A.ColorJitter(**{**GREY_ONLY, "contrast": (1.9, 1.9)})),
+    "saturation": (0.1, A.ColorJitter(**{**GREY_ONLY, "saturation": (0.1, 0.1)})),
+    "posterize": (1.0, A.Posterize(num_bits=(1, 1), p=1)),
+    "solarize": (0.5, A.Solarize(threshold_range=(0.5, 0.5), p=1)),
+    "autocontrast": (0.0, A.AutoContrast(p=1)),
+    "equalize": (0.0, A.Equalize(p=1)),
+}
+
+
+@pytest.mark.parametrize("op", COLOUR)
+def test_colour_ops_on_flat_and_saturated_images_equal_the_per_sample_ops(op):
+    """White, black and grey images, one with a channel all 255 (as brightness leaves a bright one)
+    and one of two values: each colour op as albumentations does it, within a level."""
+    rng = np.random.default_rng(0)
+    red = np.dstack([np.full((16, 16), 255), rng.integers(0, 200, (16, 16, 2))]).astype(np.uint8)
+    images = [np.full((16, 16, 3), v, np.uint8) for v in (255, 0, 128)]
+    images += [red, np.where(rng.random((16, 16, 3)) < 0.5, 100, 255).astype(np.uint8)]
+    strength, per_sample = COLOUR[op]
+    params = np.full((1, RA_COLUMNS), np.nan)
+    params[0, RA_OPS.index(op)], params[0, LIGHTNESS] = strength, 0.75
+    for image in images:
+        ours, theirs = _on_device(image, params)[0], per_sample(image=image)["image"].astype(np.float32)
+        assert np.abs(ours - theirs).max() <= 1, (op, image[0, 0])
+
+
 def test_each_image_gets_the_asked_number_of_distinct_ops_uniformly():
     params = draw_rand_augment(np.random.default_rng(0), 2, 9.0, count=6500)
     chosen = np.isfinite(params[:, : len(RA_OPS)])

@@ -409,7 +409,7 @@ def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor) -> torc
     """Per-channel histogram stretch, each value read as a bin of `hist` (as albumentations' lookup
     tables are): v -> 255 x (pixels in bins lo..v, less bin lo's) / (pixels in bins lo..hi, less bin
     lo's), where lo and hi are the first and last bins used; 0 below, 255 above; a channel with one
-    bin used is left as it is."""
+    bin used, or none (autocontrast leaves 255 out: a channel all 255), is left as it is."""
     used = hist > 0
     lo = used.float().argmax(1, keepdim=True)
     hi = hist.shape[1] - 1 - used.flip(1).float().argmax(1, keepdim=True)
@@ -417,7 +417,7 @@ def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor) -> torc
     at_lo, at_hi = cdf.gather(1, lo), cdf.gather(1, hi)
     stretched = ((cdf.gather(1, values) - at_lo) * 255 / (at_hi - at_lo).clamp(min=1)).round()
     out = torch.where(values < lo, 0.0, torch.where(values > hi, 255.0, stretched.clamp(0, 255)))
-    return torch.where(hi > lo, out, values.float()).view(images.shape)
+    return torch.where((hi > lo) & used.any(1, keepdim=True), out, values.float()).view(images.shape)
 
 
 def _histogram(bins: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

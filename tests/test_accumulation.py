@@ -73,3 +73,47 @@ def test_accumulating_k_batches_of_b_is_one_batch_of_k_times_b(optimizer, atol):
     init = tiny_vit().model.state_dict()
     moved = max((whole.weights[k] - init[k]).abs().max().item() for k in init)
     assert moved > 10 * atol  # the step did move the weights
+
+
+class Draws(L.Callback):
+    """Per training batch: (batch_idx, optimizer step, the torch seed the step set, the mixed targets)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        self.step = trainer.global_step  # the step this batch belongs to (it moves once the step is taken)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self.rows.append((batch_idx, self.step, torch.initial_seed(), batch[1].clone()))
+
+
+def _mixed_run(tmp_path, max_steps: int, accumulate: int, ckpt_path: str | None = None) -> Draws:
+    every_step = L.pytorch.callbacks.ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    draws = Draws()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0,
+        accumulate_grad_batches=accumulate, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[every_step, draws],
+    )  # fmt: skip
+    data = DigitsDataModule(batch_size=16, in_memory=True, mixup={"mixup_alpha": 0.8})
+    trainer.fit(tiny_vit(), data, ckpt_path=ckpt_path)
+    return draws
+
+
+def test_each_batch_of_an_accumulated_step_draws_its_own_mixup_and_dropout_and_a_resume_the_same(tmp_path):
+    """With 2 batches a step, the two mix with their own lambda and run the model under their own
+    seed; resumed after the first step, the next batches draw as the uninterrupted run's did. One
+    batch a step draws as it always did."""
+    from vit.data.sampling import mix_seed
+
+    whole = _mixed_run(tmp_path / "whole", max_steps=3, accumulate=2)
+    assert [(i, step) for i, step, _, _ in whole.rows] == [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (5, 2)]
+    for first, second in zip(whole.rows[::2], whole.rows[1::2], strict=True):
+        assert first[2] != second[2] and first[3].max(1).values.min() != second[3].max(1).values.min()
+    resumed = _mixed_run(tmp_path / "resumed", 3, 2, str(tmp_path / "whole" / "ckpt" / "epoch=0-step=1.ckpt"))
+    assert [row[:3] for row in resumed.rows] == [row[:3] for row in whole.rows[2:]]
+    assert all(torch.equal(a[3], b[3]) for a, b in zip(resumed.rows, whole.rows[2:], strict=True))
+
+    single = _mixed_run(tmp_path / "single", max_steps=2, accumulate=1)
+    assert [seed for _, _, seed, _ in single.rows] == [mix_seed(0, step, 0, 2) for step in (0, 1)]

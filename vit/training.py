@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from vit.checkpoint import is_head
-from vit.data.sampling import carry_position, data_position, mix_seed
+from vit.data.sampling import batch_seed, carry_position, data_position
 from vit.fault_tolerance import (
     HostCopy,
     InterruptCheckpoint,
@@ -182,7 +182,7 @@ class TrainingTask(L.LightningModule):
     # -- training -----------------------------------------------------------------------------
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        torch.manual_seed(mix_seed(self.seed, self.global_step, self.global_rank, 2))
+        torch.manual_seed(batch_seed(self.trainer, batch_idx, 2))
         self._batch_idx = batch_idx
 
     def on_before_backward(self, loss: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ from vit.data.images import (
 from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
 from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.prefetch import PreparedLoader
-from vit.data.sampling import ChunkedSampler, ResumableSampler, mix_seed, resumable_loader, run_seed
+from vit.data.sampling import ChunkedSampler, ResumableSampler, batch_seed, mix_seed, resumable_loader, run_seed
 from vit.data.streaming import StreamingImages
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
 from vit.options import set_option_groups
@@ -329,7 +329,8 @@ class ImageDataModule(L.LightningDataModule):
         if trainer is None or not trainer.training or not self.mixup.enabled:
             return batch
         x, y = batch
-        rng = np.random.default_rng(mix_seed(run_seed(trainer), trainer.global_step, trainer.global_rank, 1))
+        batch_idx = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this batch's: counted after its transfer
+        rng = np.random.default_rng(batch_seed(trainer, batch_idx, 1))
         return MixupCutmix(self.num_classes, self.mixup)(x, y, rng)
 
     def _augment_in_memory(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,16 @@ def run_seed(trainer: L.Trainer | None) -> int:
     return seed or 0
 
 
+def batch_seed(trainer: L.Trainer, batch_idx: int, purpose: int) -> int:
+    """The seed of the epoch's training batch `batch_idx` for `purpose` (1: Mixup/CutMix, 2: the
+    model's dropout and drop-path): a function of (run seed, optimizer step, rank) and, with
+    gradient accumulation, of the batch's place among its step's, so each batch of a step draws its
+    own (without accumulation, as it always drew). Exact on resume: Lightning restores all three."""
+    micro = batch_idx % trainer.accumulate_grad_batches
+    values = (run_seed(trainer), trainer.global_step, trainer.global_rank, purpose)
+    return mix_seed(*values, micro) if micro else mix_seed(*values)
+
+
 class ResumableSampler(DistributedSampler):
     """Shuffles by (seed, epoch) and shards across ranks like DistributedSampler (so Lightning
     keeps it as is under DDP and calls `set_epoch`); yields `(index, sample_seed)` pairs; and can

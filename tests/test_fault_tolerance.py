@@ -497,3 +497,37 @@ def test_a_finished_ddp_run_destroys_its_process_group_before_exit(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith(("destroying", "at exit"))]
     assert lines == ["destroying a group of 1", "at exit, a group: False"], done.stdout[-3000:]
+
+
+def test_a_nan_loss_in_a_step_the_run_stops_before_taking_is_still_an_error(tmp_path):
+    """2 batches a step; batch 4 (the first of step 2) has a NaN loss and the run is told to stop
+    after it (a time budget, a signal): no step takes it, yet the run ends with the error, not as if
+    it were fine; the same task trained again starts with no stale loss to report."""
+    import lightning as L
+
+    from tests.conftest import quiet_trainer
+    from vit.data import DigitsDataModule
+    from vit.lit import ImageClassifier
+    from vit.training import NonFiniteLossError
+
+    class NaNAt4(ImageClassifier):
+        poisoned = True
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.poisoned and batch_idx == 4 else loss
+
+    class StopAfter4(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.should_stop = trainer.should_stop or batch_idx == 4
+
+    task = NaNAt4("vit_nano_patch4_16", num_classes=10)
+    trainer = quiet_trainer(tmp_path / "a", max_epochs=2, accumulate_grad_batches=2, limit_val_batches=0,
+                            callbacks=[StopAfter4()])  # fmt: skip
+    with pytest.raises(NonFiniteLossError, match=r"training loss is nan at step 2 \(epoch 0, batch 4\)"):
+        trainer.fit(task, DigitsDataModule(batch_size=64, num_workers=0))
+    assert trainer.global_step == 2
+    task.poisoned = False
+    again = quiet_trainer(tmp_path / "b", max_steps=1, limit_val_batches=0)
+    again.fit(task, DigitsDataModule(batch_size=64, num_workers=0))
+    assert again.global_step == 1

@@ -492,8 +492,9 @@ def test_the_progress_bar_reads_the_logged_loss_back_only_when_the_loggers_do(tm
         lambda bar, trainer, module: reads.append(trainer.global_step) or get_metrics(bar, trainer, module),
     )
     on = ["--trainer.enable_progress_bar", "true", "--trainer.max_steps", "25", "--trainer.num_sanity_val_steps", "0"]
-    fit("configs/default.yaml", tmp_path, *on)
+    cli = fit("configs/default.yaml", tmp_path, *on)
     assert set(reads) == {10, 20, 22, 25}
+    assert cli.trainer.progress_bar_callback.train_progress_bar.n == 3  # the batches of epoch 2 trained, not 0
     configured = ["--trainer.callbacks+=TQDMProgressBar", "--trainer.callbacks.refresh_rate", "3",
                   "--trainer.max_steps", "1"]  # fmt: skip
     cli = fit("configs/default.yaml", tmp_path / "configured", *on, *configured)

@@ -227,6 +227,23 @@ def _yaml_error() -> str:
     return ""
 
 
+class StepsProgressBar(TQDMProgressBar):
+    """TQDM's bar, which counts batches only when it refreshes: at the end of a run that stops
+    mid-epoch (max_steps, a time budget, a signal) it shows every batch trained, not the count of
+    its last refresh."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
+        self.trained = args[-1] + 1  # batch_idx
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        bar = self.train_progress_bar
+        if not bar.disable and getattr(self, "trained", bar.n) != bar.n:
+            bar.n = self.trained
+            bar.refresh()
+        super().on_train_end(trainer, pl_module)
+
+
 class TrainCLI(LightningCLI):
     """`checkpoint:` configures the ModelCheckpoint every run has: the best (by `monitor`) and the
     last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes.
@@ -297,7 +314,7 @@ class TrainCLI(LightningCLI):
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             every = config.get("log_every_n_steps") or 50  # Lightning's default
-            kwargs.setdefault("callbacks", [*callbacks, TQDMProgressBar(refresh_rate=every)])
+            kwargs.setdefault("callbacks", [*callbacks, StepsProgressBar(refresh_rate=every)])
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:

@@ -151,7 +151,8 @@ class TrainingTask(L.LightningModule):
         super().__init__()
         self.seed: int | None = None
         self._batch_idx = 0  # for the NaN guard's message
-        self._losses: list[tuple[HostCopy, torch.Tensor, int]] = []  # the NaN guard's, since the last optimizer step
+        # The NaN guard's, since the last optimizer step: (finite?, loss, (step, epoch, batch)).
+        self._losses: list[tuple[HostCopy, torch.Tensor, tuple[int, int, int]]] = []
 
     @classmethod
     def upgrade_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
@@ -192,7 +193,8 @@ class TrainingTask(L.LightningModule):
         bad = (~torch.isfinite(loss.detach())).to(torch.int32)
         if self.trainer.world_size > 1:  # queued on the device; Lightning's reduce would wait for it on the host
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        self._losses.append((HostCopy(bad), loss.detach(), self._batch_idx))
+        where = (self.trainer.global_step, self.trainer.current_epoch, self._batch_idx)
+        self._losses.append((HostCopy(bad), loss.detach(), where))
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The NaN guard: stop on a non-finite loss, on every rank together, before the step changes
@@ -200,8 +202,20 @@ class TrainingTask(L.LightningModule):
         the host waits only for the forward passes that made the losses, and the device keeps busy
         with the backward meanwhile; a check before the backward would leave it idle until the host
         queued that. Here, not in training_step, so every task is guarded."""
+        self._check_losses()
+
+    def on_train_start(self) -> None:
+        self._losses = []  # none left from an earlier fit of this task
+
+    def on_train_end(self) -> None:
+        """The losses of batches the run stopped among before their optimizer step (a time budget or
+        a signal in the middle of gradient accumulation) are checked too: no step took them, so the
+        weights are as they were, but a non-finite one still ends the run as an error."""
+        self._check_losses()
+
+    def _check_losses(self) -> None:
         losses, self._losses = self._losses, []
-        for bad, loss, batch_idx in losses:
+        for bad, loss, (step, epoch, batch_idx) in losses:
             if not bad.get().item():
                 continue
             trainer = self.trainer
@@ -214,8 +228,7 @@ class TrainingTask(L.LightningModule):
             value = loss.item()
             where = f"{value}" if not math.isfinite(value) else "not finite on another rank"
             raise NonFiniteLossError(
-                f"training loss is {where} at step {trainer.global_step} (epoch {trainer.current_epoch}, "
-                f"batch {batch_idx}); {state}. "
+                f"training loss is {where} at step {step} (epoch {epoch}, batch {batch_idx}); {state}. "
                 f"{nan_advice(trainer_checkpoint_dir(trainer))}"
             )
 

@@ -16,7 +16,7 @@ from tests.faults import InterruptAt
 from vit.data import DigitsDataModule, ImageFiles
 from vit.data.augment import Augment, batch_augment, normalize
 from vit.data.datamodules import ImageFolderDataModule, holdout_indices
-from vit.data.images import CorruptImageError, Sample
+from vit.data.images import CorruptImageError, ImageArrays, Sample
 from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
 from vit.data.transforms import train_transform
 from vit.layers import whiten_patch_embed_
@@ -162,6 +162,18 @@ def test_holdout_takes_exactly_what_was_asked_when_classes_outnumber_it(tmp_path
         holdout_indices(labels, 0.001)
 
 
+def test_holdout_leaves_every_class_an_image_to_train_on():
+    """A class of 1 image at a 0.5 holdout, or one of 2 at 0.85, went wholly to validation."""
+    labels = np.array([0] + [1] * 9)
+    train, val = holdout_indices(labels, 0.5)
+    assert len(val) == 5 and 0 in labels[train] and np.bincount(labels[val], minlength=2).tolist() == [0, 5]
+    labels = np.array([0, 0] + [1] * 8 + [2] * 10)
+    train, val = holdout_indices(labels, 0.85)
+    assert len(val) == 17 and np.bincount(labels[train]).tolist() == [1, 1, 1]
+    with pytest.raises(ValueError, match="keeping one image of each of the 3 classes for training leaves 17"):
+        holdout_indices(labels, 0.9)
+
+
 def test_decoding_is_cached_by_content(tmp_path, caplog):
     folder = tmp_path / "imgs"
     folder.mkdir()
@@ -182,6 +194,10 @@ def test_decoding_is_cached_by_content(tmp_path, caplog):
     Image.fromarray(np.zeros((10, 10, 3), np.uint8)).save(folder / "0.png")  # the folder changed
     changed = to_tensor_images(dataset, img_size=8, cache_dir=tmp_path / "cache")
     assert changed.images[0].max() == 0 and len(list((tmp_path / "cache").glob("*.npz"))) == 2
+    pixels = rng.integers(0, 256, 2 * 16 * 32 * 3, dtype=np.uint8)  # the same bytes as two other shapes
+    wide, tall = (ImageArrays(pixels.reshape(2, *shape, 3), [0, 1]) for shape in ((16, 32), (32, 16)))
+    cached = [to_tensor_images(arrays, img_size=8, cache_dir=tmp_path / "arrays").images for arrays in (wide, tall)]
+    assert not torch.equal(*cached) and len(list((tmp_path / "arrays").glob("*.npz"))) == 2
 
 
 def test_a_broken_or_unwritable_cache_costs_only_the_cache_and_strict_runs_never_read_a_skipping_one(tmp_path, caplog):

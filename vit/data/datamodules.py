@@ -592,7 +592,7 @@ def holdout_indices(labels: np.ndarray, holdout: float, seed: int = 0) -> tuple[
     """(train, val) indices: exactly `holdout` images (a fraction if below 1) taken from every class
     in proportion (largest remainders get the images left over from rounding down, so 5 of 10
     balanced classes hold out 5 images, not 0), at random with a fixed seed, so every run and model
-    tunes on the same images."""
+    tunes on the same images. Every class keeps at least one image to train on."""
     labels = np.asarray(labels)
     n_val = round(holdout * len(labels)) if holdout < 1 else int(holdout)
     if not 0 < n_val < len(labels):
@@ -601,10 +601,16 @@ def holdout_indices(labels: np.ndarray, holdout: float, seed: int = 0) -> tuple[
             "one for each split"
         )
     classes, counts = np.unique(labels, return_counts=True)
+    room = counts - 1  # each class keeps one image to train on
+    if n_val > room.sum():
+        raise ValueError(
+            f"val_holdout={holdout} holds out {n_val} of the {len(labels)} training images, but keeping one image "
+            f"of each of the {len(classes)} classes for training leaves {room.sum()} to hold out"
+        )
     quota = n_val * counts / len(labels)
-    take = np.floor(quota).astype(int)
-    extra = np.argsort(-(quota - take), kind="stable")[: n_val - take.sum()]
-    take[extra] += 1
+    take = np.minimum(np.floor(quota).astype(int), room)
+    for _ in range(n_val - take.sum()):  # one more each for the largest remainders, among classes with room
+        take[np.argmax(np.where(take < room, quota - take, -np.inf))] += 1
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(labels))
     val = [order[labels[order] == c][:k] for c, k in zip(classes, take, strict=True)]

@@ -208,6 +208,7 @@ def _content_key(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: flo
     if isinstance(dataset, ImageFiles):
         h.update(dataset.fingerprint())
     else:
+        h.update(f"{dataset.images.shape}|{dataset.images.dtype}\n".encode())
         h.update(np.ascontiguousarray(dataset.images).tobytes())
         h.update(dataset.labels.tobytes())
     h.update(json.dumps([img_size, crop_pct, bool(getattr(dataset, "skip_corrupt", False))]).encode())

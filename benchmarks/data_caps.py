@@ -17,7 +17,7 @@ from pathlib import Path
 def main() -> None:
     from vit.data.images import read_rgb
     from vit.tools.convert_streaming import convert_image_folder
-    from vit.tools.data_check import DataCase, loader_speed, write_synthetic_imagenet
+    from vit.tools.data_check import DataCase, loader_speed, synthetic_tree_wanted, write_synthetic_imagenet
     from vit.tools.resize_folder import resize_folder
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vit-data-caps-"))
     root = args.root or work / "original"
-    if not (root / "train").is_dir():
+    if synthetic_tree_wanted(root):
         write_synthetic_imagenet(root, train=400, val=40, classes=10)
     if args.prefetch:
         prefetch_table(root, args)

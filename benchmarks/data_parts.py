@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import tempfile
 import time
@@ -74,7 +75,7 @@ def main() -> None:
     from vit.data.device import INDEX, EncodedFiles, collate_encoded, decode_batch
     from vit.data.images import scan_image_folder
     from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-    from vit.tools.data_check import write_synthetic_imagenet
+    from vit.tools.data_check import synthetic_tree_wanted, write_synthetic_imagenet
 
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -90,7 +91,7 @@ def main() -> None:
     torch.set_float32_matmul_precision("high")  # as scripts/train.py runs: the crops' resizing uses TF32 on a GPU
 
     root = args.root or Path(tempfile.mkdtemp(prefix="vit-data-parts-"))
-    if not (root / "train").is_dir():
+    if synthetic_tree_wanted(root):
         write_synthetic_imagenet(root, train=args.images, val=0, classes=10)
     _, samples = scan_image_folder(root / "train")
     augment = Augment(crop="rrc", hflip=True, randaugment_ops=2, randaugment_magnitude=9.0)
@@ -100,10 +101,14 @@ def main() -> None:
 
     rows: list[tuple[str, float, float | None, float | str | None]] = []  # (part, img/s, CPU ms, GPU ms a batch)
     longest: dict[str, str] = {}  # part: its longest kernels
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=order * 3, collate_fn=collate_encoded,
+    # Before the first batch is asked for, the workers prepare prefetch_factor (2) batches each: timed
+    # from the batch after those, the count holds only batches made while the clock ran.
+    ahead, timed_batches = 2 * args.workers + 1, 30
+    passes = math.ceil((ahead + timed_batches) * args.batch / len(order))
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=order * passes, collate_fn=collate_encoded,
                         num_workers=args.workers, drop_last=True, pin_memory=cuda)  # fmt: skip
     batches = iter(loader)
-    for _ in range(min(3, len(loader) - 1)):  # the workers' start
+    for _ in range(ahead):
         next(batches)
     start, images = time.perf_counter(), 0
     for batch in batches:

@@ -19,6 +19,7 @@ from tests.conftest import ROOT
 from vit.registry import create_model
 from vit.tools.flops import forward_flops, mfu, peak_tflops
 from vit.tools.gpu_check import Row, format_table, main
+from vit.tools.resize_folder import resize_file
 
 CPU_DEBUG = ["--device", "cpu", "--steps", "3", "--batch", "4", "--model", "vit_nano_patch4_16",
              "--resnet", "resnet18", "--resnet-img-size", "32"]  # fmt: skip
@@ -143,6 +144,48 @@ def test_the_synthetic_imagenet_is_imagenet_like(tmp_path):
     assert 3.0 < float(np.mean(bits)) < 5.0
 
 
+def test_a_synthetic_tree_cut_short_is_written_again_and_a_tree_of_ones_own_is_kept(tmp_path, monkeypatch):
+    import vit.tools.data_check as data_check
+
+    data_check.write_synthetic_imagenet(tmp_path / "synthetic", train=4, val=1, classes=2, size=(40, 30), workers=1)
+    assert not data_check.synthetic_tree_wanted(tmp_path / "synthetic")
+    (tmp_path / "own" / "train" / "a").mkdir(parents=True)  # another tree: no mark, used as it is
+    assert not data_check.synthetic_tree_wanted(tmp_path / "own") and data_check.synthetic_tree_wanted(tmp_path / "no")
+    monkeypatch.setattr(data_check, "_write_one", lambda job: 1 / 0)  # the writing stops at its first image
+    with pytest.raises(ZeroDivisionError):
+        data_check.write_synthetic_imagenet(tmp_path / "cut", train=4, val=1, classes=2, size=(40, 30), workers=1)
+    assert (tmp_path / "cut" / "train").is_dir() and data_check.synthetic_tree_wanted(tmp_path / "cut")
+
+
+def test_the_data_check_times_the_data_path_over_epochs_and_the_model_as_its_recipe_trains_it(tmp_path, monkeypatch):
+    """9 batches of 4 from a tree of 16 images (4 a batch: three epochs), the clock started after 2;
+    the model alone is the recipe's step (ResNet-50's: SGD, label smoothing 0.1, channels-last),
+    timed over the same steps as end to end."""
+    import vit.tools.data_check as data_check
+    import vit.tools.gpu_check as gpu_check
+    from vit.data import ImageFolderDataModule
+
+    root = tmp_path / "tree"
+    data_check.write_synthetic_imagenet(root, train=16, val=4, classes=4, size=(120, 90), workers=1)
+    small = ["--data.img_size", "72", "--data.batch_size", "4", "--data.num_workers", "0",
+             "--model.model_name", "resnet18"]  # fmt: skip
+    case = data_check.DataCase("configs/imagenet_resnet50.yaml", root, "cpu", 9, 2, small)
+    drawn = []
+    transfer = ImageFolderDataModule.on_after_batch_transfer
+    monkeypatch.setattr(ImageFolderDataModule, "on_after_batch_transfer",
+                        lambda self, batch, i: drawn.append(len(batch[1])) or transfer(self, batch, i))  # fmt: skip
+    speed, _ = data_check.loader_speed(case)
+    assert speed > 0 and drawn == [4] * 9
+
+    fits = []
+    run_fit = gpu_check.run_fit
+    monkeypatch.setattr(gpu_check, "run_fit", lambda fit, task: fits.append((fit, task)) or run_fit(fit, task))
+    speed, note = data_check.model_speed(case, compile=False)
+    ((fit, task),) = fits
+    assert speed > 0 and "the recipe's step" in note and (fit.steps, fit.warmup, fit.batch) == (9, 2, 4)
+    assert task.optimizer.name == "sgd" and task.hparams.label_smoothing == 0.1 and task.speed.channels_last
+
+
 def _fit_seven_steps_of_five_images(timer: object, root: Path) -> None:
     """A linear model trained 7 SGD steps of 5 images each on the CPU, `timer` among its callbacks."""
     import lightning as L
@@ -236,6 +279,8 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
         assert re.search(stages, rows[f"{name}: end to end, eager"]["note"])
     assert "waited" not in rows["vit b16 (per-sample): end to end, eager"]["note"]
     variants = "worker-decode.5,data.num_workers=0,cap60,sync,switch100"
+    first = next((tmp_path / "tree" / "train").rglob("*.JPEG"))  # a copy cut short after its first image
+    resize_file(first, tmp_path / "tree-cap60" / first.relative_to(tmp_path / "tree"), 60, 90)
     chosen = ["--data-recipes", "configs/imagenet_resnet50.yaml", "--data-variants", variants]
     assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), *chosen,
                  "--json", str(tmp_path / "chosen.json")]) == 0  # fmt: skip

@@ -99,8 +99,11 @@ def write_synthetic_imagenet(
 ) -> dict[str, float]:  # fmt: skip
     """`root/{train,val}/n<class>/<i>.JPEG` (every 20th a greyscale JPEG, every 20th from the 10th a
     PNG), sizes within 20% of `size`; returns the image count and mean file size in KB. `workers`
-    (None: one a core, if the tree is large enough to repay starting them) write it in parallel."""
+    (None: one a core, if the tree is large enough to repay starting them) write it in parallel.
+    A tree cut short while written is marked so (synthetic_tree_wanted)."""
     root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / WRITING).touch()
     jobs = []
     for split, count in (("train", train), ("val", val)):
         for i in range(count):
@@ -116,7 +119,17 @@ def write_synthetic_imagenet(
             sizes = pool.map(_write_one, jobs, chunksize=16)
     else:
         sizes = [_write_one(job) for job in jobs]
+    (root / WRITING).unlink()
     return {"images": len(sizes), "mean_kb": float(np.mean(sizes)) / 1e3}
+
+
+WRITING = ".writing"  # in a synthetic tree's root while write_synthetic_imagenet writes it
+
+
+def synthetic_tree_wanted(root: str | Path) -> bool:
+    """Whether `root` lacks an image tree, or holds a synthetic one whose writing was cut short:
+    a tree of one's own (no mark) is used as it is."""
+    return not (Path(root) / "train").is_dir() or (Path(root) / WRITING).exists()
 
 
 # -- the three speeds ----------------------------------------------------------------------------
@@ -151,12 +164,12 @@ class DataCase:
         ]  # fmt: skip
 
 
-def build(case: DataCase, workdir: str) -> Any:
-    """The recipe's model and datamodule as `scripts/train.py` builds them, not run."""
+def build(case: DataCase, workdir: str, *extra: str) -> Any:
+    """The recipe's model and datamodule as `scripts/train.py` builds them (with `extra` options), not run."""
     from vit.cli import TrainCLI
 
     with _quiet():
-        return TrainCLI(args=case.args(workdir), run=False)
+        return TrainCLI(args=case.args(workdir, *extra), run=False)
 
 
 @contextlib.contextmanager
@@ -180,26 +193,34 @@ def switch_interval(seconds: float | None) -> Iterator[None]:
 
 
 def loader_speed(case: DataCase) -> tuple[float, str]:
-    """Images per second out of the recipe's train loader (after `warmup` batches), each batch moved
-    to the device and through the datamodule's device-side work (decoding and cropping, with
-    device_decode; normalising): the data path alone. And what it does."""
+    """Images per second out of the recipe's train loader over its batches after the first
+    `warmup` of `steps` (epoch after epoch, as training draws them), each moved to the device and
+    through the datamodule's device-side work (decoding and cropping, with device_decode;
+    normalising): the data path alone. And what it does."""
     device = torch.device("cuda" if case.device == "cuda" else "cpu")
     with tempfile.TemporaryDirectory() as workdir:
         data = build(case, workdir).datamodule
         data.setup("fit")
         loader = data.train_dataloader()
         loader.device = lambda: device  # where device_decode decodes (no trainer to say)
-        images, start = 0, 0.0
-        for i, batch in enumerate(loader):
-            x, _ = data.on_after_batch_transfer(data.transfer_batch_to_device(batch, device, 0), 0)
-            if case.device == "cuda":
-                torch.cuda.synchronize()
-            if i == case.warmup:
-                start = time.perf_counter()
-            elif i > case.warmup:
-                images += len(x)
-            if i == case.warmup + case.steps:
-                break
+        drawn, images, start, epoch = 0, 0, time.perf_counter(), 0
+        while drawn < case.steps:
+            loader.sampler.set_epoch(epoch)
+            before = drawn
+            for batch in loader:
+                x, _ = data.on_after_batch_transfer(data.transfer_batch_to_device(batch, device, 0), 0)
+                if case.device == "cuda":
+                    torch.cuda.synchronize()
+                drawn += 1
+                if drawn == case.warmup:
+                    start = time.perf_counter()
+                elif drawn > case.warmup:
+                    images += len(x)
+                if drawn == case.steps:
+                    break
+            if drawn == before:
+                raise RuntimeError(f"the train loader of {case.config} gave no batch")
+            epoch += 1
         seconds = time.perf_counter() - start
         del loader
         gc.collect()  # its workers end now: not garbage-collected later inside the next loader's forked workers
@@ -226,16 +247,17 @@ def litdata_reads(dataset: Any) -> str:
 
 
 def model_speed(case: DataCase, compile: bool) -> tuple[float, str]:
-    """The recipe's model and batch on synthetic tensors already on the device (vit.tools.gpu_check)."""
+    """The recipe's training step (its model, optimizer, drop-path, label smoothing and batch) on
+    synthetic tensors already on the device (vit.tools.gpu_check), timed over the steps after the
+    first `warmup` of `steps` as end to end is: what end to end would reach if the data cost nothing."""
     from vit.tools.gpu_check import FitCase, run_fit
 
     with tempfile.TemporaryDirectory() as workdir:
-        cli = build(case, workdir)
+        cli = build(case, workdir, "--model.speed.compile", str(compile).lower())
     name, batch = cli.model.hparams.model_name, cli.datamodule.batch_size
-    fit = FitCase("model", name, case.steps + case.warmup, batch, case.device, compile=compile,
-                  channels_last=cli.model.speed.channels_last, img_size=cli.datamodule.img_size)  # fmt: skip
-    row, _ = run_fit(fit)
-    return row.img_per_s, f"{name}, batch {batch}, synthetic tensors on the device"
+    fit = FitCase("model", name, case.steps, batch, case.device, img_size=cli.datamodule.img_size, warmup=case.warmup)
+    row, _ = run_fit(fit, cli.model)
+    return row.img_per_s, f"{name}, the recipe's step, batch {batch}, synthetic tensors on the device"
 
 
 def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
@@ -527,10 +549,11 @@ def check_recipe(
             label = f" (worker_decode {float(share):g})"
             paths.append((label, lambda share=share: variant_of(case, "--data.worker_decode", share), ("eager",)))
 
-    def capped(side: int) -> DataCase:
+    def capped(
+        side: int,
+    ) -> DataCase:  # a copy cut short by an earlier run is completed (resize_folder keeps its files)
         capped_root = case.root.with_name(f"{case.root.name}-cap{side}")
-        if not (capped_root / "train").is_dir():
-            resize_folder(case.root, capped_root, side, workers=max(1, (os.cpu_count() or 1) - 1))
+        resize_folder(case.root, capped_root, side, workers=max(1, (os.cpu_count() or 1) - 1))
         return replace(case, root=capped_root)
 
     for key, value in (m.groups() for m in map(OPTION.fullmatch, variants) if m):

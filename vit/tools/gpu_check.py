@@ -103,11 +103,13 @@ class FitCase:
     strategy: str = "auto"  # "auto" (one device), "ddp" or "sharded"
     devices: int = 1
     peak: float | None = None
+    warmup: int | None = None  # steps not timed; None: min(10, steps // 3)
 
 
-def run_fit(case: FitCase) -> tuple[Row, str | None]:
+def run_fit(case: FitCase, task: Any = None) -> tuple[Row, str | None]:
     """Train `case.model` for `case.steps` steps (bf16-mixed on CUDA, float32 on CPU) and measure it;
-    also the process group's backend (None on one device)."""
+    also the process group's backend (None on one device). `task`: a vit.lit.ImageClassifier to
+    train instead of the default one (AdamW, 1000 classes)."""
     import lightning as L
 
     from vit.lit import ImageClassifier, Speed
@@ -117,19 +119,21 @@ def run_fit(case: FitCase) -> tuple[Row, str | None]:
     cuda = case.device == "cuda"
     img_size = _side(case.img_size or getattr(model_config(case.model), "img_size", 224))
     sized = hasattr(model_config(case.model), "img_size")
-    task = ImageClassifier(
-        case.model, num_classes=1000, img_size=img_size if sized else None, optimizer=Optimizer(lr=1e-4),
-        schedule=Schedule(warmup_steps=0), speed=Speed(compile=case.compile, channels_last=case.channels_last),
-    )  # fmt: skip
+    if task is None:
+        task = ImageClassifier(
+            case.model, num_classes=1000, img_size=img_size if sized else None, optimizer=Optimizer(lr=1e-4),
+            schedule=Schedule(warmup_steps=0), speed=Speed(compile=case.compile, channels_last=case.channels_last),
+        )  # fmt: skip
+    classes = task.hparams.num_classes
     flops = 3 * forward_flops(task.model, img_size)
     strategy: Any = case.strategy
     if case.strategy == "sharded":
         from vit.sharding import ShardedStrategy
 
         strategy = ShardedStrategy()
-    warmup = min(10, max(1, case.steps // 3))
+    warmup = min(10, max(1, case.steps // 3)) if case.warmup is None else case.warmup
     timer = StepTimer(warmup)
-    data = DataLoader(SyntheticBatches(case.steps, case.batch, img_size, 1000, cuda), batch_size=None)
+    data = DataLoader(SyntheticBatches(case.steps, case.batch, img_size, classes, cuda), batch_size=None)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             accelerator="gpu" if cuda else "cpu", devices=case.devices, strategy=strategy,
@@ -254,13 +258,13 @@ def check_device_decoding(args: argparse.Namespace, iterations: int = 100) -> li
 
 def _data_case(args: argparse.Namespace, recipe: str) -> Any:
     """vit.tools.data_check's case for `recipe` on the synthetic tree (written once, on first use)."""
-    from vit.tools.data_check import DataCase, write_synthetic_imagenet
+    from vit.tools.data_check import DataCase, synthetic_tree_wanted, write_synthetic_imagenet
 
     cuda = args.device == "cuda"
     if args.data_root is None:
         args.data_root = tempfile.mkdtemp(prefix="vit-data-check-")
     root = Path(args.data_root)
-    if not (root / "train").is_dir():
+    if synthetic_tree_wanted(root):
         images = args.data_images or (4000 if cuda else 48)
         size, classes = ((500, 375), 100) if cuda else ((120, 90), 4)
         made = write_synthetic_imagenet(root, train=images, val=max(classes, images // 10), classes=classes, size=size)

@@ -21,7 +21,7 @@ from vit.data import (
     TinyImageNetDataModule,
     read_rgb,
 )
-from vit.data.images import MISSING, Sample, scan_image_folder
+from vit.data.images import MISSING, Sample, readable_class_names, scan_image_folder
 from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.sampling import ResumableSampler, resumable_loader
 from vit.data.transforms import eval_transform, train_transform
@@ -118,6 +118,21 @@ def test_image_folder_layout_and_its_errors(tmp_path):
         ImageFolderDataModule(root=str(tmp_path), img_size=16, num_workers=0).setup("fit")
 
 
+def test_a_link_back_up_a_class_folder_is_not_walked_round_again(tmp_path):
+    write_image(tmp_path / "train" / "a" / "x.png")
+    write_image(tmp_path / "train" / "b" / "y.png")
+    (tmp_path / "train" / "a" / "up").symlink_to("..")  # train/a/up/a/up/... and train/a/up/b/y.png
+    classes, samples = scan_image_folder(tmp_path / "train")
+    assert classes == ["a", "b"] and [(Path(s.path).name, s.label) for s in samples] == [("x.png", 0), ("y.png", 1)]
+
+
+def test_wordnet_classes_whose_first_words_agree_keep_their_ids(tmp_path):
+    words = "n02012849\tcrane\nn03126707\tcrane\nn01443537\tgoldfish, Carassius auratus\n"
+    (tmp_path / "words.txt").write_text(words)
+    names = readable_class_names(["n01443537", "n02012849", "n03126707", "n09999999"], tmp_path)
+    assert names == ["goldfish", "crane (n02012849)", "crane (n03126707)", "n09999999"]
+
+
 def test_tiny_imagenet_official_layout_reads_val_labels_and_boxes(tmp_path):
     (tmp_path / "wnids.txt").write_text("n02\nn01\n")
     for wnid in ("n01", "n02"):
@@ -139,6 +154,8 @@ def test_tiny_imagenet_official_layout_reads_val_labels_and_boxes(tmp_path):
     ]
     train = {s.path.split("/")[-1]: (s.label, s.box) for s in dm.train_set.samples}
     assert train["n01_0.JPEG"] == (0, (1.0, 2.0, 3.0, 4.0)) and train["n01_1.JPEG"] == (0, None)
+    (tmp_path / "train" / "n01" / "images" / "._n01_0.JPEG").write_bytes(b"\0\5\26\7")  # a macOS resource fork
+    assert len(TinyImageNetDataModule(root=str(tmp_path), img_size=16, num_workers=0).load_splits()[0]) == 4
     with pytest.raises(FileNotFoundError, match=r"wnids\.txt not found; expected the official Tiny-ImageNet"):
         TinyImageNetDataModule(root=str(tmp_path / "nope"))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,9 +101,16 @@ def scan_image_folder(root: str | Path, classes: Sequence[str] | None = None) ->
 def _class_files(folder: Path) -> tuple[list[str], list[str]]:
     """A class folder's image files, sub-folders included (as torchvision's ImageFolder reads them),
     and its other files; hidden files and folders (".*", macOS "._*" resource forks) are neither."""
-    images, others = [], []
+    images, others, seen = [], [], set()
+    top = os.path.realpath(folder)
+
+    def walked(path: str) -> bool:  # a link to a folder already walked, or up to the class folder or above it
+        real = os.path.realpath(path)
+        return real in seen or top == real or top.startswith(real.rstrip(os.sep) + os.sep)
+
     for directory, subdirs, names in os.walk(folder, followlinks=True):
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        seen.add(os.path.realpath(directory))
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and not walked(os.path.join(directory, d)))
         for name in sorted(names):
             if not name.startswith("."):
                 path = os.path.join(directory, name)
@@ -113,12 +121,15 @@ def _class_files(folder: Path) -> tuple[list[str], list[str]]:
 def readable_class_names(classes: Sequence[str], root: str | Path) -> list[str]:
     """Class folder names as people read them: WordNet ids are looked up in `root/words.txt` when
     there is one (Tiny-ImageNet's "n01443537<TAB>goldfish, Carassius auratus" gives "goldfish");
-    other names are kept as they are."""
+    other names are kept as they are. Classes whose first words are the same (ImageNet's two
+    "crane"s, the bird and the machine) keep their ids: "crane (n02012849)"."""
     words = Path(root) / "words.txt"
     if not words.is_file():
         return list(classes)
     lookup = dict(line.split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
-    return [lookup.get(c, c).split(",")[0].strip() or c for c in classes]
+    names = [lookup.get(c, c).split(",")[0].strip() or c for c in classes]
+    taken = Counter(names)
+    return [f"{name} ({c})" if taken[name] > 1 and name != c else name for name, c in zip(names, classes, strict=True)]
 
 
 def scan_tiny_imagenet(root: str | Path, split: str) -> tuple[list[str], list[Sample]]:
@@ -144,7 +155,7 @@ def scan_tiny_imagenet(root: str | Path, split: str) -> tuple[list[str], list[Sa
             if not folder.is_dir():
                 raise FileNotFoundError(f"{folder} not found (class {wnid} listed in {wnids_file})")
             for name in sorted(os.listdir(folder)):
-                if name.lower().endswith(IMAGE_EXTENSIONS):
+                if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith("."):  # macOS "._*" too
                     box = boxes[name][0] if name in boxes else None
                     samples.append(Sample(str(folder / name), index[wnid], box))
     elif split == "val":

@@ -75,7 +75,7 @@ def eval_transform(
     std: tuple[float, ...] = IMAGENET_STD,
 ) -> A.Compose:
     """Resize the shorter side to img_size / crop_pct, then take the centre img_size crop
-    (crop_pct 0.875 is the ImageNet convention; 1.0 keeps the whole image)."""
+    (crop_pct 0.875 is the ImageNet convention; 1.0 keeps the whole of a square image)."""
     resize = round(img_size / crop_pct)
     return A.Compose(
         [

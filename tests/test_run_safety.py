@@ -145,7 +145,19 @@ def test_decompression_bombs_and_broken_symlinks_are_named_and_skipped_with_skip
         done = main(base(data, tmp_path / "run2", "--data.in_memory", "false", "--data.skip_corrupt", "true"))
     assert done.trainer.global_step == 8
     assert f"skipped cannot decode image {bomb}" in caplog.text
-    assert f"skipped cannot read image {data / 'val' / 'class3' / 'gone.jpg'}" in caplog.text
+    gone = data / "val" / "class3" / "gone.jpg"
+    assert f"skipped cannot read image {gone}" in caplog.text
+
+    bomb.unlink()  # the link alone, in memory and decoded on the device: named as such, skipped with skip_corrupt
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vit"):
+        done = main(base(data, tmp_path / "run3", "--data.skip_corrupt", "true"))
+    assert done.trainer.global_step == 8 and f"skipped cannot read image {gone}: it is a broken symlink" in caplog.text
+    device = ["--data.in_memory", "false", "--data.device_decode", "true", "--data.augment.crop", "rrc"]
+    with pytest.raises(SystemExit) as stopped:
+        main(base(data, tmp_path / "run4", *device))
+    assert stopped.value.code == 1
+    assert last_error(capsys).startswith(f"error: cannot read image {gone}: it is a broken symlink (to ")
 
 
 def test_read_rgb_names_a_real_decompression_bomb(tmp_path):

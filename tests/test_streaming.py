@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,7 +143,7 @@ def test_conversion_decodes_the_files_that_are_not_jpegs_and_names_what_it_leave
     ]
 
 
-def test_conversion_refuses_what_it_would_not_write_where_asked_before_doing_any_work(tmp_path):
+def test_conversion_refuses_what_it_would_not_write_where_asked_before_doing_any_work(tmp_path, capsys):
     """An s3:// target (convert locally, then copy), a folder that is not a converted split, and a
     litdata dataset written without our labels: refused, naming them, before a file is converted.
     A file name that is not UTF-8 is stored readably."""
@@ -161,6 +162,17 @@ def test_conversion_refuses_what_it_would_not_write_where_asked_before_doing_any
     with pytest.raises(ValueError, match=r"index\.json has no class names and labels"):
         convert_image_folder(source, stream)
     (stream / "val" / "index.json").unlink()
+    with pytest.raises(SystemExit):  # argparse's, before any work
+        convert_main([str(source), str(stream), "--chunk-bytes", "100 apples"])
+    assert "'100 apples' is not a size: bytes, or a number with a unit" in capsys.readouterr().err
+    link = source / "train" / "class1" / "gone.jpg"
+    link.symlink_to(tmp_path / "nowhere.jpg")
+    report = convert_image_folder(source, stream, skip_corrupt=True, splits=("train",))
+    assert report["train"]["left out"] == [
+        f"cannot read image {link}: it is a broken symlink (to {tmp_path / 'nowhere.jpg'})"
+    ]
+    shutil.rmtree(stream / "train")
+    link.unlink()
     latin1 = source / "train" / "class0" / os.fsdecode(b"caf\xe9.jpg")
     (source / "train" / "class0" / "0.jpg").rename(latin1)
     assert convert_image_folder(source, stream)["train"]["written"] == 8  # into the empty folders left

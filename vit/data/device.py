@@ -195,6 +195,8 @@ class EncodedFiles(ImageFiles):
                 height, width, for_device = read_header(data)
                 if for_device and not self.decoded_here(position):
                     return torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width
+        except CorruptImageError:
+            raise
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise CorruptImageError(f"cannot decode image {self.name(position)}: {e}") from e
         pixels = read_rgb(io.BytesIO(data), self.name(position))

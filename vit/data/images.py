@@ -32,6 +32,24 @@ class CorruptImageError(ValueError):
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16-bit greyscale (PNG, TIFF)
 
 
+def read_file(path: str | Path) -> bytes:
+    """An image file's bytes. CorruptImageError for a broken symlink (named as such) or a file that
+    cannot be read; a missing file that is not a link is a missing dataset, not a corrupt image:
+    FileNotFoundError."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError as e:
+        if not os.path.islink(path):
+            raise
+        raise broken_link(path, str(path)) from e
+    except OSError as e:
+        raise CorruptImageError(f"cannot read image {path}: {e}") from e
+
+
+def broken_link(path: str | Path, name: str) -> CorruptImageError:
+    return CorruptImageError(f"cannot read image {name}: it is a broken symlink (to {os.readlink(path)})")
+
+
 def read_rgb(path: str | Path | BinaryIO, name: str | None = None) -> np.ndarray:
     """Decode an image file (or an open binary file, named `name` in errors) into an RGB uint8
     array (H, W, 3). 16-bit greyscale is scaled to 8 bits (PIL's own conversion clips it, turning
@@ -48,8 +66,7 @@ def read_rgb(path: str | Path | BinaryIO, name: str | None = None) -> np.ndarray
     except FileNotFoundError as e:
         if not isinstance(path, str | Path) or not os.path.islink(path):
             raise
-        target = os.readlink(path)
-        raise CorruptImageError(f"cannot read image {name}: it is a broken symlink (to {target})") from e
+        raise broken_link(path, name) from e
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as e:
         raise CorruptImageError(f"cannot decode image {name}: {e}") from e
     raise ValueError(f"{name} is a 32-bit float image, which has no standard range: convert it to 8 or 16 bits")
@@ -263,13 +280,13 @@ class ImageFiles(_SeededTransform):
         file's path, label, size and modification time."""
         lines = []
         for s in self.samples:
-            st = os.stat(s.path)
+            st = os.lstat(s.path) if os.path.islink(s.path) and not os.path.exists(s.path) else os.stat(s.path)
             lines.append(f"{os.path.abspath(s.path)}|{s.label}|{st.st_size}|{st.st_mtime_ns}\n")
         return "".join(lines).encode()
 
     def read_bytes(self, position: int) -> bytes:
-        """The encoded file of sample `position`, as stored."""
-        return Path(self.samples[position].path).read_bytes()
+        """The encoded file of sample `position`, as stored; CorruptImageError naming it if it cannot be read."""
+        return read_file(self.samples[position].path)
 
     def read_order(self, positions: Sequence[int]) -> Sequence[int]:
         """The order to read a batch's samples in (indices into `positions`): as asked, for files."""

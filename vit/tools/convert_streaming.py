@@ -17,6 +17,7 @@ storage after.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -31,7 +32,7 @@ import numpy as np
 from PIL import Image
 
 from vit.data.device import JPEG_MAGIC, image_size
-from vit.data.images import CorruptImageError, read_rgb, readable_class_names, scan_image_folder
+from vit.data.images import CorruptImageError, read_file, read_rgb, readable_class_names, scan_image_folder
 from vit.data.streaming import INDEX
 from vit.tools.args import image_copy_parser, run_command
 from vit.tools.resize_folder import capped
@@ -46,7 +47,7 @@ def encoded(path: Path, max_side: int | None, quality: int) -> bytes:
         resized = capped(path, max_side, quality)
         if resized is not None:
             return resized
-    data = path.read_bytes()
+    data = read_file(path)
     if not data.startswith(JPEG_MAGIC):
         read_rgb(io.BytesIO(data), str(path))
         return data
@@ -74,7 +75,7 @@ def convert_image_folder(
     quality: int = 90,
     workers: int = 1,
     skip_corrupt: bool = False,
-    chunk_bytes: str = "64MB",
+    chunk_bytes: int | str = "64MB",
     splits: tuple[str, ...] = ("train", "val"),
     seed: int = 0,
 ) -> dict[str, dict[str, int | list[str]]]:
@@ -149,9 +150,20 @@ def converted_split(out: Path) -> int | None:
     return None
 
 
+def chunk_size(value: str) -> int | str:
+    """--chunk-bytes: a number of bytes, or one with a unit as litdata reads it (64MB, 500kb)."""
+    if value.isdigit():
+        return int(value)
+    if not re.fullmatch(r"\d+(\.\d+)?\s*([kmgt]b?|b)", value.strip().lower()):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size: bytes, or a number with a unit (64MB, 500kb)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]:
     parser = image_copy_parser(__doc__, "where the chunks go (e.g. data/imagenet-streaming)", max_side=None)
-    parser.add_argument("--chunk-bytes", default="64MB", help="chunk size (default 64MB)")
+    parser.add_argument(
+        "--chunk-bytes", type=chunk_size, default="64MB", help="chunk size: bytes, or with a unit (default 64MB)"
+    )
     parser.add_argument("--splits", nargs="+", default=["train", "val"], help="the training split first")
     args = parser.parse_args(argv)
     report = convert_image_folder(args.source, args.target, args.max_side, args.quality, args.workers,

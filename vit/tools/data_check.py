@@ -549,10 +549,9 @@ def check_recipe(
             label = f" (worker_decode {float(share):g})"
             paths.append((label, lambda share=share: variant_of(case, "--data.worker_decode", share), ("eager",)))
 
-    def capped(
-        side: int,
-    ) -> DataCase:  # a copy cut short by an earlier run is completed (resize_folder keeps its files)
+    def capped(side: int) -> DataCase:
         capped_root = case.root.with_name(f"{case.root.name}-cap{side}")
+        # every time: a copy an earlier call cut short is completed (resize_folder keeps the files written)
         resize_folder(case.root, capped_root, side, workers=max(1, (os.cpu_count() or 1) - 1))
         return replace(case, root=capped_root)
 

@@ -120,7 +120,7 @@ def test_conversion_names_a_corrupt_image_leaves_it_out_with_skip_corrupt_and_ca
     assert len(list(tmp_path.joinpath("stream").glob(".*.tmp"))) == 0
 
 
-def test_conversion_decodes_the_files_that_are_not_jpegs_and_names_what_it_leaves_out(tmp_path):
+def test_conversion_decodes_the_files_that_are_not_jpegs_and_names_what_it_leaves_out(tmp_path, monkeypatch):
     """A cut PNG's header reads, its pixels do not: named at conversion, not first in training; an
     image over PIL's pixel limit is left out with skip_corrupt, as training would skip it."""
     source = _source(tmp_path, train=2)
@@ -132,21 +132,18 @@ def test_conversion_decodes_the_files_that_are_not_jpegs_and_names_what_it_leave
     png.unlink()
     huge = source / "train" / "class1" / "huge.jpg"
     Image.new("RGB", (400, 300)).save(huge)
-    limit = Image.MAX_IMAGE_PIXELS
-    Image.MAX_IMAGE_PIXELS = 50_000  # 400 x 300 is over twice it
-    try:
-        report = convert_image_folder(source, tmp_path / "stream", skip_corrupt=True)
-    finally:
-        Image.MAX_IMAGE_PIXELS = limit
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50_000)  # 400 x 300 is over twice it
+    report = convert_image_folder(source, tmp_path / "stream", skip_corrupt=True)
     assert report["train"]["written"] == 8 and report["train"]["left out"] == [
         f"cannot decode image {huge}: 120000 pixels exceeds twice PIL's limit of 50000"
     ]
 
 
 def test_conversion_refuses_what_it_would_not_write_where_asked_before_doing_any_work(tmp_path, capsys):
-    """An s3:// target (convert locally, then copy), a folder that is not a converted split, and a
-    litdata dataset written without our labels: refused, naming them, before a file is converted.
-    A file name that is not UTF-8 is stored readably."""
+    """An s3:// target (convert locally, then copy), a folder that is not a converted split, a
+    litdata dataset written without our labels and a --chunk-bytes that is not a size: refused,
+    naming them, before a file is converted. A broken symlink is named as one and left out with
+    skip_corrupt; a file name that is not UTF-8 is stored readably."""
     source = _source(tmp_path, train=2)
     with pytest.raises(ValueError, match="s3:/bucket/x is not a local folder"):
         convert_main([str(source), "s3://bucket/x", "--workers", "1"])

@@ -101,8 +101,8 @@ def main() -> None:
 
     rows: list[tuple[str, float, float | None, float | str | None]] = []  # (part, img/s, CPU ms, GPU ms a batch)
     longest: dict[str, str] = {}  # part: its longest kernels
-    # Before the first batch is asked for, the workers prepare prefetch_factor (2) batches each: timed
-    # from the batch after those, the count holds only batches made while the clock ran.
+    # Before the first batch is asked for, the workers prepare prefetch_factor (2) batches each: the
+    # clock starts after those are drawn (up to workers - 1 batches finished before it still count).
     ahead, timed_batches = 2 * args.workers + 1, 30
     passes = math.ceil((ahead + timed_batches) * args.batch / len(order))
     loader = DataLoader(dataset, batch_size=args.batch, sampler=order * passes, collate_fn=collate_encoded,

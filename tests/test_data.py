@@ -21,7 +21,7 @@ from vit.data import (
     TinyImageNetDataModule,
     read_rgb,
 )
-from vit.data.images import MISSING, Sample, readable_class_names, scan_image_folder
+from vit.data.images import MISSING, Sample, readable_class_names, same_class_names, scan_image_folder
 from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.sampling import ResumableSampler, resumable_loader
 from vit.data.transforms import eval_transform, train_transform
@@ -131,6 +131,9 @@ def test_wordnet_classes_whose_first_words_agree_keep_their_ids(tmp_path):
     (tmp_path / "words.txt").write_text(words)
     names = readable_class_names(["n01443537", "n02012849", "n03126707", "n09999999"], tmp_path)
     assert names == ["goldfish", "crane (n02012849)", "crane (n03126707)", "n09999999"]
+    # a checkpoint saved while both were "crane" still names these classes (and resumes); another order does not
+    assert same_class_names(["goldfish", "crane", "crane", "n09999999"], names)
+    assert not same_class_names(["crane", "goldfish", "crane", "n09999999"], names)
 
 
 def test_tiny_imagenet_official_layout_reads_val_labels_and_boxes(tmp_path):

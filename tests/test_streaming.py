@@ -164,11 +164,12 @@ def test_conversion_refuses_what_it_would_not_write_where_asked_before_doing_any
     assert "'100 apples' is not a size: bytes, or a number with a unit" in capsys.readouterr().err
     link = source / "train" / "class1" / "gone.jpg"
     link.symlink_to(tmp_path / "nowhere.jpg")
-    report = convert_image_folder(source, stream, skip_corrupt=True, splits=("train",))
-    assert report["train"]["left out"] == [
-        f"cannot read image {link}: it is a broken symlink (to {tmp_path / 'nowhere.jpg'})"
-    ]
-    shutil.rmtree(stream / "train")
+    for max_side in (None, 64):  # named before any resizing too
+        report = convert_image_folder(source, stream, max_side, skip_corrupt=True, splits=("train",))
+        assert report["train"]["left out"] == [
+            f"cannot read image {link}: it is a broken symlink (to {tmp_path / 'nowhere.jpg'})"
+        ]
+        shutil.rmtree(stream / "train")
     link.unlink()
     latin1 = source / "train" / "class0" / os.fsdecode(b"caf\xe9.jpg")
     (source / "train" / "class0" / "0.jpg").rename(latin1)
@@ -192,6 +193,22 @@ def test_a_streaming_sample_that_does_not_decode_is_named_with_the_file_it_came_
     batch = collate_encoded([files[(position, 0)]])
     with pytest.raises(CorruptImageError, match=f"cannot decode image {re.escape(name)}: "):
         decode_encoded(batch, "cpu", files)
+
+
+def test_a_loader_worker_reads_a_streaming_sample_once_whatever_decodes_it(tmp_path, monkeypatch):
+    """A PNG (decoded in the worker) is read from its chunk once, as a JPEG is: its name, which
+    costs a read, is looked up only for an error."""
+    source = _source(tmp_path, train=1)
+    Image.new("RGB", (40, 30), (9, 8, 7)).save(source / "train" / "class0" / "flat.png")
+    convert_image_folder(source, tmp_path / "stream")
+    images = StreamingImages(str(tmp_path / "stream" / "train"))
+    reads, stored_read = [], images.read_item
+    monkeypatch.setattr(images, "read_item", lambda i: reads.append(i) or stored_read(i))
+    files = EncodedFiles(images, train=True)
+    for position in range(len(images)):
+        reads.clear()
+        image, _, _ = files[(position, 0)]
+        assert reads == [position], (position, image.shape)
 
 
 def test_streaming_images_decoded_into_memory_are_cached_by_their_chunks(tmp_path):

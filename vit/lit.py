@@ -20,7 +20,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
 
 from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
-from vit.data.images import MISSING
+from vit.data.images import MISSING, same_class_names
 from vit.fault_tolerance import CheckpointConflictError
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
 from vit.options import set_option_groups
@@ -489,7 +489,7 @@ class ImageClassifier(TrainingTask):
             names = getattr(datamodule, "class_names", None)
             saved_count = checkpoint.get("hyper_parameters", {}).get("num_classes")
             count = getattr(datamodule, "num_classes", None)
-            if saved_names is not None and names is not None and list(saved_names) != list(names):
+            if saved_names is not None and names is not None and not same_class_names(saved_names, names):
                 trained, now = f"the classes {list(saved_names)}", f"the data has {list(names)}"
             elif saved_count is not None and count is not None and saved_count != count:
                 trained, now = f"{saved_count} classes", f"the data has {count}"

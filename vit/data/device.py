@@ -199,7 +199,10 @@ class EncodedFiles(ImageFiles):
             raise
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise CorruptImageError(f"cannot decode image {self.name(position)}: {e}") from e
-        pixels = read_rgb(io.BytesIO(data), self.name(position))
+        try:
+            pixels = read_rgb(io.BytesIO(data))
+        except CorruptImageError as e:  # named here: a streaming sample's name costs a read
+            raise CorruptImageError(f"cannot decode image {self.name(position)}: {e.__cause__}") from e.__cause__
         image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
         return image, image.shape[1], image.shape[2]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -121,7 +122,7 @@ def _class_files(folder: Path) -> tuple[list[str], list[str]]:
     images, others, seen = [], [], set()
     top = os.path.realpath(folder)
 
-    def walked(path: str) -> bool:  # a link to a folder already walked, or up to the class folder or above it
+    def walked(path: str) -> bool:  # a link up to the class folder or above it (a loop), or to one walked before
         real = os.path.realpath(path)
         return real in seen or top == real or top.startswith(real.rstrip(os.sep) + os.sep)
 
@@ -147,6 +148,12 @@ def readable_class_names(classes: Sequence[str], root: str | Path) -> list[str]:
     names = [lookup.get(c, c).split(",")[0].strip() or c for c in classes]
     taken = Counter(names)
     return [f"{name} ({c})" if taken[name] > 1 and name != c else name for name, c in zip(names, classes, strict=True)]
+
+
+def same_class_names(saved: Sequence[str], names: Sequence[str]) -> bool:
+    """Whether a checkpoint's class names are these: equal, or equal but for the ids that
+    readable_class_names keeps where first words agree (a checkpoint saved before it kept them)."""
+    return list(saved) == list(names) or list(saved) == [re.sub(r" \([^()]+\)$", "", name) for name in names]
 
 
 def scan_tiny_imagenet(root: str | Path, split: str) -> tuple[list[str], list[Sample]]:

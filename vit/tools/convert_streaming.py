@@ -43,11 +43,11 @@ def encoded(path: Path, max_side: int | None, quality: int) -> bytes:
     readable: a JPEG whose header or end marker is missing (vit.data.device.read_header: the
     compressed data between them is first decoded in training), any other file that does not decode
     (decoded here: few files are not JPEGs)."""
+    data = read_file(path)  # first: a broken link named as one, a missing file not taken for a corrupt one
     if max_side is not None:
         resized = capped(path, max_side, quality)
         if resized is not None:
             return resized
-    data = read_file(path)
     if not data.startswith(JPEG_MAGIC):
         read_rgb(io.BytesIO(data), str(path))
         return data

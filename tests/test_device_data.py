@@ -345,6 +345,10 @@ def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog)
         assert EncodedFiles(samples, train=True, skip_corrupt=True)[(0, 0)][1] == 2  # the next readable one
         assert EncodedFiles(samples, train=False, skip_corrupt=True)[1][1] == -1  # MISSING: not scored
     assert f"skipped cannot decode image {truncated}" in caplog.text
+    floats = tmp_path / "floats.tif"  # refused by name, as the per-sample path refuses it
+    Image.fromarray(np.zeros((4, 4), np.float32), mode="F").save(floats)
+    with pytest.raises(ValueError, match=f"^{floats} is a 32-bit float image"):
+        EncodedFiles([Sample(str(floats), 0)], train=True)[(0, 0)]
 
 
 def test_a_jpeg_is_truncated_when_no_end_marker_follows_its_scan_as_pil_says(tmp_path):

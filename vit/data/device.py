@@ -200,9 +200,11 @@ class EncodedFiles(ImageFiles):
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             raise CorruptImageError(f"cannot decode image {self.name(position)}: {e}") from e
         try:
-            pixels = read_rgb(io.BytesIO(data))
+            pixels = read_rgb(io.BytesIO(data), "")
         except CorruptImageError as e:  # named here: a streaming sample's name costs a read
             raise CorruptImageError(f"cannot decode image {self.name(position)}: {e.__cause__}") from e.__cause__
+        except ValueError as e:  # an image read_rgb refuses (a float one): its message begins with the name
+            raise ValueError(f"{self.name(position)}{e}") from e
         image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
         return image, image.shape[1], image.shape[2]
 

@@ -287,7 +287,10 @@ class ImageFiles(_SeededTransform):
         file's path, label, size and modification time."""
         lines = []
         for s in self.samples:
-            st = os.lstat(s.path) if os.path.islink(s.path) and not os.path.exists(s.path) else os.stat(s.path)
+            try:
+                st = os.stat(s.path)
+            except FileNotFoundError:  # a broken link: its own stat (reading it then names it)
+                st = os.lstat(s.path)
             lines.append(f"{os.path.abspath(s.path)}|{s.label}|{st.st_size}|{st.st_mtime_ns}\n")
         return "".join(lines).encode()
 

@@ -131,12 +131,8 @@ class PreparedLoader(DataLoader):
 
         def taken(k: int) -> Iterator[Any]:
             """What stage k - 1 hands over, until it is done or the epoch is stopped."""
-            while not stop.is_set():
-                with contextlib.suppress(queue.Empty):
-                    item = queues[k - 1].get(timeout=0.1)
-                    if item is _DONE:
-                        return
-                    yield item
+            while (item := _get(queues[k - 1], stop)) is not _DONE:
+                yield item
 
         def work(k: int) -> None:
             try:

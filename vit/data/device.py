@@ -47,58 +47,28 @@ from vit.data.augment import (
     rand_augment,
     random_resized_crop_box,
 )
-from vit.data.images import MISSING, CorruptImageError, ImageFiles, Sample, read_rgb
+from vit.data.images import (
+    BASELINE,
+    DECODE_ERRORS,
+    JPEG_MAGIC,
+    MISSING,
+    CorruptImageError,
+    ImageFiles,
+    Sample,
+    decode_rgb,
+    jpeg_damage,
+    jpeg_frame,
+    jpeg_markers,
+    undecodable,
+)
 
 log = logging.getLogger(__name__)
 
-JPEG_MAGIC = b"\xff\xd8\xff"
 GOLDEN = (5**0.5 - 1) / 2  # EncodedFiles.decoded_here: n x GOLDEN mod 1 spreads evenly over [0, 1)
 DEVICE_CROPS = ("rrc", "resize")
 # A worker sends each image's augmentation parameters (vit.data.augment: crop box, flip, RandAugment)
 # and, last, the index of the file read (to name it if it does not decode).
 INDEX = -1
-
-
-BASELINE, SOS, EOI = 0xC0, 0xDA, 0xD9  # the markers of a baseline JPEG's frame, the start of a scan, the end
-_NOT_FRAMES = (0xC4, 0xC8, 0xCC)  # markers in 0xC0..0xCF that start no frame (tables, reserved)
-
-
-def jpeg_markers(data: bytes) -> tuple[list[tuple[int, int]], int]:
-    """(offset, marker) of a JPEG's segments up to and including its first scan's (start-of-scan,
-    FF DA), each segment skipped by its length, and the offset where the walk stopped: at that scan,
-    at an end-of-image marker, at a byte that is not a marker, or, for a file cut short within its
-    headers, at or past its end. Microseconds where PIL's header parsing (its tables included)
-    takes tens: a loader worker reads one for every file."""
-    markers, i, n = [], 2, len(data)
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            break
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        markers.append((i, marker))
-        if marker in (SOS, EOI):
-            break
-        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
-            i += 2
-            continue
-        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-    else:
-        i = max(i, n)
-    return markers, i
-
-
-def jpeg_frame(data: bytes, markers: list[tuple[int, int]]) -> tuple[int, int, int, int, int] | None:
-    """(start-of-frame marker, sample precision, height, width, components) from a JPEG's first
-    frame header (`markers`: jpeg_markers'); None if it has none before its first scan or is cut short."""
-    for i, marker in markers:
-        if 0xC0 <= marker <= 0xCF and marker not in _NOT_FRAMES:
-            if i + 10 > len(data):
-                return None
-            height, width = int.from_bytes(data[i + 5 : i + 7], "big"), int.from_bytes(data[i + 7 : i + 9], "big")
-            return marker, data[i + 4], height, width, data[i + 9]
-    return None
 
 
 def image_size(data: bytes) -> tuple[int, int]:
@@ -113,19 +83,14 @@ def read_header(data: bytes) -> tuple[int, int, bool]:
     progressive ones (torchvision decodes those one at a time, in the thread that feeds the model,
     waiting on the device after each), and PIL converts CMYK as the per-sample path does. The rest
     are decoded in the loader workers. A baseline JPEG is read from its frame header alone
-    (jpeg_frame); anything else by PIL.
-
-    A JPEG with no end-of-image marker (FF D9, which cannot occur inside the compressed data) after
-    where its headers end raises ValueError: it is truncated, and libjpeg may decode it with grey
-    below the cut where the per-sample path (PIL) refuses it. Bytes after the marker (a phone's
-    appended video, a vendor's trailer) are no harm, as in PIL; a marker within the headers (an
-    embedded thumbnail's) does not count."""
+    (jpeg_frame); anything else by PIL. A damaged JPEG (vit.data.images.jpeg_damage: cut short, or
+    cut and filled with zeros) raises ValueError saying why, as every other path refuses it."""
     frame = None
     if data.startswith(JPEG_MAGIC):
-        markers, headers_end = jpeg_markers(data)
-        if data.rfind(b"\xff\xd9") < headers_end:
-            raise ValueError("the JPEG is truncated (no end-of-image marker after its headers)")
-        frame = jpeg_frame(data, markers)
+        damage = jpeg_damage(data)
+        if damage is not None:
+            raise ValueError(damage)
+        frame = jpeg_frame(data, jpeg_markers(data)[0])
     if frame is not None and frame[0] == BASELINE and frame[1] == 8 and frame[4] in (1, 3) and min(frame[2:4]) > 0:
         height, width = frame[2:4]
         if Image.MAX_IMAGE_PIXELS and height * width > 2 * Image.MAX_IMAGE_PIXELS:  # as Image.open refuses it
@@ -197,14 +162,14 @@ class EncodedFiles(ImageFiles):
                     return torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width
         except CorruptImageError:
             raise
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            raise CorruptImageError(f"cannot decode image {self.name(position)}: {e}") from e
+        except DECODE_ERRORS as e:
+            raise undecodable(self.name(position), e) from e
         try:
-            pixels = read_rgb(io.BytesIO(data), "")
+            pixels = decode_rgb(data)
         except CorruptImageError as e:  # named here: a streaming sample's name costs a read
-            raise CorruptImageError(f"cannot decode image {self.name(position)}: {e.__cause__}") from e.__cause__
-        except ValueError as e:  # an image read_rgb refuses (a float one): its message begins with the name
-            raise ValueError(f"{self.name(position)}{e}") from e
+            raise undecodable(self.name(position), e) from e.__cause__
+        except ValueError as e:  # an image decode_rgb refuses (a float one): the message goes on from the name
+            raise ValueError(f"{self.name(position)} {e}") from e
         image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
         return image, image.shape[1], image.shape[2]
 
@@ -343,7 +308,7 @@ def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: Image
         failures, images = e.failures, e.images
     labels, params = batch.labels.clone(), batch.params.clone()
     for position, reason in failures.items():
-        error = CorruptImageError(f"cannot decode image {files.name(int(params[position, INDEX]))}: {reason}")
+        error = undecodable(files.name(int(params[position, INDEX])), reason)
         if not files.skip_corrupt:
             raise error
         files.skipped(error)

@@ -7,6 +7,7 @@ where configured) instead of feeding garbage to the model.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -33,6 +34,104 @@ class CorruptImageError(ValueError):
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16-bit greyscale (PNG, TIFF)
 
 
+# What counts as an image that does not decode, wherever a file is decoded or checked.
+DECODE_ERRORS = (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError)
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+BASELINE, EXTENDED, DHT, SOS, EOI = 0xC0, 0xC1, 0xC4, 0xDA, 0xD9  # JPEG markers (sequential frames, tables, scan, end)
+_NOT_FRAMES = (DHT, 0xC8, 0xCC)  # markers in 0xC0..0xCF that start no frame (tables, reserved)
+# A scan's data that ends in this many zero bytes was cut and filled (a preallocated file, an
+# incomplete download) unless its tables write a flat block as zero bits (jpeg_damage).
+CUT_ZEROS = 32
+_SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7]")  # the first marker after a scan's data (FF 00 and restarts are data)
+# The symbol each standard Huffman table (JPEG Annex K) codes as all zero bits, for a file without tables.
+_STANDARD_ZERO_SYMBOL = {(0, 0): 0x00, (0, 1): 0x00, (1, 0): 0x01, (1, 1): 0x00}
+
+
+def jpeg_markers(data: bytes) -> tuple[list[tuple[int, int]], int]:
+    """(offset, marker) of a JPEG's segments up to and including its first scan's (start-of-scan,
+    FF DA), each segment skipped by its length, and the offset where the walk stopped: at that scan,
+    at an end-of-image marker, at a byte that is not a marker, or, for a file cut short within its
+    headers, at or past its end. Microseconds where PIL's header parsing (its tables included)
+    takes tens: a loader worker reads one for every file."""
+    markers, i, n = [], 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            break
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        markers.append((i, marker))
+        if marker in (SOS, EOI):
+            break
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
+            i += 2
+            continue
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    else:
+        i = max(i, n)
+    return markers, i
+
+
+def jpeg_frame(data: bytes, markers: list[tuple[int, int]]) -> tuple[int, int, int, int, int] | None:
+    """(start-of-frame marker, sample precision, height, width, components) from a JPEG's first
+    frame header (`markers`: jpeg_markers'); None if it has none before its first scan or is cut short."""
+    for i, marker in markers:
+        if 0xC0 <= marker <= 0xCF and marker not in _NOT_FRAMES:
+            if i + 10 > len(data):
+                return None
+            height, width = int.from_bytes(data[i + 5 : i + 7], "big"), int.from_bytes(data[i + 7 : i + 9], "big")
+            return marker, data[i + 4], height, width, data[i + 9]
+    return None
+
+
+def jpeg_damage(data: bytes) -> str | None:
+    """Why the JPEG file `data` is damaged, or None: the one rule of every path that reads images.
+
+    A JPEG is cut short when no end-of-image marker (FF D9, which cannot occur inside compressed
+    data) follows where its headers end; PIL decodes some such files without an error, with grey
+    or garbage below the cut. Bytes after the marker (a phone's appended video) are no harm, and a
+    marker within the headers (an embedded thumbnail's) does not count. A sequential JPEG whose scan
+    data ends in CUT_ZEROS or more zero bytes was cut and filled with zeros (PIL decodes the zeros
+    as texture), unless its Huffman tables code a flat block (no change of the DC term, then
+    end-of-block) as zero bits: then zeros are what a flat end of the image looks like, and only
+    the end marker decides. Progressive files are checked by their end marker alone."""
+    markers, headers_end = jpeg_markers(data)
+    if data.rfind(b"\xff\xd9") < headers_end:
+        return "the JPEG is truncated (no end-of-image marker after its headers)"
+    frame = jpeg_frame(data, markers)
+    if not markers or markers[-1][1] != SOS or frame is None or frame[0] not in (BASELINE, EXTENDED):
+        return None
+    start = headers_end + 2 + int.from_bytes(data[headers_end + 2 : headers_end + 4], "big")
+    end = _SCAN_END.search(data, start)
+    if end is None or data[end.start() + 1] != EOI or end.start() - start < CUT_ZEROS:
+        return None  # more scans follow (a non-interleaved file): left to the end marker
+    if any(data[end.start() - CUT_ZEROS : end.start()]) or _zeros_code_flat_blocks(data, markers):
+        return None
+    zeros = end.start() - start - len(data[start : end.start()].rstrip(b"\0"))
+    return f"the JPEG's compressed data ends in {zeros} zero bytes (a file cut short and filled with zeros)"
+
+
+def _zeros_code_flat_blocks(data: bytes, markers: list[tuple[int, int]]) -> bool:
+    """Whether, for every component of the scan, all zero bits decode as a flat block: its DC
+    table's all-zero code is category 0 and its AC table's is end-of-block. The all-zero code of a
+    table is its first symbol (the shortest code, counting up from zero)."""
+    zero_symbol = dict(_STANDARD_ZERO_SYMBOL)
+    for i, marker in markers:
+        if marker != DHT:
+            continue
+        j, end = i + 4, i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        while j + 17 <= end:
+            count = sum(data[j + 1 : j + 17])
+            if count and j + 17 < len(data):
+                zero_symbol[(data[j] >> 4, data[j] & 0x0F)] = data[j + 17]
+            j += 17 + count
+    sos = markers[-1][0]
+    tables = data[sos + 6 : sos + 5 + 2 * data[sos + 4] : 2]  # each component's DC << 4 | AC table
+    return all(zero_symbol.get((0, t >> 4)) == 0x00 and zero_symbol.get((1, t & 0x0F)) == 0x00 for t in tables)
+
+
 def read_file(path: str | Path) -> bytes:
     """An image file's bytes. CorruptImageError for a broken symlink (named as such) or a file that
     cannot be read; a missing file that is not a link is a missing dataset, not a corrupt image:
@@ -51,26 +150,48 @@ def broken_link(path: str | Path, name: str) -> CorruptImageError:
     return CorruptImageError(f"cannot read image {name}: it is a broken symlink (to {os.readlink(path)})")
 
 
-def read_rgb(path: str | Path | BinaryIO, name: str | None = None) -> np.ndarray:
-    """Decode an image file (or an open binary file, named `name` in errors) into an RGB uint8
-    array (H, W, 3). 16-bit greyscale is scaled to 8 bits (PIL's own conversion clips it, turning
-    most images white); float images have no standard range and are refused."""
-    if name is None:
-        name = str(path)
+def read_rgb(source: str | Path | bytes | BinaryIO, name: str | None = None) -> np.ndarray:
+    """Decode an image file (a path, its bytes, or an open binary file, named `name` in errors)
+    into an RGB uint8 array (H, W, 3): decode_rgb, with CorruptImageError naming the file."""
+    if isinstance(source, str | Path):
+        name, data = str(source) if name is None else name, read_file(source)
+    else:
+        data = source if isinstance(source, bytes) else source.read()
+        name = "<image bytes>" if name is None else name
     try:
-        with Image.open(path) as image:
+        return decode_rgb(data)
+    except CorruptImageError as e:
+        raise undecodable(name, e) from e.__cause__
+    except ValueError as e:  # a float image: the message goes on from the file's name
+        raise ValueError(f"{name} {e}") from e
+
+
+def decode_rgb(data: bytes) -> np.ndarray:
+    """An encoded image as an RGB uint8 array (H, W, 3). A damaged JPEG (jpeg_damage) or data that
+    does not decode raises CorruptImageError saying why (the caller names the file). 16-bit
+    greyscale is scaled to 8 bits (PIL's own conversion clips it, turning most images white);
+    float images have no standard range: ValueError."""
+    damage = jpeg_damage(data) if data.startswith(JPEG_MAGIC) else None
+    if damage is not None:
+        raise CorruptImageError(damage)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
             if image.mode in SIXTEEN_BIT_MODES:
                 grey = np.clip(np.round(np.asarray(image, dtype=np.float64) / 257.0), 0, 255).astype(np.uint8)
                 return np.repeat(grey[..., None], 3, axis=-1)
             if image.mode != "F":
                 return np.asarray(image.convert("RGB"))
-    except FileNotFoundError as e:
-        if not isinstance(path, str | Path) or not os.path.islink(path):
-            raise
-        raise broken_link(path, name) from e
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as e:
-        raise CorruptImageError(f"cannot decode image {name}: {e}") from e
-    raise ValueError(f"{name} is a 32-bit float image, which has no standard range: convert it to 8 or 16 bits")
+    except DECODE_ERRORS as e:
+        raise CorruptImageError(str(e) or type(e).__name__) from e  # named by the caller: undecodable
+    raise ValueError("is a 32-bit float image, which has no standard range: convert it to 8 or 16 bits")
+
+
+def undecodable(name: str, error: BaseException | str) -> CorruptImageError:
+    """The error for image `name` that does not decode, with the decoder's reason less the
+    in-memory file it names (PIL: "cannot identify image file <_io.BytesIO object at 0x...>")."""
+    reason = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(error))
+    reason = re.sub(r"^\w+, \S+\.(?:cpp|h):\d+, ", "", reason)  # torchvision's source location
+    return CorruptImageError(f"cannot decode image {name}: {reason or type(error).__name__}")
 
 
 @dataclass(frozen=True)
@@ -254,7 +375,7 @@ class ImageFiles(_SeededTransform):
         self.transform = transform
         self.skip_corrupt = skip_corrupt
         self.substitute = substitute
-        self.num_skipped = 0
+        self.skipped_files: set[str] = set()  # each file's error, as logged: a file read again is not counted again
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -330,10 +451,18 @@ class ImageFiles(_SeededTransform):
             return None
         raise CorruptImageError(f"none of the {len(self.samples)} images could be decoded")
 
+    @property
+    def num_skipped(self) -> int:
+        """The files this process has skipped (skip_corrupt), each counted once however often it is read."""
+        return len(self.skipped_files)
+
     def skipped(self, error: CorruptImageError) -> None:
-        """Log and count a file skipped for `error` (skip_corrupt)."""
-        self.num_skipped += 1
-        log.warning("skipped %s (%d corrupt images skipped so far in this process)", error, self.num_skipped)
+        """Log and count a file skipped for `error` (skip_corrupt), the first time it is skipped."""
+        if str(error) in self.skipped_files:
+            return
+        self.skipped_files.add(str(error))
+        count = self.num_skipped
+        log.warning("skipped %s (%d corrupt images skipped so far in this split, in this process)", error, count)
 
 
 class ImageArrays(_SeededTransform):

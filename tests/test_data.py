@@ -199,7 +199,7 @@ def test_train_and_eval_transforms_produce_normalised_tensors():
     # eval: resize the short side to 256, centre-crop 224; a constant image stays constant after normalising
     flat = eval_transform(8)(image=np.full((10, 10, 3), 124, np.uint8))["image"]
     torch.testing.assert_close(flat[0], torch.full((8, 8), (124 / 255 - 0.485) / 0.229), atol=1e-3, rtol=0)
-    with pytest.raises(ValueError, match=r"augment\.crop must be one of \('rrc', 'pad_crop', 'resize'\), got 'random'"):
+    with pytest.raises(ValueError, match=r"data\.augment\.crop: got 'random', expected one of rrc, pad_crop, resize"):
         Augment(crop="random")
 
 

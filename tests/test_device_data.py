@@ -446,11 +446,11 @@ def test_the_resnet50_recipe_with_device_decoding_resumes_mid_epoch_to_the_same_
 def test_device_decoding_refuses_what_it_does_not_do():
     from vit.data import ImageFolderDataModule
 
-    with pytest.raises(ValueError, match="device_decode decodes image files on the training device"):
+    with pytest.raises(ValueError, match=r"data\.augment\.crop: got 'pad_crop', expected rrc or resize with --data"):
         ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, augment={"crop": "pad_crop"})
     with pytest.raises(ValueError, match="default, which device_decode does not do"):  # small images' default crop
         ImageFolderDataModule(str(ROOT / "tests"), img_size=32, device_decode=True)
-    with pytest.raises(ValueError, match=r"worker_decode 0\.5 is a share of device_decode's JPEGs, and device_decode"):
+    with pytest.raises(ValueError, match=r"data\.worker_decode: got 0\.5, expected 0 unless --data\.device_decode"):
         ImageFolderDataModule(str(ROOT / "tests"), img_size=224, worker_decode=0.5)
-    with pytest.raises(ValueError, match=r"from 0 to 1; got -0\.1"):
+    with pytest.raises(ValueError, match=r"data\.worker_decode: got -0\.1, expected a share .* from 0 to 1"):
         ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, worker_decode=-0.1)

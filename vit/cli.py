@@ -37,7 +37,7 @@ from vit.fault_tolerance import (
     stop_message,
     stop_signal,
 )
-from vit.options import option_groups
+from vit.options import OptionError, option_groups
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,9 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
         close = difflib.get_close_matches(option.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
         hint = f"; did you mean {leaves[close[0]]}?" if close else ""
         return f"--{group[1]}.{option} is not an option of {class_path}{hint}"
+    typed = _type_error(message)
+    if typed is not None:
+        return typed
     unrecognized = re.search(r"unrecognized arguments: (.*)", message, re.IGNORECASE)
     if unrecognized:
         options = [a for a in unrecognized[1].split() if a.startswith("--")]
@@ -186,6 +189,33 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
             option = options[0].split("=")[0]
             return f"unknown option {option}{_suggest(option, choices)} (run with --help for the options)"
     return None
+
+
+# jsonargparse's names of the types an option expects, as a user reads them.
+_TYPE_NAMES = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text",
+               "tuple": "a list in brackets", "list": "a list in brackets"}  # fmt: skip
+
+
+def _type_error(message: str) -> str | None:
+    """`--data.batch_size: got 'abc', expected a whole number` for a value of the wrong type (a
+    class's option, a group's field, or a top-level option), or None."""
+    nested = re.search(
+        r"Problem with given class_path '[\w.]+':\s*Parser key \"([\w.]+)\":\s*(?:Does not validate.*?- )?"
+        r"Expected (.*?)\. Got value: ([^\n]*)",
+        message, re.S,
+    )  # fmt: skip
+    group = re.match(r'Parser key "([\w.]+)":', message)
+    if nested and group:
+        name, expected, value = f"{group[1]}.{nested[1]}", nested[2], nested[3]
+    else:
+        top = re.search(
+            r"\A[^\n]*Parser key \"([\w.]+)\":.*?Expected ([^\n]*?)\n.*Given value: ([^\n]*)", message, re.S
+        )
+        if top is None:
+            return None
+        name, expected, value = top[1], top[2], top[3]
+    expected = re.sub(r"a <class '(\w+)'>", lambda m: _TYPE_NAMES.get(m[1], m[1]), expected)
+    return f"--{name}: got {value!r}, expected {expected}"
 
 
 def _no_such_class(class_path: str) -> str:
@@ -505,6 +535,10 @@ def main(args: list[str] | None = None) -> Any:
         print(f"\nerror: {_message(e)}", file=sys.stderr)
         sys.exit(1)
     except ValueError as e:
+        option = _option_error(e)
+        if option is not None:  # a value an option does not take, found when it was set
+            print(f"error: {option.option_line()}", file=sys.stderr)
+            sys.exit(2)
         cause = _root_cause(e)
         if cause is e or not (isinstance(cause, OSError) or "Does not validate against any" in str(e)):
             raise
@@ -525,6 +559,17 @@ def _message(e: BaseException) -> str:
         last = text.strip().splitlines()[-1]
         text = last.split(": ", 1)[1] if ": " in last else last
     return text
+
+
+def _option_error(e: BaseException | None) -> OptionError | None:
+    """The OptionError behind `e` (jsonargparse wraps what a class raises while it is built)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OptionError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _root_cause(e: BaseException) -> BaseException:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import numbers
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -81,3 +83,36 @@ def upgrade(values: Mapping[str, Any], renamed: Mapping[str, str]) -> dict[str, 
         group, field = new.split(".")
         upgraded[group] = {**(upgraded.get(group) or {}), field: value}
     return upgraded
+
+
+class OptionError(ValueError):
+    """An option set to a value it does not take. `name` is its place in the config
+    (`data.num_workers`); the CLI prints `error: --data.num_workers: got -1, expected ...` and
+    exits 2, as for its other option errors, before any work."""
+
+    def __init__(self, name: str, value: Any, expected: str) -> None:
+        self.name = name
+        super().__init__(f"{name}: got {value!r}, expected {expected}")
+
+    def option_line(self) -> str:
+        """The error as the command line names the option."""
+        return f"--{self}"
+
+
+def require(ok: bool, name: str, value: Any, expected: str) -> None:
+    """OptionError unless `ok`: option `name` holds `value`, and `expected` says what it takes."""
+    if not ok:
+        raise OptionError(name, value, expected)
+
+
+def whole(value: Any, low: int, name: str, what: str) -> None:
+    """`value` must be a whole number of at least `low` (bools are not numbers here)."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
+    require(ok, name, value, f"a whole number of at least {low} ({what})")
+
+
+def number(value: Any, name: str, expected: str, low: float, high: float, open_low: bool = False) -> None:
+    """`value` must be a finite number in [low, high], or (low, high] with `open_low`."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if open_low else value >= low) and value <= high
+    require(ok, name, value, expected)

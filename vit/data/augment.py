@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vit.options import number, require, whole
+
 CROPS = ("rrc", "pad_crop", "resize")
 
 
@@ -54,9 +56,24 @@ class Augment:
     cutout: int = 0
 
     def __post_init__(self) -> None:
-        if self.crop is not None and self.crop not in CROPS:
-            raise ValueError(f"augment.crop must be one of {CROPS}, got {self.crop!r}")
-        object.__setattr__(self, "crop_scale", tuple(self.crop_scale))  # a list when read from YAML
+        name = "data.augment."
+        require(self.crop is None or self.crop in CROPS, name + "crop", self.crop, f"one of {', '.join(CROPS)}")
+        scale = self.crop_scale
+        require(
+            isinstance(scale, list | tuple) and len(scale) == 2 and all(isinstance(v, int | float) for v in scale)
+            and 0 < scale[0] <= scale[1] <= 1,
+            name + "crop_scale", scale, "[low, high] area fractions with 0 < low <= high <= 1 (ImageNet: [0.08, 1])",
+        )  # fmt: skip
+        object.__setattr__(self, "crop_scale", tuple(scale))  # a list when read from YAML
+        if self.crop_padding is not None:
+            whole(self.crop_padding, 0, name + "crop_padding", "pixels of padding before pad_crop's random crop")
+        whole(self.randaugment_ops, 0, name + "randaugment_ops", "RandAugment's ops per image, 0 for none")
+        require(
+            self.randaugment_ops <= len(RA_OPS), name + "randaugment_ops", self.randaugment_ops,
+            f"at most the {len(RA_OPS)} ops there are (0 for none)",
+        )  # fmt: skip
+        number(self.randaugment_magnitude, name + "randaugment_magnitude", "a strength from 0 to 10", 0, 10)
+        whole(self.cutout, 0, name + "cutout", "the side of the square zeroed, 0 for none")
 
     @property
     def randaugment(self) -> tuple[int, float]:

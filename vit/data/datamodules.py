@@ -43,7 +43,7 @@ from vit.data.prefetch import PreparedLoader
 from vit.data.sampling import ChunkedSampler, ResumableSampler, batch_seed, mix_seed, resumable_loader, run_seed
 from vit.data.streaming import StreamingImages
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
-from vit.options import set_option_groups
+from vit.options import number, require, set_option_groups, whole
 from vit.schedule import stepwise, training_progress
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ class ImageDataModule(L.LightningDataModule):
         worker_decode: float = 0.0,
     ) -> None:
         super().__init__()
+        check_loader_options(img_size, batch_size, num_workers, eval_crop_pct, mean, std, val_holdout,
+                             train_sizes, device_prefetch, worker_decode)  # fmt: skip
         self.img_size = img_size
         self.batch_size = batch_size
         self.num_workers = default_num_workers() if num_workers is None else num_workers
@@ -150,26 +152,19 @@ class ImageDataModule(L.LightningDataModule):
         self.in_memory, self.cache_dir = in_memory, cache_dir
         self.eval_crop_pct, self.mean, self.std = eval_crop_pct, mean, std
         self.train_sizes = sorted((float(p), int(size)) for p, size in train_sizes) if train_sizes else None
-        if not in_memory and (augment.cutout or train_sizes):
-            raise ValueError("cutout and train_sizes are batch augmentations: they need in_memory=True")
-        if in_memory and crop not in ("pad_crop", "resize"):
-            raise ValueError(
-                f"in_memory=True augments batches with augment.crop 'pad_crop' or 'resize'; got {crop!r} "
-                "(use in_memory=False for it)"
-            )
+        require(in_memory or not augment.cutout, "data.augment.cutout", augment.cutout,
+                "0 unless --data.in_memory true (cutout augments whole batches)")  # fmt: skip
+        require(in_memory or not train_sizes, "data.train_sizes", train_sizes,
+                "null unless --data.in_memory true (the size changes between whole batches)")  # fmt: skip
+        require(not in_memory or crop in ("pad_crop", "resize"), "data.augment.crop", crop,
+                "pad_crop or resize with --data.in_memory true (for rrc: --data.in_memory false)")  # fmt: skip
         self.device_decode, self.device_prefetch, self.worker_decode = device_decode, device_prefetch, worker_decode
-        if not 0.0 <= worker_decode <= 1.0:
-            raise ValueError(f"worker_decode is a share of device_decode's JPEGs, from 0 to 1; got {worker_decode}")
-        if worker_decode and not device_decode:
-            raise ValueError(
-                f"worker_decode {worker_decode} is a share of device_decode's JPEGs, and device_decode is false: "
-                "set --data.device_decode true, or worker_decode 0"
-            )
-        if device_decode and (in_memory or crop not in DEVICE_CROPS):
-            raise ValueError(
-                f"device_decode decodes image files on the training device and crops with {' or '.join(DEVICE_CROPS)}; "
-                f"got in_memory={in_memory}, augment.crop={crop!r}"
-            )
+        require(not worker_decode or device_decode, "data.worker_decode", worker_decode,
+                "0 unless --data.device_decode true (it is a share of the JPEGs decoded on the device)")  # fmt: skip
+        require(not (device_decode and in_memory), "data.device_decode", device_decode,
+                "false with --data.in_memory true (in memory, images are decoded once, before training)")  # fmt: skip
+        require(not device_decode or crop in DEVICE_CROPS, "data.augment.crop", crop,
+                f"{' or '.join(DEVICE_CROPS)} with --data.device_decode true")  # fmt: skip
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -356,6 +351,34 @@ class ImageDataModule(L.LightningDataModule):
         return int(stepwise(self.train_sizes, progress))
 
 
+def check_loader_options(
+    img_size: Any, batch_size: Any, num_workers: Any, eval_crop_pct: Any, mean: Any, std: Any, val_holdout: Any,
+    train_sizes: Any, device_prefetch: Any, worker_decode: Any,
+) -> None:  # fmt: skip
+    """OptionError naming the first of ImageDataModule's options that holds a value it does not take."""
+    whole(img_size, 1, "data.img_size", "the side of the square images the model sees, in pixels")
+    whole(batch_size, 1, "data.batch_size", "images per batch and process")
+    if num_workers is not None:
+        whole(num_workers, 0, "data.num_workers", "loader processes; 0 loads in the training process")
+    number(eval_crop_pct, "data.eval_crop_pct", "the share of the resized image kept, in (0, 1] (ImageNet: 0.875)",
+           0, 1, open_low=True)  # fmt: skip
+    for name, values, low in (("mean", mean, -math.inf), ("std", std, 0)):
+        ok = isinstance(values, list | tuple) and len(values) == 3
+        ok = ok and all(isinstance(v, int | float) and math.isfinite(v) and v > low for v in values)
+        require(ok, f"data.{name}", values, "3 numbers, one a channel" + (", each above 0" if low == 0 else ""))
+    holdout_ok = isinstance(val_holdout, int | float) and not isinstance(val_holdout, bool)
+    holdout_ok = holdout_ok and (0 <= val_holdout < 1 or (val_holdout >= 1 and float(val_holdout).is_integer()))
+    require(holdout_ok, "data.val_holdout", val_holdout,
+            "0 (none), a fraction below 1, or a whole number of training images")  # fmt: skip
+    for entry in train_sizes or []:
+        ok = isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int | float)
+        ok = ok and 0 <= entry[0] <= 1 and isinstance(entry[1], int) and entry[1] >= 1
+        require(ok, "data.train_sizes", train_sizes, "[[progress from 0 to 1, size in pixels], ...]")
+    if device_prefetch is not None:
+        whole(device_prefetch, 0, "data.device_prefetch", "batches decoded ahead; 0 decodes each in its step")
+    number(worker_decode, "data.worker_decode", "a share of device_decode's JPEGs, from 0 to 1", 0, 1)
+
+
 class DigitsDataModule(ImageDataModule):
     """The offline default: scikit-learn's bundled 8x8 handwritten digits (1,797 images, 10 classes),
     upsampled to img_size. Needs no download; a fixed stratified split holds out val_fraction."""
@@ -367,6 +390,8 @@ class DigitsDataModule(ImageDataModule):
         augment: Augment = Augment(crop="pad_crop", crop_padding=2, hflip=False),  # digits are not mirror-symmetric
         **kwargs: Any,
     ) -> None:
+        number(val_fraction, "data.val_fraction", "the share of the digits held out, in (0, 1)", 0, 1, open_low=True)
+        require(val_fraction < 1, "data.val_fraction", val_fraction, "the share of the digits held out, in (0, 1)")
         super().__init__(img_size=img_size, augment=augment, **kwargs)
         self.val_fraction = val_fraction
         self.num_classes = 10
@@ -377,7 +402,8 @@ class DigitsDataModule(ImageDataModule):
 
         digits = load_digits()
         images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)  # 0..16 ink levels -> 0..255
-        train_idx, val_idx = holdout_indices(digits.target, math.ceil(self.val_fraction * len(images)))
+        count = math.ceil(self.val_fraction * len(images))
+        train_idx, val_idx = holdout_indices(digits.target, count, option="data.val_fraction")
         return (
             ImageArrays(images[train_idx], digits.target[train_idx], self.train_transform),
             ImageArrays(images[val_idx], digits.target[val_idx], self.eval_transform),
@@ -403,8 +429,7 @@ class CIFARDataModule(ImageDataModule):
         augment: Augment = Augment(crop="pad_crop"),
         **kwargs: Any,
     ) -> None:
-        if dataset not in self._FOLDERS:
-            raise ValueError(f"dataset must be 'cifar10' or 'cifar100', got {dataset!r}")
+        require(dataset in self._FOLDERS, "data.dataset", dataset, "cifar10 or cifar100")
         super().__init__(img_size=img_size, augment=augment, **kwargs)
         self.root, self.dataset, self.download = Path(root), dataset, download
         self.num_classes = 10 if dataset == "cifar10" else 100
@@ -539,6 +564,7 @@ class StreamingDataModule(ImageDataModule):
         chunk_cache_size: str | None = None,
         **kwargs: Any,
     ) -> None:
+        whole(shuffle_window, 1, "data.shuffle_window", "chunks each process reads from at a time")
         set_option_groups(self, augment=augment)
         super().__init__(**folder_crop(img_size, self.augment, eval_crop_pct, kwargs), **kwargs)
         self.root, self.train_dir, self.val_dir = root.rstrip("/"), train_dir, val_dir
@@ -588,25 +614,23 @@ class TinyImageNetDataModule(ImageDataModule):
         )
 
 
-def holdout_indices(labels: np.ndarray, holdout: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def holdout_indices(
+    labels: np.ndarray, holdout: float, seed: int = 0, option: str = "data.val_holdout"
+) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) indices: exactly `holdout` images (a fraction if below 1) taken from every class
     in proportion (largest remainders get the images left over from rounding down, so 5 of 10
     balanced classes hold out 5 images, not 0), at random with a fixed seed, so every run and model
-    tunes on the same images. Every class keeps at least one image to train on."""
+    tunes on the same images. Every class keeps at least one image to train on; a holdout that
+    cannot is an OptionError of `option`, with the most it can be."""
     labels = np.asarray(labels)
     n_val = round(holdout * len(labels)) if holdout < 1 else int(holdout)
-    if not 0 < n_val < len(labels):
-        raise ValueError(
-            f"val_holdout={holdout} holds out {n_val} of the {len(labels)} training images; it must leave at least "
-            "one for each split"
-        )
     classes, counts = np.unique(labels, return_counts=True)
     room = counts - 1  # each class keeps one image to train on
-    if n_val > room.sum():
-        raise ValueError(
-            f"val_holdout={holdout} holds out {n_val} of the {len(labels)} training images, but keeping one image "
-            f"of each of the {len(classes)} classes for training leaves {room.sum()} to hold out"
-        )
+    require(
+        0 < n_val <= room.sum(), option, holdout,
+        f"a share or number of the {len(labels)} training images that holds out 1 to {room.sum()} of them "
+        f"(each of the {len(classes)} classes keeps one to train on); this holds out {n_val}",
+    )  # fmt: skip
     quota = n_val * counts / len(labels)
     take = np.minimum(np.floor(quota).astype(int), room)
     for _ in range(n_val - take.sum()):  # one more each for the largest remainders, among classes with room

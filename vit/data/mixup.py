@@ -8,10 +8,13 @@ label smoothing is left to the loss (`F.cross_entropy(label_smoothing=...)` acce
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from vit.options import number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,13 @@ class Mixup:
     cutmix_alpha: float = 0.0
     prob: float = 1.0
     switch_prob: float = 0.5
+
+    def __post_init__(self) -> None:
+        for field in ("mixup_alpha", "cutmix_alpha"):
+            value = getattr(self, field)
+            number(value, f"data.mixup.{field}", "a Beta parameter of at least 0 (0 turns it off)", 0, math.inf)
+        for field in ("prob", "switch_prob"):
+            number(getattr(self, field), f"data.mixup.{field}", "a probability from 0 to 1", 0, 1)
 
     @property
     def enabled(self) -> bool:

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vit.data.sampling import ResumableSampler, resumable_loader, run_seed
+from vit.options import number, require, whole
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -125,10 +126,12 @@ class TextDataModule(L.LightningDataModule):
         download_dir: str = "data",
     ) -> None:
         super().__init__()
-        if block_size < 1 or batch_size < 1:
-            raise ValueError(f"block_size and batch_size must be positive, got {block_size} and {batch_size}")
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+        whole(block_size, 1, "data.block_size", "characters of context")
+        whole(batch_size, 1, "data.batch_size", "windows per batch")
+        number(val_fraction, "data.val_fraction", "the share of the text held out, in (0, 1)", 0, 1, open_low=True)
+        require(val_fraction < 1, "data.val_fraction", val_fraction, "the share of the text held out, in (0, 1)")
+        whole(val_windows, 1, "data.val_windows", "windows validation scores")
+        whole(num_workers, 0, "data.num_workers", "loader processes; 0 loads in the training process")
         self.path = path
         self.block_size = block_size
         self.batch_size = batch_size

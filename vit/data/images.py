@@ -98,8 +98,11 @@ def jpeg_damage(data: bytes) -> str | None:
     end-of-block) as zero bits: then zeros are what a flat end of the image looks like, and only
     the end marker decides. Progressive files are checked by their end marker alone."""
     markers, headers_end = jpeg_markers(data)
-    if data.rfind(b"\xff\xd9") < headers_end:
+    last_end = data.rfind(b"\xff\xd9")
+    if last_end < headers_end:
         return "the JPEG is truncated (no end-of-image marker after its headers)"
+    if any(data[max(headers_end, last_end - CUT_ZEROS) : last_end]):  # the common case, without reading the scan
+        return None
     frame = jpeg_frame(data, markers)
     if not markers or markers[-1][1] != SOS or frame is None or frame[0] not in (BASELINE, EXTENDED):
         return None

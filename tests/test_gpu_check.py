@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 from vit.registry import create_model
 from vit.tools.flops import forward_flops, mfu, peak_tflops
 from vit.tools.gpu_check import Row, format_table, main
-from vit.tools.resize_folder import resize_file
+from vit.tools.resize_folder import check_copy, resize_file
 
 CPU_DEBUG = ["--device", "cpu", "--steps", "3", "--batch", "4", "--model", "vit_nano_patch4_16",
              "--resnet", "resnet18", "--resnet-img-size", "32"]  # fmt: skip
@@ -280,6 +280,7 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
     assert "waited" not in rows["vit b16 (per-sample): end to end, eager"]["note"]
     variants = "worker-decode.5,data.num_workers=0,cap60,sync,switch100"
     first = next((tmp_path / "tree" / "train").rglob("*.JPEG"))  # a copy cut short after its first image
+    check_copy(tmp_path / "tree-cap60", 60, 90)  # its record of how it is made, written before any file
     resize_file(first, tmp_path / "tree-cap60" / first.relative_to(tmp_path / "tree"), 60, 90)
     chosen = ["--data-recipes", "configs/imagenet_resnet50.yaml", "--data-variants", variants]
     assert main(["--device", "cpu", "--checks", "data", "--data-root", str(tmp_path / "tree"), *chosen,

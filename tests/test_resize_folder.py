@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
 
-from vit.data.images import scan_image_folder
+from vit.data.images import CorruptImageError, scan_image_folder
 from vit.tools.data_check import synthetic_photo
 from vit.tools.resize_folder import main
 
@@ -51,3 +56,101 @@ def test_an_unreadable_image_is_named_or_left_out_and_the_copy_never_goes_inside
     assert not list((tmp_path / "dst").rglob(".*.tmp"))
     with pytest.raises(ValueError, match="inside"):
         main([str(tmp_path / "src"), str(tmp_path / "src" / "small"), "--workers", "1"])
+
+
+def test_a_copy_records_its_cap_and_quality_and_a_rerun_with_other_ones_is_refused_before_any_work(tmp_path, capsys):
+    """A copy stopped part-way and rerun with another cap would keep the files written at the first
+    one: the resolution would follow the class, a shortcut a classifier learns. The copy records its
+    cap and quality at its root (hidden: the image folder scan never sees it) before its first file;
+    a rerun with others is refused naming both, --workers and --skip-corrupt may change."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _tree(src)
+    bad = src / "train" / "cat" / "cut.jpg"  # read second, after big.jpg: the run stops part-way
+    bad.write_bytes((src / "train" / "cat" / "big.jpg").read_bytes()[:500])
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {bad}"):
+        main([str(src), str(dst), "--max-side", "256", "--workers", "1"])
+    written = sorted(p.relative_to(dst) for p in dst.rglob("*"))
+    for other in (["--max-side", "128"], ["--max-side", "256", "--quality", "80"]):
+        with pytest.raises(ValueError) as refused:
+            main([str(src), str(dst), *other, "--workers", "1", "--skip-corrupt"])
+        asked = " ".join(other) if "--quality" in other else f"{' '.join(other)} --quality 90"
+        assert str(refused.value) == (
+            f"{dst} is a copy made with --max-side 256 --quality 90, not {asked}: run with its options, delete it "
+            "to make it again with yours, or write the copy elsewhere"
+        )
+        assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == written  # nothing done
+    capsys.readouterr()
+    out = main([str(src), str(dst), "--max-side", "256", "--workers", "2", "--skip-corrupt"])
+    assert [len(out[k]) for k in ("copied", "resized", "kept", "corrupt")] == [2, 2, 1, 1]
+    assert capsys.readouterr().out == (
+        f"{dst}: 2 copied, 2 resized, 1 kept, 1 corrupt (longer side at most 256, JPEG quality 90)\n"
+    )
+    classes, samples = scan_image_folder(dst / "train")
+    assert classes == ["cat", "dog"] and len(samples) == 4  # the record is not taken for a class or an image
+    main([str(src / "train"), str(tmp_path / "split"), "--max-side", "256", "--workers", "1", "--skip-corrupt"])
+    assert scan_image_folder(tmp_path / "split")[0] == ["cat", "dog"]  # a copy of one split is read as the split
+
+
+def test_a_folder_in_the_way_that_is_not_a_copy_with_a_record_is_refused(tmp_path):
+    """A non-empty target without the record (a copy by an older version, or another folder): its
+    settings are unknown, so it is refused, saying so; an empty folder is a new copy."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _tree(src)
+    (dst / "train" / "cat").mkdir(parents=True)
+    (dst / "train" / "cat" / "big.jpg").write_bytes((src / "train" / "cat" / "big.jpg").read_bytes())
+    with pytest.raises(ValueError) as refused:
+        main([str(src), str(dst), "--max-side", "256", "--workers", "1"])
+    assert str(refused.value) == (
+        f"{dst} is not empty and has no .resize_folder.json recording how it was made (a copy by an older "
+        "version of this command, or another folder): delete it, or write the copy elsewhere"
+    )
+    assert sorted(p.name for p in dst.rglob("*")) == ["big.jpg", "cat", "train"]
+    shutil.rmtree(dst / "train")
+    assert len(main([str(src), str(dst), "--max-side", "256", "--workers", "1"])["resized"]) == 3
+
+
+def test_an_image_within_the_cap_is_decoded_before_it_is_copied(tmp_path, capsys):
+    """A cut JPEG smaller than the cap is named as training would name it (not copied as it is);
+    with --skip-corrupt it is left out and listed. Non-image files are copied unread."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _tree(src)
+    small = src / "train" / "cat" / "small.jpg"
+    small.write_bytes(small.read_bytes()[:-300])
+    with pytest.raises(CorruptImageError, match=f"cannot decode image {small}: "):
+        main([str(src), str(dst), "--max-side", "1024", "--workers", "1"])
+    assert not (dst / "train" / "cat" / "small.jpg").exists()
+    out = main([str(src), str(dst), "--max-side", "1024", "--workers", "1", "--skip-corrupt"])
+    assert len(out["copied"]) + len(out["kept"]) == 4 and len(out["corrupt"]) == 1
+    assert not (dst / "train" / "cat" / "small.jpg").exists()
+    assert f"left out: cannot decode image {small}: " in capsys.readouterr().err
+    assert (dst / "train" / "cat" / "notes.txt").read_text() == "kept as it is"
+
+
+def test_a_full_disk_names_the_file_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _tree(src)
+
+    def disk_full(source, target, *args, **kwargs):
+        Path(target).write_bytes(Path(source).read_bytes()[:100])  # what fitted
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shutil, "copyfile", disk_full)
+    with pytest.raises(OSError) as full:
+        main([str(src), str(dst), "--max-side", "1024", "--workers", "1"])
+    target = dst / "train" / "cat" / "big.jpg"
+    assert str(full.value) == f"[Errno 28] cannot write {target}: No space left on device"
+    assert full.value.errno == errno.ENOSPC
+    assert not [p for p in dst.rglob("*") if p.is_file() and p.name != ".resize_folder.json"]
+
+
+@pytest.mark.parametrize("option", [["--quality", "200"], ["--quality", "0"], ["--max-side", "0"]])
+def test_an_option_out_of_range_is_a_usage_error_naming_it(tmp_path, capsys, option):
+    """PIL takes any JPEG quality and silently clamps it to libjpeg's 1-100."""
+    _tree(tmp_path / "src")
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "src"), str(tmp_path / "dst"), *option])
+    assert stop.value.code == 2 and not (tmp_path / "dst").exists()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    expected = "from 1 to 100 (JPEG quality)" if option[0] == "--quality" else "at least 1"
+    assert f"error: argument {option[0]}: " in err
+    assert expected in err and option[1] in err

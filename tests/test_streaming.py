@@ -4,6 +4,7 @@ training on it resumes bit for bit, and 2 DDP processes read distinct samples.""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -54,7 +55,7 @@ def test_a_converted_folder_holds_every_image_with_its_label_and_the_class_names
             assert images.samples[i].label == stored[i]["label"] == classes.index(Path(path).parent.name)
         # training images are written shuffled (each chunk mixes the classes); validation in folder order
         assert (paths != sorted(paths)) == (split == "train")
-    assert convert_image_folder(source, tmp_path / "stream")["train"] == {"kept": 48}
+    assert convert_image_folder(source, tmp_path / "stream")["train"] == {"kept": 48, "options": "no --max-side"}
 
 
 def test_reading_in_a_shuffled_order_deserializes_only_the_samples_read(tmp_path, monkeypatch):
@@ -384,3 +385,118 @@ def test_a_streaming_set_in_object_storage_trains_as_its_local_copy_does(tmp_pat
     assert from_s3.trainer.global_step == from_folder.trainer.global_step == 4
     assert_bit_identical(weights(from_s3), weights(from_folder))
     assert len(list(cache.rglob("index.json"))) == 2  # litdata's cache (train and val) is where it was asked to be
+
+
+def test_a_rerun_with_another_cap_or_quality_than_a_kept_split_is_refused_naming_both(tmp_path, capsys):
+    """A kept split and one written now with another --max-side or --quality would hold images of
+    other sizes in train and val: the index records both, and such a rerun is refused before any
+    work. Without a cap the files' bytes are stored, so the quality is no matter."""
+    source, stream = _source(tmp_path, train=2), tmp_path / "stream"
+    convert_image_folder(source, stream, max_side=32, splits=("train",))  # val not yet: a run stopped after train
+    train = stream / "train"
+    recorded = json.loads((train / "index.json").read_text())["vit"]
+    assert (recorded["max_side"], recorded["quality"]) == (32, 90)
+    for max_side, quality, asked in ((24, 90, "--max-side 24 --quality 90"), (32, 80, "--max-side 32 --quality 80"),
+                                     (None, 90, "no --max-side")):  # fmt: skip
+        with pytest.raises(ValueError) as refused:
+            convert_image_folder(source, stream, max_side, quality)
+        assert str(refused.value) == (
+            f"{train} was converted with --max-side 32 --quality 90, not {asked}: run with its options, "
+            f"or delete {train} to convert it again with yours"
+        )
+        assert sorted(p.name for p in stream.iterdir()) == ["train"]  # no split begun
+    with pytest.raises(ValueError, match=f"{train} was converted with --max-side 32 --quality 90, not --max-side 24"):
+        convert_image_folder(source, stream, 24, splits=("val",))  # a split not asked for is checked too
+    convert_main([str(source), str(stream), "--max-side", "32", "--workers", "2", "--skip-corrupt"])
+    printed = capsys.readouterr().out
+    assert f"{train}: already converted (8 images, --max-side 32 --quality 90), kept" in printed
+    assert f"{stream / 'val'}: 8 images" in printed
+    assert json.loads((stream / "val" / "index.json").read_text())["vit"]["max_side"] == 32
+    uncapped = tmp_path / "uncapped"
+    convert_image_folder(source, uncapped, splits=("train",))
+    assert convert_image_folder(source, uncapped, quality=50)["val"]["written"] == 8
+
+
+def test_a_split_converted_before_options_were_recorded_is_not_mixed_with_a_new_one(tmp_path, capsys):
+    """An index written before --max-side and --quality were recorded: whether a split written now
+    would match it is unknown, so that is refused; keeping it alone is said, not silent."""
+    source, stream = _source(tmp_path, train=2), tmp_path / "stream"
+    convert_image_folder(source, stream, max_side=32, splits=("train",))
+    train = stream / "train"
+    index = json.loads((train / "index.json").read_text())
+    index["vit"] = {k: index["vit"][k] for k in ("classes", "class_names", "labels")}  # as older versions wrote it
+    (train / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as refused:
+        convert_image_folder(source, stream, max_side=32)
+    assert str(refused.value) == (
+        f"{train} does not record the --max-side and --quality it was converted with (an older version of this "
+        f"command wrote it), so val might be written with other ones: delete {train} to convert the splits "
+        "again in one run, or convert into another folder"
+    )
+    assert sorted(p.name for p in stream.iterdir()) == ["train"]
+    convert_main([str(source), str(stream), "--max-side", "32", "--splits", "train", "--workers", "1"])
+    assert capsys.readouterr().out == (
+        f"{train}: already converted (8 images, its --max-side and --quality not recorded), kept\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "option, expected",
+    [
+        (["--chunk-bytes", "0"], "must be a size of at least 1 byte, got '0'"),
+        (["--chunk-bytes", "0.0MB"], "must be a size of at least 1 byte, got '0.0MB'"),
+        (["--quality", "200"], "must be a whole number from 1 to 100 (JPEG quality), got 200"),
+        (["--max-side", "0"], "must be a whole number of at least 1, got 0"),
+    ],
+)
+def test_a_conversion_option_out_of_range_is_a_usage_error_naming_it(tmp_path, capsys, option, expected):
+    """--chunk-bytes 0 wrote the whole split as one chunk; PIL clamps any JPEG quality to 1-100."""
+    source = _source(tmp_path, train=1)
+    with pytest.raises(SystemExit) as stop:
+        convert_main([str(source), str(tmp_path / "stream"), *option])
+    assert stop.value.code == 2 and not (tmp_path / "stream").exists()
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: argument {option[0]}: {expected}")
+
+
+def test_a_full_disk_while_converting_names_the_split_and_its_folder_and_removes_that_folder(tmp_path, monkeypatch):
+    from litdata.streaming.writer import BinaryWriter
+
+    def disk_full(self, raw_data, filename, compress=None):
+        with open(os.path.join(self._cache_dir, filename), "wb") as out:
+            out.write(raw_data[: len(raw_data) // 2])  # what fitted
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(BinaryWriter, "write_chunk_to_file", disk_full)
+    source, stream = _source(tmp_path), tmp_path / "stream"
+    with pytest.raises(OSError) as full:
+        convert_main([str(source), str(stream), "--chunk-bytes", "8KB", "--workers", "1"])
+    tmp = stream / ".train.tmp"
+    assert str(full.value) == f"[Errno 28] cannot write the train split into {tmp}: No space left on device"
+    assert full.value.errno == errno.ENOSPC and list(stream.iterdir()) == []
+
+
+def test_training_from_a_conversion_that_did_not_finish_says_so(tmp_path, capsys):
+    """A conversion killed while writing the training split leaves only its hidden temporary folder:
+    training says that the conversion did not finish (litdata's error said that the path does not
+    exist); no split at all, or an image folder where a converted split should be, are named too."""
+    source, stream = _source(tmp_path, train=1), tmp_path / "stream"
+    convert_image_folder(source, stream)
+    os.rename(stream / "train", stream / ".train.tmp")  # as a kill -9 before the split's rename leaves it
+    fit = ["fit", "--config", str(ROOT / "configs/default.yaml"), *QUIET, "--trainer.default_root_dir",
+           str(tmp_path / "run"), "--data", "vit.data.StreamingDataModule", "--data.root", str(stream)]  # fmt: skip
+    expected = [
+        f"the conversion at {stream} did not finish ({stream / '.train.tmp'} is there but {stream / 'train'} is not): "
+        "run scripts/convert_streaming.py again",
+        f"{stream / 'train'} does not exist: convert the image folder with scripts/convert_streaming.py SRC {stream}",
+        f"{stream / 'train'} has no index.json, so it is not a split converted by scripts/convert_streaming.py: "
+        f"convert the image folder with scripts/convert_streaming.py SRC {stream}",
+    ]
+    for number, line in enumerate(expected):
+        if number == 1:
+            shutil.rmtree(stream / ".train.tmp")
+        if number == 2:
+            shutil.copytree(source / "train", stream / "train")  # an image folder, not converted
+        with pytest.raises(SystemExit) as stop:
+            main(fit)
+        assert stop.value.code == 1
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {line}"

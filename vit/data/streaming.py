@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,29 @@ def open_streaming(url: str, cache_dir: str | None = None, max_cache_size: str |
 
     options = {"max_cache_size": max_cache_size} if max_cache_size else {}
     return StreamingDataset(url, cache_dir=cache_dir, batch_decode=0, **options)
+
+
+def check_local_split(url: str) -> None:
+    """A local split without its index: FileNotFoundError saying why (a conversion that did not
+    finish, none made, an image folder in its place) where litdata says only that the path does not
+    exist. Object storage (`s3://...`) is left to litdata."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", url) or (Path(url) / INDEX).is_file():
+        return
+    split = Path(url)
+    root, tmp = split.parent, split.parent / f".{split.name}.tmp"  # convert_streaming's split being written
+    if split.is_dir():
+        raise FileNotFoundError(
+            f"{split} has no {INDEX}, so it is not a split converted by scripts/convert_streaming.py: convert "
+            f"the image folder with scripts/convert_streaming.py SRC {root}"
+        )
+    if tmp.is_dir():
+        raise FileNotFoundError(
+            f"the conversion at {root} did not finish ({tmp} is there but {split} is not): "
+            "run scripts/convert_streaming.py again"
+        )
+    raise FileNotFoundError(
+        f"{split} does not exist: convert the image folder with scripts/convert_streaming.py SRC {root}"
+    )
 
 
 def read_index(dataset: Any) -> dict[str, Any]:
@@ -66,6 +90,7 @@ class StreamingImages(ImageFiles):
         self.url, self.cache_dir, self.max_cache_size = url, cache_dir, max_cache_size
         self._dataset, self._pid = None, None
         if index is None:
+            check_local_split(url)
             index = read_index(self._open())
         if "vit" not in index:
             raise ValueError(

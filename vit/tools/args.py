@@ -27,6 +27,14 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def jpeg_quality(text: str) -> int:
+    """libjpeg's quality scale: PIL takes any number and clamps it, so 200 would be 100, unsaid."""
+    value = int(text)
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 100 (JPEG quality), got {text}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or value < 0:
@@ -42,7 +50,7 @@ def image_copy_parser(doc: str, target_help: str, max_side: int | None) -> argpa
     parser.add_argument("target", type=Path, help=target_help)
     cap = f" (default {max_side})" if max_side else " (default: no cap)"
     parser.add_argument("--max-side", type=positive_int, default=max_side, help="longest side in pixels" + cap)
-    parser.add_argument("--quality", type=positive_int, default=90, help="JPEG quality of resized images")
+    parser.add_argument("--quality", type=jpeg_quality, default=90, help="JPEG quality of resized images, 1-100")
     parser.add_argument("--workers", type=positive_int, default=max(1, (os.cpu_count() or 1) - 1))
     parser.add_argument("--skip-corrupt", action="store_true", help="leave unreadable images out and list them")
     return parser

@@ -10,8 +10,12 @@ labels). The training split is written in a shuffled order (fixed seed), so ever
 of classes. Images are stored as their files' bytes or, with `--max-side`, re-encoded with the longer
 side capped (as scripts/resize_folder.py does). A file that is not a readable image (`encoded`)
 stops the run naming it, or, with `--skip-corrupt`, is left out and listed. A split is written to a
-temporary folder and renamed when complete, so a finished split is never half written; one already
-converted is kept (delete it to convert it again). TARGET is a local folder: copy it to object
+temporary folder (`TARGET/.<split>.tmp`) and renamed when complete, so a finished split is never half
+written; the temporary folder of a split that fails (a full disk: named with the split) is removed.
+A split already converted is kept (delete it to convert it again); its index records `--max-side`
+and `--quality`, and a rerun with others is refused before any work, as the splits would then hold
+images of other sizes. A split written before these were recorded is refused beside a split
+converted now (delete it and convert both in one run). TARGET is a local folder: copy it to object
 storage after.
 """
 
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import re
@@ -29,32 +32,39 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from vit.data.device import JPEG_MAGIC, image_size
-from vit.data.images import CorruptImageError, read_file, read_rgb, readable_class_names, scan_image_folder
+from vit.data.images import (
+    DECODE_ERRORS,
+    CorruptImageError,
+    read_file,
+    read_rgb,
+    readable_class_names,
+    scan_image_folder,
+    undecodable,
+)
 from vit.data.streaming import INDEX
 from vit.tools.args import image_copy_parser, run_command
-from vit.tools.resize_folder import capped
+from vit.tools.resize_folder import capped, writing
 
 
 def encoded(path: Path, max_side: int | None, quality: int) -> bytes:
     """The bytes to store for the image file `path`; CorruptImageError naming it if it is not
-    readable: a JPEG whose header or end marker is missing (vit.data.device.read_header: the
-    compressed data between them is first decoded in training), any other file that does not decode
-    (decoded here: few files are not JPEGs)."""
+    readable: a damaged JPEG (vit.data.images.jpeg_damage) or one whose header does not parse
+    (vit.data.device.read_header: its compressed data is first decoded in training), any other
+    file that does not decode (decoded here: few files are not JPEGs)."""
     data = read_file(path)  # first: a broken link named as one, a missing file not taken for a corrupt one
     if max_side is not None:
         resized = capped(path, max_side, quality)
         if resized is not None:
             return resized
     if not data.startswith(JPEG_MAGIC):
-        read_rgb(io.BytesIO(data), str(path))
+        read_rgb(data, str(path))
         return data
     try:
         image_size(data)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise CorruptImageError(f"cannot decode image {path}: {e}") from e
+    except DECODE_ERRORS as e:
+        raise undecodable(str(path), e) from e
     return data
 
 
@@ -80,7 +90,8 @@ def convert_image_folder(
     seed: int = 0,
 ) -> dict[str, dict[str, int | list[str]]]:
     """Write each split of the image folder `source` as litdata chunks under `target/<split>`; per
-    split, the images written and the files left out (or "kept": already converted)."""
+    split, the images written and the files left out (or "kept": the images of a split already
+    converted, and "options": those it was converted with, None if not recorded)."""
     from litdata.streaming.writer import BinaryWriter
 
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", str(target)):  # s3://... (a Path has made it s3:/...)
@@ -93,50 +104,67 @@ def convert_image_folder(
         raise FileNotFoundError(f"{source} is not a folder")
     if target.resolve().is_relative_to(source.resolve()):
         raise ValueError(f"{target} is inside {source}: write the copy elsewhere")
+    asked = stored_options(max_side, quality)
     kept = {split: converted_split(target / split) for split in splits}
+    check_kept(target, kept, asked)
     classes, _ = scan_image_folder(source / splits[0])
     names = readable_class_names(classes, source)
     report: dict[str, dict[str, int | list[str]]] = {}
     for number, split in enumerate(splits):
-        out = target / split
         if kept[split] is not None:
-            report[split] = {"kept": kept[split]}
+            report[split] = {"kept": kept[split][0], "options": kept[split][1]}
             continue
         _, samples = scan_image_folder(source / split, classes=classes)
         if number == 0:  # the training split, shuffled once so that each chunk mixes the classes
             samples = [samples[i] for i in np.random.default_rng(seed).permutation(len(samples))]
-        tmp = target / f".{split}.tmp"
+        tmp, out = target / f".{split}.tmp", target / split
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        writer = BinaryWriter(str(tmp), chunk_bytes=chunk_bytes)
-        labels: list[int] = []
-        left_out: list[str] = []
-        jobs = [(Path(s.path), max_side, quality, skip_corrupt) for s in samples]
-        with contextlib.ExitStack() as stack:  # in order, from a pool of `workers` processes, or here
-            pool = stack.enter_context(get_context("spawn").Pool(workers)) if workers > 1 else None
-            results = pool.imap(_job, jobs, chunksize=16) if pool else map(_job, jobs)
-            for sample, (data, what) in zip(samples, results, strict=True):
-                if data is None:
-                    left_out.append(what)
-                    continue
-                relative = os.fsencode(Path(sample.path).relative_to(source)).decode("utf-8", "backslashreplace")
-                writer.add_item(len(labels), {"image": data, "label": sample.label, "path": relative})
-                labels.append(sample.label)
-        if not labels:
-            raise ValueError(f"{source / split} has no readable images")
-        writer.done()
-        writer.merge()
-        index = json.loads((tmp / INDEX).read_text())
-        index["vit"] = {"classes": classes, "class_names": names, "labels": labels}
-        (tmp / INDEX).write_text(json.dumps(index))
-        os.replace(tmp, out)
+        what = f"the {split} split into {tmp}"  # an OSError while writing names it (a full disk)
+        try:
+            with writing(what):
+                tmp.mkdir(parents=True)
+                writer = BinaryWriter(str(tmp), chunk_bytes=chunk_bytes)
+            labels: list[int] = []
+            left_out: list[str] = []
+            jobs = [(Path(s.path), max_side, quality, skip_corrupt) for s in samples]
+            with contextlib.ExitStack() as stack:  # in order, from a pool of `workers` processes, or here
+                pool = stack.enter_context(get_context("spawn").Pool(workers)) if workers > 1 else None
+                results = pool.imap(_job, jobs, chunksize=16) if pool else map(_job, jobs)
+                for sample, (data, reason) in zip(samples, results, strict=True):
+                    if data is None:
+                        left_out.append(reason)
+                        continue
+                    relative = os.fsencode(Path(sample.path).relative_to(source)).decode("utf-8", "backslashreplace")
+                    with writing(what):
+                        writer.add_item(len(labels), {"image": data, "label": sample.label, "path": relative})
+                    labels.append(sample.label)
+            if not labels:
+                raise ValueError(f"{source / split} has no readable images")
+            with writing(what):
+                writer.done()
+                writer.merge()
+                index = json.loads((tmp / INDEX).read_text())
+                index["vit"] = {"classes": classes, "class_names": names, "labels": labels,
+                                "max_side": max_side, "quality": quality}  # fmt: skip
+                (tmp / INDEX).write_text(json.dumps(index))
+                os.replace(tmp, out)
+        except BaseException:  # a split that failed (a full disk, Ctrl-C) starts again from nothing
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         report[split] = {"written": len(labels), "left out": left_out}
     return report
 
 
-def converted_split(out: Path) -> int | None:
-    """The images of the split already converted at `out`, or None if there is none (nothing
-    there, or an empty folder); ValueError for anything else there, before any work is done."""
+def stored_options(max_side: int | None, quality: int) -> str:
+    """The options that shape the stored images: without a cap the files' bytes are stored, so the
+    quality is no matter."""
+    return "no --max-side" if max_side is None else f"--max-side {max_side} --quality {quality}"
+
+
+def converted_split(out: Path) -> tuple[int, str | None] | None:
+    """The images of the split already converted at `out` and the options that it was converted
+    with (None: not recorded, an older version wrote it), or None if there is none (nothing there,
+    or an empty folder); ValueError for anything else there, before any work is done."""
     if (out / INDEX).is_file():
         index = json.loads((out / INDEX).read_text())
         if "vit" not in index:
@@ -144,19 +172,49 @@ def converted_split(out: Path) -> int | None:
                 f"{out / INDEX} has no class names and labels (a litdata dataset written otherwise): "
                 "delete it or convert into another folder"
             )
-        return len(index["vit"]["labels"])
+        vit = index["vit"]
+        made = stored_options(vit["max_side"], vit["quality"]) if "max_side" in vit and "quality" in vit else None
+        return len(vit["labels"]), made
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not a converted split (no {INDEX}): delete it or convert elsewhere")
     return None
 
 
-def chunk_size(value: str) -> int | str:
-    """--chunk-bytes: a number of bytes, or one with a unit as litdata reads it (64MB, 500kb)."""
-    if value.isdigit():
-        return int(value)
-    if not re.fullmatch(r"\d+(\.\d+)?\s*([kmgt]b?|b)", value.strip().lower()):
+def check_kept(target: Path, kept: dict[str, tuple[int, str | None] | None], asked: str) -> None:
+    """Refuse, before any work, a split in `target` converted with other options than this run's
+    (train and val would hold images of other sizes), or one whose options were not recorded beside
+    a split converted now; `kept` (the splits asked for) kept alone is said (main), not refused."""
+    splits = dict(kept)
+    for folder in sorted(target.iterdir()) if target.is_dir() else []:  # the splits not asked for too
+        if folder.name not in splits and not folder.name.startswith(".") and (folder / INDEX).is_file():
+            with contextlib.suppress(ValueError):  # a litdata dataset written otherwise is no split of ours
+                splits[folder.name] = converted_split(folder)
+    for split, found in splits.items():
+        if found is not None and found[1] is not None and found[1] != asked:
+            raise ValueError(
+                f"{target / split} was converted with {found[1]}, not {asked}: run with its options, "
+                f"or delete {target / split} to convert it again with yours"
+            )
+    new = [split for split, found in kept.items() if found is None]
+    for split, found in splits.items():
+        if found is not None and found[1] is None and new:
+            raise ValueError(
+                f"{target / split} does not record the --max-side and --quality it was converted with (an older "
+                f"version of this command wrote it), so {', '.join(new)} might be written with other ones: delete "
+                f"{target / split} to convert the splits again in one run, or convert into another folder"
+            )
+
+
+def chunk_size(value: str) -> int:
+    """--chunk-bytes in bytes: a number of bytes, or one with a unit as litdata reads it (64MB,
+    500kb: powers of 1000); at least 1 (litdata takes 0 as no limit: the whole split in one chunk)."""
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)b?", value.strip().lower())
+    if size is None:
         raise argparse.ArgumentTypeError(f"{value!r} is not a size: bytes, or a number with a unit (64MB, 500kb)")
-    return value
+    number = int(float(size.group(1)) * 1000 ** " kmgt".index(size.group(2) or " "))  # as litdata rounds it
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a size of at least 1 byte, got {value!r}")
+    return number
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]:
@@ -170,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]
                                   args.skip_corrupt, args.chunk_bytes, tuple(args.splits))  # fmt: skip
     for split, outcome in report.items():
         if "kept" in outcome:
-            print(f"{args.target / split}: already converted ({outcome['kept']} images), kept")
+            made = outcome["options"] or "its --max-side and --quality not recorded"
+            print(f"{args.target / split}: already converted ({outcome['kept']} images, {made}), kept")
             continue
         left_out = outcome["left out"]
         print(

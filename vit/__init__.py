@@ -1,6 +1,7 @@
 """vit: Vision Transformers (timm-compatible), ResNet baselines and a small GPT, one shared Block."""
 
-from vit import gpt, resnet, vision_transformer  # noqa: F401  (importing registers the models)
+from vit import eva, gpt, resnet, vision_transformer  # noqa: F401  (importing registers the models)
+from vit.eva import Eva, EvaConfig
 from vit.gpt import GPT, GPTConfig
 from vit.layers import Attention, Block, BlockConfig, CrossAttention, set_fused_attn
 from vit.registry import create_model, list_models, model_config
@@ -15,6 +16,8 @@ __all__ = [
     "CifarResNet",
     "CifarResNetConfig",
     "CrossAttention",
+    "Eva",
+    "EvaConfig",
     "GPTConfig",
     "ResNetConfig",
     "ViTConfig",

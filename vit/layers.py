@@ -407,7 +407,14 @@ class _AttentionBase(nn.Module):
             attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, n_q, n_k, q.device))
             x = self.attn_drop(attn) @ v
         x = x.transpose(1, 2).reshape(q.shape[0], n_q, self.num_heads * self.head_dim)
-        return self.proj_drop(self.proj(x)), attn
+        return self.proj_drop(self.proj(self.inner_norm(x))), attn
+
+    def inner_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention output before `proj`; self-attention may normalise it (scale_norm)."""
+        return x
+
+
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")  # timm's unfused projections
 
 
 class Attention(_AttentionBase):
@@ -415,6 +422,12 @@ class Attention(_AttentionBase):
 
     `causal=True` (the GPT's) lets token i attend to tokens <= i only; with a key/value cache the
     mask is aligned so that the newest token sees every cached one.
+
+    timm's EVA layouts: `qkv_fused=False` gives separate `q_proj`, `k_proj`, `v_proj`; `k_bias=False`
+    drops the key bias (BEiT, EVA: it adds the same score to every key of a query, which softmax
+    ignores), the q and v biases then being `q_bias`, `v_bias` beside a bias-free `qkv`.
+    `scale_norm` normalises the heads' output before `proj` (`norm`; EVA-CLIP's inner LayerNorm).
+    `rope_half=False` takes rotary tables of interleaved pairs (EVA's; vit.position.rope_table).
     """
 
     def __init__(
@@ -428,10 +441,33 @@ class Attention(_AttentionBase):
         norm: str = "layernorm",
         norm_eps: float = 1e-6,
         causal: bool = False,
+        qkv_fused: bool = True,
+        k_bias: bool = True,
+        scale_norm: bool = False,
+        rope_half: bool = True,
     ) -> None:
-        qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, qkv=qkv)
+        if qkv_fused:
+            proj = {"qkv": nn.Linear(dim, dim * 3, bias=qkv_bias and k_bias)}
+        else:
+            proj = {name: nn.Linear(dim, dim, bias=qkv_bias and (name != "k_proj" or k_bias)) for name in QKV_NAMES}
+        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, **proj)
         self.causal = causal
+        self.rope_half = rope_half
+        separate = qkv_fused and qkv_bias and not k_bias
+        self.q_bias = nn.Parameter(torch.zeros(dim)) if separate else None
+        self.v_bias = nn.Parameter(torch.zeros(dim)) if separate else None
+        self.norm = make_norm(norm, dim, norm_eps) if scale_norm else nn.Identity()
+
+    def inner_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, N, dim) -> (B, N, 3 * dim): q, k, v side by side, whichever the layout."""
+        if not hasattr(self, "qkv"):
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if self.q_bias is None:
+            return self.qkv(x)
+        return F.linear(x, self.qkv.weight, torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias]))
 
     def forward(
         self,
@@ -445,8 +481,9 @@ class Attention(_AttentionBase):
         """(B, N, dim) -> (B, N, dim), and the (B, heads, N, N) weights with `return_attn=True`.
 
         `attn_mask` follows SDPA (boolean True = may attend, or additive floats).
-        `rope`: (cos, sin) tables (vit.position) for the last len(cos) tokens of x; q and k are
-        rotated (after qk-norm, before caching), earlier (prefix) tokens are not.
+        `rope`: (cos, sin) tables (vit.position) for the last len(cos) tokens of x, (N, head_dim) or
+        per image and/or head (B | 1, heads | 1, N, head_dim); q and k are rotated (after qk-norm,
+        before caching), earlier (prefix) tokens are not.
         `kv_cache`: x holds only new tokens; they attend to the cached ones too, and are cached.
         `num_queries=n`: only the first n tokens query (keys and values are still every token), so
         the output is (B, n, dim): for a classifier that reads only the CLS token. Not with masks.
@@ -455,11 +492,11 @@ class Attention(_AttentionBase):
         # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
         # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
         # views but makes the backward copy the whole qkv gradient once more.)
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+        qkv = self._qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, heads, N, head_dim) each
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, *rope, half=self.rope_half), apply_rope(k, *rope, half=self.rope_half)
         if num_queries is not None:
             if attn_mask is not None or self.causal:
                 raise ValueError("num_queries is for unmasked attention; got a mask or a causal layer")
@@ -482,8 +519,8 @@ def mimetic_init_(attn: Attention, qk: tuple[float, float] = (0.7, 0.7), vo: tup
     entries, (a, b) = `qk`); W_v W_proj is a factorisation of a Z' - b' I ((a', b') = `vo`). The
     biases are zeroed. Shapes and parameter names do not change: only the starting point does."""
     dim = attn.proj.in_features
-    if attn.qkv.in_features != dim:
-        raise ValueError(f"mimetic init needs a width-preserving attention, got qkv {tuple(attn.qkv.weight.shape)}")
+    if not hasattr(attn, "qkv") or attn.q_bias is not None or attn.qkv.in_features != dim:
+        raise ValueError("mimetic init needs a width-preserving attention with one biased or bias-free qkv")
     eye = torch.eye(dim)
 
     def factors(a: float, b: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -584,18 +621,23 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
 
 
 class Mlp(nn.Module):
-    """fc1 -> GELU (or `act`) -> fc2, the transformer feed-forward layer."""
+    """fc1 -> GELU (or `act`) -> fc2, the transformer feed-forward layer. `norm` (a make_norm kind)
+    normalises the hidden layer before fc2 (timm's `norm_layer`, NormFormer's; EVA's scale_mlp)."""
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "gelu") -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "gelu", norm: str | None = None,
+        norm_eps: float = 1e-6,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = make_act(act)
         self.drop1 = nn.Dropout(drop)
+        self.norm = make_norm(norm, hidden_dim, norm_eps) if norm else nn.Identity()
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
 
 
 class SwiGLU(nn.Module):
@@ -604,25 +646,34 @@ class SwiGLU(nn.Module):
     fc1 computes value and gate in one matmul (first half value, second half gate). Three
     dim x hidden matrices instead of two, so `make_mlp` gives it 2/3 of the GELU MLP's hidden
     width to keep the parameter count (and FLOPs) about the same. `gate_first=True` is timm's
-    packed layout (`GluMlp`, `SwiGLUPacked`: the first half is the gate).
+    packed layout (`GluMlp`, `SwiGLUPacked`: the first half is the gate); `split=True` is timm's
+    `SwiGLU`, gate and value in two matrices `fc1_g`, `fc1_x`. `norm`: as in Mlp.
     """
 
     def __init__(
-        self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "silu", gate_first: bool = False
-    ) -> None:
+        self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "silu", gate_first: bool = False,
+        split: bool = False, norm: str | None = None, norm_eps: float = 1e-6,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.gate_first = gate_first
-        self.fc1 = nn.Linear(dim, 2 * hidden_dim)
+        if split:
+            self.fc1_g, self.fc1_x = nn.Linear(dim, hidden_dim), nn.Linear(dim, hidden_dim)
+        else:
+            self.fc1 = nn.Linear(dim, 2 * hidden_dim)
         self.act = make_act(act)
         self.drop1 = nn.Dropout(drop)
+        self.norm = make_norm(norm, hidden_dim, norm_eps) if norm else nn.Identity()
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value, gate = self.fc1(x).chunk(2, dim=-1)
-        if self.gate_first:
-            value, gate = gate, value
-        return self.drop2(self.fc2(self.drop1(self.act(gate) * value)))
+        if hasattr(self, "fc1_g"):
+            value, gate = self.fc1_x(x), self.fc1_g(x)
+        else:
+            value, gate = self.fc1(x).chunk(2, dim=-1)
+            if self.gate_first:
+                value, gate = gate, value
+        return self.drop2(self.fc2(self.norm(self.drop1(self.act(gate) * value))))
 
 
 def swiglu_hidden_dim(mlp_hidden_dim: int, multiple_of: int = 8) -> int:
@@ -724,21 +775,34 @@ def make_mlp(
     top_k: int = 2,
     capacity_factor: float | None = None,
     act: str | None = None,
+    norm: str | None = None,
+    norm_eps: float = 1e-6,
+    align_to: int = 0,
 ) -> nn.Module:
     """The feed-forward layer by name: "gelu" (Mlp, timm's; GELU unless `act` names another),
     "swiglu" (SwiGLU at 2/3 of hidden_dim, the same parameter count) or "glu" (timm's packed
     GluMlp in a ViT: fc1 is hidden_dim wide, its first half the gate; GELU unless `act`: with "silu"
-    it is timm's SwiGLUPacked). num_experts > 1
-    makes it a MoE of such MLPs; with num_experts = 1 it is the dense layer itself."""
+    it is timm's SwiGLUPacked). timm's EVA SwiGLUs have hidden_dim gate and hidden_dim value
+    channels: "swiglu_packed" in one fc1 (gate first), "swiglu_split" in fc1_g and fc1_x, hidden_dim
+    rounded up to a multiple of `align_to`. `norm`: a norm before fc2 (not for "swiglu"/"glu").
+    num_experts > 1 makes it a MoE of such MLPs; with num_experts = 1 it is the dense layer itself."""
     if num_experts > 1:
         return MoE(dim, hidden_dim, num_experts, top_k, capacity_factor, kind, drop, act)
     if kind == "gelu":
-        return Mlp(dim, hidden_dim, drop, act or "gelu")
+        return Mlp(dim, hidden_dim, drop, act or "gelu", norm, norm_eps)
     if kind == "swiglu":
         return SwiGLU(dim, swiglu_hidden_dim(hidden_dim), drop, act or "silu")
     if kind == "glu":
         return SwiGLU(dim, hidden_dim // 2, drop, act or "gelu", gate_first=True)
-    raise ValueError(f"unknown mlp {kind!r}; expected 'gelu', 'swiglu' or 'glu'")
+    if kind == "swiglu_packed":
+        return SwiGLU(dim, hidden_dim, drop, act or "silu", gate_first=True, norm=norm, norm_eps=norm_eps)
+    if kind == "swiglu_split":
+        hidden_dim += -hidden_dim % align_to if align_to else 0
+        return SwiGLU(dim, hidden_dim, drop, act or "silu", split=True, norm=norm, norm_eps=norm_eps)
+    raise ValueError(f"unknown mlp {kind!r}; expected one of {MLP_KINDS}")
+
+
+MLP_KINDS = ("gelu", "swiglu", "glu", "swiglu_packed", "swiglu_split")
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
@@ -789,9 +853,11 @@ class BlockConfig:
 
     Defaults are the ViT paper's / timm's block: norm "layernorm" | "rmsnorm" (eps norm_eps); mlp
     "gelu" | "swiglu" (hidden 2/3 x mlp_ratio x width: the same parameter count) | "glu" (timm's
-    packed layout), with act_layer "gelu" | "gelu_tanh" | "quick_gelu" | "silu"; num_experts > 1 for a
-    mixture-of-experts MLP (experts_top_k experts per token, expert_capacity a capacity factor or
-    None for dropless); qk_norm; init_values for LayerScale (None: none).
+    packed layout) | "swiglu_packed" | "swiglu_split" (timm's EVA layouts; see make_mlp), with
+    act_layer "gelu" | "gelu_tanh" | "quick_gelu" | "silu"; num_experts > 1 for a mixture-of-experts
+    MLP (experts_top_k experts per token, expert_capacity a capacity factor or None for dropless);
+    qk_norm; init_values for LayerScale (None: none). The fields after expert_capacity are timm's
+    EVA block options, under timm's names.
     """
 
     embed_dim: int = 768
@@ -809,10 +875,21 @@ class BlockConfig:
     num_experts: int = 1  # > 1: mixture-of-experts MLP in every block (see MoE)
     experts_top_k: int = 2
     expert_capacity: float | None = None  # capacity factor; None: dropless
+    qkv_fused: bool = True  # False: separate q_proj, k_proj, v_proj (EVA-02 B/L)
+    k_bias: bool = True  # False: no key bias, q_bias and v_bias beside a fused qkv (BEiT, EVA)
+    scale_attn_inner: bool = False  # a norm on the heads' output before attn.proj (`attn.norm`, EVA-CLIP)
+    scale_mlp: bool = False  # a norm on the MLP's hidden layer before fc2 (`mlp.norm`, EVA-02 B/L)
+    swiglu_align_to: int = 0  # mlp "swiglu_split": hidden width rounded up to a multiple of this
+    layer_scale: str = "ls"  # LayerScale as "ls" modules (ls1.gamma: timm's ViT) or "gamma" (gamma_1: EVA)
+    rope_rotate_half: bool = True  # rotary pairs j, j + head_dim/2; False: 2j, 2j + 1 (EVA, timm's default)
 
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.layer_scale not in ("ls", "gamma"):
+            raise ValueError(f"layer_scale must be 'ls' (timm's ViT) or 'gamma' (timm's EVA), got {self.layer_scale!r}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"unknown mlp {self.mlp!r}; expected one of {MLP_KINDS}")
 
 
 class Block(nn.Module):
@@ -823,6 +900,8 @@ class Block(nn.Module):
 
     Built from a BlockConfig; `drop_path` (stochastic depth) varies by depth, so the model passes
     it; `causal=True` makes the self-attention causal (the GPT). Rotary tables come in forward.
+    With layer_scale="gamma" the LayerScale vectors are the block's own `gamma_1`, `gamma_2`
+    (timm's EVA names) and ls1, ls2 stay identities.
     """
 
     def __init__(self, config: BlockConfig, drop_path: float = 0.0, causal: bool = False) -> None:
@@ -831,17 +910,23 @@ class Block(nn.Module):
         self.norm1 = make_norm(c.norm, dim, c.norm_eps)
         self.attn = Attention(
             dim, num_heads=c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.proj_drop_rate,
-            qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps, causal=causal,
+            qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps, causal=causal, qkv_fused=c.qkv_fused,
+            k_bias=c.k_bias, scale_norm=c.scale_attn_inner, rope_half=c.rope_rotate_half,
         )  # fmt: skip
-        self.ls1 = LayerScale(dim, c.init_values) if c.init_values else nn.Identity()
+        ls_modules = c.init_values and c.layer_scale == "ls"
+        gammas = c.init_values is not None and c.layer_scale == "gamma"  # timm's EVA: also at 0
+        self.ls1 = LayerScale(dim, c.init_values) if ls_modules else nn.Identity()
+        self.gamma_1 = nn.Parameter(torch.full((dim,), float(c.init_values))) if gammas else None
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = make_norm(c.norm, dim, c.norm_eps)
         hidden = int(dim * c.mlp_ratio)
         self.mlp = make_mlp(
             c.mlp, dim, hidden, drop=c.proj_drop_rate, num_experts=c.num_experts, top_k=c.experts_top_k,
-            capacity_factor=c.expert_capacity, act=c.act_layer,
+            capacity_factor=c.expert_capacity, act=c.act_layer, norm=c.norm if c.scale_mlp else None,
+            norm_eps=c.norm_eps, align_to=c.swiglu_align_to,
         )  # fmt: skip
-        self.ls2 = LayerScale(dim, c.init_values) if c.init_values else nn.Identity()
+        self.ls2 = LayerScale(dim, c.init_values) if ls_modules else nn.Identity()
+        self.gamma_2 = nn.Parameter(torch.full((dim,), float(c.init_values))) if gammas else None
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(
@@ -863,8 +948,9 @@ class Block(nn.Module):
         y, attn = y if return_attn else (y, None)
         if num_queries is not None:
             x = x[:, :num_queries]
-        x = x + self.drop_path1(self.ls1(y))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        x = x + self.drop_path1(self.ls1(y) if self.gamma_1 is None else self.gamma_1 * y)
+        y = self.mlp(self.norm2(x))
+        x = x + self.drop_path2(self.ls2(y) if self.gamma_2 is None else self.gamma_2 * y)
         return (x, attn) if return_attn else x
 
 

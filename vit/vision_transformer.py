@@ -217,18 +217,15 @@ class VisionTransformer(nn.Module):
         """(rows, columns) of patch tokens the images give: the one definition (rollout maps use it)."""
         return self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:]))
 
-    def _rope(self, images: torch.Tensor, kept: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _rope(self, images: torch.Tensor, kept: torch.Tensor | None) -> Rope:
         """posemb="rope": the (cos, sin) tables of the images' patch grid, shared by every block;
         after patch dropout each image's kept patches' rows, (B, 1, kept, head_dim) for the heads."""
         if self.config.posemb != "rope":
             return None
         tables = rope_2d(self.patch_grid(images), self.embed_dim // self.config.num_heads)
-        cos, sin = (t.to(images.device) for t in tables)
-        if kept is not None:
-            cos, sin = cos[kept][:, None], sin[kept][:, None]
-        return cos, sin
+        return keep_rope(tables, kept, images.device)
 
-    def _embed(self, images: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    def _embed(self, images: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         """Images -> [CLS, registers] + patch tokens with their positions, as the blocks take them,
         and the rotary tables of those patches (posemb="rope", else None)."""
         x = self.patch_embed(images)
@@ -265,7 +262,7 @@ class VisionTransformer(nn.Module):
     def _run_blocks(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        rope: Rope,
         last_num_queries: int | None = None,
         return_attn: bool = False,
         take: Collection[int] = (),
@@ -273,15 +270,17 @@ class VisionTransformer(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The first `depth` blocks (all by default) in order: the output, the attention weights of
         every block if `return_attn`, and the outputs of the blocks numbered in `take`. The last block
-        returns only its first `last_num_queries` tokens if given."""
+        returns only its first `last_num_queries` tokens if given. `rope`: one table for every block,
+        or a list of one per block (mixed RoPE)."""
         attns, taken = [], []
         blocks = self.blocks[:depth] if depth is not None else self.blocks
         for i, block in enumerate(blocks):
             num_queries = last_num_queries if i == len(blocks) - 1 else None
+            table = rope[i] if isinstance(rope, list) else rope
             if self.grad_checkpointing and torch.is_grad_enabled():
-                out = checkpoint(block, x, None, rope, None, num_queries, return_attn, use_reentrant=False)
+                out = checkpoint(block, x, None, table, None, num_queries, return_attn, use_reentrant=False)
             else:
-                out = block(x, rope=rope, num_queries=num_queries, return_attn=return_attn)
+                out = block(x, rope=table, num_queries=num_queries, return_attn=return_attn)
             if return_attn:
                 out, attn = out
                 attns.append(attn)
@@ -415,6 +414,23 @@ class VisionTransformer(nn.Module):
         """
         x, attns, _ = self._run_blocks(*self._embed(x), return_attn=True)
         return self.forward_head(self.norm(x)), attns
+
+
+Table = tuple[torch.Tensor, torch.Tensor]
+Rope = Table | list[Table] | None  # the rotary (cos, sin) tables: for every block, one per block, none
+
+
+def keep_rope(tables: Table, kept: torch.Tensor | None, device: torch.device) -> Table:
+    """Rotary tables (..., N, head_dim) on `device`, after patch dropout the rows of each image's kept
+    patches: (B, 1 or heads, kept, head_dim), the heads' axis where the attention broadcasts them."""
+    cos, sin = (t.to(device) for t in tables)
+    if kept is None:
+        return cos, sin
+
+    def gather(t: torch.Tensor) -> torch.Tensor:  # (N, d) -> (B, 1, kept, d); (heads, N, d) -> (B, heads, kept, d)
+        return t[kept][:, None] if t.ndim == 2 else t[..., kept, :].movedim(-3, 0)
+
+    return gather(cos), gather(sin)
 
 
 def _take_indices(num_blocks: int, indices: int | list[int] | None) -> list[int]:
@@ -553,16 +569,21 @@ def timm_model_args(name: str) -> dict:
             raise ValueError(
                 f"timm's {name} does not build a VisionTransformer through timm's ViT, DeiT or hybrid builder"
             )
-    # What timm's builder adds from the name's default pretrained config (DINOv2: 518 px, no head).
+    return timm_pretrained_defaults(name) | recorded
+
+
+def timm_pretrained_defaults(name: str) -> dict:
+    """What timm's builder adds to a model function's kwargs from the name's default pretrained
+    config (DINOv2: 518 px, no head)."""
     cfg = timm.models.get_pretrained_cfg(name)
-    if cfg is not None:
-        defaults = {"in_chans": cfg.input_size[0]}
-        if cfg.num_classes is not None and cfg.num_classes >= 0:
-            defaults["num_classes"] = cfg.num_classes
-        if cfg.fixed_input_size:
-            defaults["img_size"] = tuple(cfg.input_size[-2:])
-        recorded = defaults | recorded
-    return recorded
+    if cfg is None:
+        return {}
+    defaults = {"in_chans": cfg.input_size[0]}
+    if cfg.num_classes is not None and cfg.num_classes >= 0:
+        defaults["num_classes"] = cfg.num_classes
+    if cfg.fixed_input_size:
+        defaults["img_size"] = tuple(cfg.input_size[-2:])
+    return defaults
 
 
 def from_timm_args(args: dict) -> dict:
@@ -661,14 +682,15 @@ def timm_kwargs(config: ViTConfig) -> dict:
     from timm.layers import GluMlp, LayerNorm, RmsNorm
 
     default = ViTConfig()
+    eva_options = ("qkv_fused", "k_bias", "scale_attn_inner", "scale_mlp", "layer_scale")  # timm's Eva has them
     unmatched = {
         name: getattr(config, name)
-        for name in ("num_experts", "stem_channels")
+        for name in ("num_experts", "stem_channels", *eva_options)
         if getattr(config, name) != getattr(default, name)
     }
     if config.posemb not in ("learn", "none"):
         unmatched["posemb"] = config.posemb
-    if config.mlp == "swiglu":  # timm's SwiGLU keeps value and gate in separate matrices
+    if config.mlp not in ("gelu", "glu"):  # timm's ViT SwiGLU keeps value and gate in separate matrices
         unmatched["mlp"] = config.mlp
     if unmatched:
         raise ValueError(f"timm's VisionTransformer has no equivalent of {unmatched}")

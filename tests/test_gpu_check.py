@@ -17,8 +17,9 @@ from PIL import Image
 
 from tests.conftest import ROOT
 from vit.registry import create_model
+from vit.tools.fit_timing import Row, format_table
 from vit.tools.flops import forward_flops, mfu, peak_tflops
-from vit.tools.gpu_check import Row, format_table, main
+from vit.tools.gpu_check import main
 from vit.tools.resize_folder import check_copy, resize_file
 
 CPU_DEBUG = ["--device", "cpu", "--steps", "3", "--batch", "4", "--model", "vit_nano_patch4_16",
@@ -162,7 +163,6 @@ def test_the_data_check_times_the_data_path_over_epochs_and_the_model_as_its_rec
     the model alone is the recipe's step (ResNet-50's: SGD, label smoothing 0.1, channels-last),
     timed over the same steps as end to end."""
     import vit.tools.data_check as data_check
-    import vit.tools.gpu_check as gpu_check
     from vit.data import ImageFolderDataModule
 
     root = tmp_path / "tree"
@@ -178,8 +178,8 @@ def test_the_data_check_times_the_data_path_over_epochs_and_the_model_as_its_rec
     assert speed > 0 and drawn == [4] * 9
 
     fits = []
-    run_fit = gpu_check.run_fit
-    monkeypatch.setattr(gpu_check, "run_fit", lambda fit, task: fits.append((fit, task)) or run_fit(fit, task))
+    run_fit = data_check.run_fit
+    monkeypatch.setattr(data_check, "run_fit", lambda fit, task: fits.append((fit, task)) or run_fit(fit, task))
     speed, note = data_check.model_speed(case, compile=False)
     ((fit, task),) = fits
     assert speed > 0 and "the recipe's step" in note and (fit.steps, fit.warmup, fit.batch) == (9, 2, 4)
@@ -409,3 +409,24 @@ def test_host_waits_count_the_syncs_torch_reports_and_not_its_prototype_notice()
         )  # fmt: skip
         warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "/torch/cuda/streams.py", 108)
     assert sync_sites(caught) == ["streams.py:108"]
+
+
+def test_the_tools_import_each_other_one_way():
+    """No circle among vit.tools' modules (a circle hides behind imports inside functions)."""
+    import ast
+
+    tools = ROOT / "vit" / "tools"
+    graph = {
+        path.stem: {
+            node.module.rsplit(".", 1)[-1]
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vit.tools.")
+        }
+        for path in tools.glob("*.py")
+    }
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
+
+    assert "data_check" in graph["gpu_check"] and "fit_timing" in graph["data_check"]  # real edges are seen
+    assert [m for m in graph if reaches(m, m, set())] == []

@@ -53,6 +53,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from PIL import Image
 
+from vit.tools.fit_timing import FitCase, run_fit
 from vit.training import StepTimer
 
 RECIPES = ("configs/imagenet_vit_b16.yaml", "configs/imagenet_resnet50.yaml")
@@ -250,8 +251,6 @@ def model_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     """The recipe's training step (its model, optimizer, drop-path, label smoothing and batch) on
     synthetic tensors already on the device (vit.tools.gpu_check), timed over the steps after the
     first `warmup` of `steps` as end to end is: what end to end would reach if the data cost nothing."""
-    from vit.tools.gpu_check import FitCase, run_fit
-
     with tempfile.TemporaryDirectory() as workdir:
         cli = build(case, workdir, "--model.speed.compile", str(compile).lower())
     name, batch = cli.model.hparams.model_name, cli.datamodule.batch_size

@@ -314,7 +314,6 @@ def test_the_data_check_runs_both_imagenet_recipes_on_the_cpu(tmp_path):
 def test_a_data_check_cut_short_keeps_each_row_it_measured(tmp_path, monkeypatch):
     """A recipe's rows reach --json as each is measured (a 10-minute call on a GPU node can end
     mid-recipe); a check that fails after some rows keeps them and adds its failure row."""
-    import vit.tools.data_check as data_check
     import vit.tools.gpu_check as gpu_check
 
     out = tmp_path / "rows.json"
@@ -328,7 +327,7 @@ def test_a_data_check_cut_short_keeps_each_row_it_measured(tmp_path, monkeypatch
 
     monkeypatch.setattr(gpu_check, "check_device_decoding", lambda args: [])
     monkeypatch.setattr(gpu_check, "_data_case", lambda args, recipe: None)
-    monkeypatch.setattr(data_check, "check_recipe", two_rows_then_a_failure)
+    monkeypatch.setattr(gpu_check, "check_recipe", two_rows_then_a_failure)
     recipe = "configs/imagenet_vit_b16.yaml"
     assert main(["--device", "cpu", "--checks", "data", "--data-recipes", recipe, "--json", str(out)]) == 1
     rows = json.loads(out.read_text())

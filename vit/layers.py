@@ -7,6 +7,7 @@ that timm state dicts load into our models without renaming.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,8 @@ class PatchEmbed(nn.Module):
         stem_channels: tuple[int, ...] | None = None,
         bias: bool = True,
         dynamic_img_pad: bool = False,
+        norm: str | None = None,
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.img_size = _pair(img_size)
@@ -98,6 +101,7 @@ class PatchEmbed(nn.Module):
             self.proj = nn.Conv2d(stem_channels[-1], embed_dim, kernel_size=1)
         else:
             self.proj = nn.Conv2d(in_chans, embed_dim, self.patch_size, stride=self.patch_size, bias=bias)
+        self.norm = make_norm(norm, embed_dim, norm_eps) if norm else nn.Identity()  # timm's norm_layer (AIMv2)
 
     def dynamic_feat_size(self, img_size: tuple[int, int]) -> tuple[int, int]:
         """The patch grid of an image size (rounded up with `dynamic_img_pad`; timm's name)."""
@@ -116,7 +120,7 @@ class PatchEmbed(nn.Module):
             check_divisible(tuple(x.shape[-2:]), self.patch_size)
         if self.backbone is not None:
             x = self.backbone(x)
-        return self.proj(x).flatten(2).transpose(1, 2)
+        return self.norm(self.proj(x).flatten(2).transpose(1, 2))
 
 
 @torch.no_grad()
@@ -342,7 +346,8 @@ def fused_attention(
 
 class _AttentionBase(nn.Module):
     """What self- and cross-attention share: heads, qk-norm, the two attention paths, the output
-    projection. Subclasses compute q, k, v (B, heads, N, head_dim) and call `attend`.
+    projection. Subclasses compute q, k, v (B, heads, N, head_dim) and call `attend`, or, for
+    self-attention, hand q, k, v side by side to `self_attention`.
 
     Two paths give the same output: the fused `F.scaled_dot_product_attention` (flash /
     memory-efficient kernels on GPU; the default) and an explicit softmax(QK^T/sqrt(d))V that can
@@ -350,6 +355,15 @@ class _AttentionBase(nn.Module):
     `return_attn=True` takes the explicit path for that one call only, so attention maps can be
     read while the rest of the model stays fused. `qk_norm=True` normalises q and k per head
     (timm's `q_norm`/`k_norm`; ViT-22B, for stable logits at scale), with the block's norm kind.
+
+    `diff=True` is differential attention (Ye et al. 2024, "Differential Transformer"; timm's
+    DiffAttention, its names): each head's q and k are split into two halves (heads 2h and 2h + 1 of
+    head_dim / 2), giving two softmax maps A1, A2; the head reads v (full head width) through
+    A1 - lambda A2, then a per-head RMSNorm (`sub_norm`) and the factor 1 - lambda_init, where
+    lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init and lambda_init
+    = 0.8 - 0.6 exp(-0.3 depth) for the block numbered `depth`. Its attention weights are
+    A1 - lambda A2, (B, heads, N, N): rows sum to 1 - lambda, entries may be negative.
+    `proj=False`: no output projection (a block that projects the heads itself).
     """
 
     def __init__(
@@ -361,28 +375,83 @@ class _AttentionBase(nn.Module):
         qk_norm: bool = False,
         norm: str = "layernorm",
         norm_eps: float = 1e-6,
+        proj_bias: bool = True,
+        diff: bool = False,
+        depth: int = 0,
+        proj: bool = True,
         **in_proj: nn.Module,
     ) -> None:
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}")
+        if dim % (num_heads * (2 if diff else 1)):
+            raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}{' x 2 (diff)' if diff else ''}")
         # The subclass's input projections (qkv, or q and kv) come first, as they always did: the
         # registration order is the initialisation order, so the same seed gives the same weights.
         for name, module in in_proj.items():
             setattr(self, name, module)
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        self.head_dim = dim // num_heads // (2 if diff else 1)  # of q and k; diff: v's heads are twice as wide
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
         self.q_norm = make_norm(norm, self.head_dim, norm_eps) if qk_norm else nn.Identity()
         self.k_norm = make_norm(norm, self.head_dim, norm_eps) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
+        self.diff = diff
+        if diff:
+            self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * depth)
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                setattr(self, name, nn.Parameter(torch.randn(self.head_dim) * 0.1))
+            self.sub_norm = nn.RMSNorm(2 * self.head_dim, eps=1e-5)  # timm's, whatever the block's norm
+        if proj:
+            self.proj = nn.Linear(dim, dim, bias=proj_bias)
+            self.proj_drop = nn.Dropout(proj_drop)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """(B, N, dim) -> (B, heads, N, head_dim)."""
         return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        return_attn: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """softmax(q k^T / sqrt(d) + mask) v (diff: see the class), the heads side by side before the
+        output projection: (B, Nq, heads x v's head width), and the weights if asked."""
+        n_q, n_k = q.shape[2], k.shape[2]
+        if attn_mask is not None or (is_causal and n_k != n_q):
+            # SDPA refuses a mask together with is_causal, and aligns its causal mask top-left when
+            # there are more keys than queries (a cache); one merged mask serves both paths.
+            attn_mask, is_causal = merge_masks(attn_mask, is_causal, n_q, n_k, q.device), False
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        attn = None
+        if self.diff:
+            lam = self.diff_lambda().type_as(q)
+            if self.fused_attn and not return_attn:
+                (q1, q2), (k1, k2) = (t.unflatten(1, (-1, 2)).unbind(2) for t in (q, k))
+                x = fused_attention(q1, k1, v, attn_mask, dropout_p, is_causal)
+                x = x - lam * fused_attention(q2, k2, v, attn_mask, dropout_p, is_causal)
+            else:
+                maps = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, n_q, n_k, q.device))
+                maps = maps.unflatten(1, (-1, 2))  # (B, heads, 2, Nq, Nk): A1, A2 of each head
+                dropped = self.attn_drop(maps)
+                x = (dropped[:, :, 0] - lam * dropped[:, :, 1]) @ v
+                attn = maps[:, :, 0] - lam * maps[:, :, 1]
+            x = self.sub_norm(x) * (1 - self.lambda_init)
+        elif self.fused_attn and not return_attn:
+            x = fused_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        else:
+            attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, n_q, n_k, q.device))
+            x = self.attn_drop(attn) @ v
+        return x.transpose(1, 2).reshape(q.shape[0], n_q, -1), attn
+
+    def diff_lambda(self) -> torch.Tensor:
+        """Differential attention's lambda, a scalar (timm's `_compute_lambda`)."""
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1).float())
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1).float())
+        return lambda_1 - lambda_2 + self.lambda_init
 
     def attend(
         self,
@@ -393,21 +462,42 @@ class _AttentionBase(nn.Module):
         is_causal: bool = False,
         return_attn: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """softmax(q k^T / sqrt(d) + mask) v, projected: (B, Nq, dim), and the weights if asked."""
-        n_q, n_k = q.shape[2], k.shape[2]
-        if attn_mask is not None or (is_causal and n_k != n_q):
-            # SDPA refuses a mask together with is_causal, and aligns its causal mask top-left when
-            # there are more keys than queries (a cache); one merged mask serves both paths.
-            attn_mask, is_causal = merge_masks(attn_mask, is_causal, n_q, n_k, q.device), False
-        attn = None
-        if self.fused_attn and not return_attn:
-            dropout_p = self.attn_drop.p if self.training else 0.0
-            x = fused_attention(q, k, v, attn_mask, dropout_p, is_causal)
-        else:
-            attn = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, n_q, n_k, q.device))
-            x = self.attn_drop(attn) @ v
-        x = x.transpose(1, 2).reshape(q.shape[0], n_q, self.num_heads * self.head_dim)
+        """The attention, projected: (B, Nq, dim), and the weights if asked."""
+        x, attn = self.attention(q, k, v, attn_mask, is_causal, return_attn)
         return self.proj_drop(self.proj(self.inner_norm(x))), attn
+
+    def self_attention(
+        self,
+        qkv: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_cache: KVCache | None = None,
+        num_queries: int | None = None,
+        return_attn: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k, v side by side (B, N, 3 * dim) -> `attention` of them, before the output projection:
+        q and k normed and rotated, the first `num_queries` tokens querying, keys and values cached.
+        The arguments are Attention.forward's."""
+        B, N = qkv.shape[:2]
+        # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
+        # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
+        # views but makes the backward copy the whole qkv gradient once more.)
+        q, k, v = qkv.reshape(B, N, 3, -1, self.head_dim).unbind(2)
+        if self.diff:  # v: one head of twice the width per pair of q/k half-heads
+            v = v.reshape(B, N, self.num_heads, 2 * self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, N, head_dim) each
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            if self.diff:
+                raise ValueError("rotary positions with differential attention are not supported")
+            q, k = apply_rope(q, *rope, half=self.rope_half), apply_rope(k, *rope, half=self.rope_half)
+        if num_queries is not None:
+            if attn_mask is not None or self.causal:
+                raise ValueError("num_queries is for unmasked attention; got a mask or a causal layer")
+            q = q[:, :, :num_queries]
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        return self.attention(q, k, v, attn_mask, self.causal, return_attn)
 
     def inner_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The attention output before `proj`; self-attention may normalise it (scale_norm)."""
@@ -428,6 +518,7 @@ class Attention(_AttentionBase):
     ignores), the q and v biases then being `q_bias`, `v_bias` beside a bias-free `qkv`.
     `scale_norm` normalises the heads' output before `proj` (`norm`; EVA-CLIP's inner LayerNorm).
     `rope_half=False` takes rotary tables of interleaved pairs (EVA's; vit.position.rope_table).
+    `diff=True`: differential attention (see _AttentionBase), `depth` the block's number.
     """
 
     def __init__(
@@ -445,12 +536,17 @@ class Attention(_AttentionBase):
         k_bias: bool = True,
         scale_norm: bool = False,
         rope_half: bool = True,
+        proj_bias: bool = True,
+        diff: bool = False,
+        depth: int = 0,
     ) -> None:
         if qkv_fused:
             proj = {"qkv": nn.Linear(dim, dim * 3, bias=qkv_bias and k_bias)}
         else:
             proj = {name: nn.Linear(dim, dim, bias=qkv_bias and (name != "k_proj" or k_bias)) for name in QKV_NAMES}
-        super().__init__(dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, **proj)
+        super().__init__(
+            dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, proj_bias, diff=diff, depth=depth, **proj
+        )  # fmt: skip
         self.causal = causal
         self.rope_half = rope_half
         separate = qkv_fused and qkv_bias and not k_bias
@@ -488,22 +584,8 @@ class Attention(_AttentionBase):
         `num_queries=n`: only the first n tokens query (keys and values are still every token), so
         the output is (B, n, dim): for a classifier that reads only the CLS token. Not with masks.
         """
-        B, N = x.shape[:2]
-        # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
-        # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
-        # views but makes the backward copy the whole qkv gradient once more.)
-        qkv = self._qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, heads, N, head_dim) each
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope, half=self.rope_half), apply_rope(k, *rope, half=self.rope_half)
-        if num_queries is not None:
-            if attn_mask is not None or self.causal:
-                raise ValueError("num_queries is for unmasked attention; got a mask or a causal layer")
-            q = q[:, :, :num_queries]
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-        x, attn = self.attend(q, k, v, attn_mask, self.causal, return_attn)
+        x, attn = self.self_attention(self._qkv(x), attn_mask, rope, kv_cache, num_queries, return_attn)
+        x = self.proj_drop(self.proj(self.norm(x)))
         return (x, attn) if return_attn else x
 
 
@@ -622,18 +704,19 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor 
 
 class Mlp(nn.Module):
     """fc1 -> GELU (or `act`) -> fc2, the transformer feed-forward layer. `norm` (a make_norm kind)
-    normalises the hidden layer before fc2 (timm's `norm_layer`, NormFormer's; EVA's scale_mlp)."""
+    normalises the hidden layer before fc2 (timm's `norm_layer`, NormFormer's; EVA's scale_mlp).
+    `bias=False`: fc1 and fc2 without biases (timm's `proj_bias`, AIMv2)."""
 
     def __init__(
         self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "gelu", norm: str | None = None,
-        norm_eps: float = 1e-6,
+        norm_eps: float = 1e-6, bias: bool = True,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.fc1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.act = make_act(act)
         self.drop1 = nn.Dropout(drop)
         self.norm = make_norm(norm, hidden_dim, norm_eps) if norm else nn.Identity()
-        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -647,23 +730,23 @@ class SwiGLU(nn.Module):
     dim x hidden matrices instead of two, so `make_mlp` gives it 2/3 of the GELU MLP's hidden
     width to keep the parameter count (and FLOPs) about the same. `gate_first=True` is timm's
     packed layout (`GluMlp`, `SwiGLUPacked`: the first half is the gate); `split=True` is timm's
-    `SwiGLU`, gate and value in two matrices `fc1_g`, `fc1_x`. `norm`: as in Mlp.
+    `SwiGLU`, gate and value in two matrices `fc1_g`, `fc1_x`. `norm`, `bias`: as in Mlp.
     """
 
     def __init__(
         self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "silu", gate_first: bool = False,
-        split: bool = False, norm: str | None = None, norm_eps: float = 1e-6,
+        split: bool = False, norm: str | None = None, norm_eps: float = 1e-6, bias: bool = True,
     ) -> None:  # fmt: skip
         super().__init__()
         self.gate_first = gate_first
         if split:
-            self.fc1_g, self.fc1_x = nn.Linear(dim, hidden_dim), nn.Linear(dim, hidden_dim)
+            self.fc1_g, self.fc1_x = nn.Linear(dim, hidden_dim, bias=bias), nn.Linear(dim, hidden_dim, bias=bias)
         else:
-            self.fc1 = nn.Linear(dim, 2 * hidden_dim)
+            self.fc1 = nn.Linear(dim, 2 * hidden_dim, bias=bias)
         self.act = make_act(act)
         self.drop1 = nn.Dropout(drop)
         self.norm = make_norm(norm, hidden_dim, norm_eps) if norm else nn.Identity()
-        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -778,27 +861,29 @@ def make_mlp(
     norm: str | None = None,
     norm_eps: float = 1e-6,
     align_to: int = 0,
+    bias: bool = True,
 ) -> nn.Module:
     """The feed-forward layer by name: "gelu" (Mlp, timm's; GELU unless `act` names another),
     "swiglu" (SwiGLU at 2/3 of hidden_dim, the same parameter count) or "glu" (timm's packed
     GluMlp in a ViT: fc1 is hidden_dim wide, its first half the gate; GELU unless `act`: with "silu"
     it is timm's SwiGLUPacked). timm's EVA SwiGLUs have hidden_dim gate and hidden_dim value
     channels: "swiglu_packed" in one fc1 (gate first), "swiglu_split" in fc1_g and fc1_x, hidden_dim
-    rounded up to a multiple of `align_to`. `norm`: a norm before fc2 (not for "swiglu"/"glu").
+    rounded up to a multiple of `align_to`. `norm`: a norm before fc2 (not for "swiglu"/"glu");
+    `bias=False`: no biases in its linears (dense layers only).
     num_experts > 1 makes it a MoE of such MLPs; with num_experts = 1 it is the dense layer itself."""
     if num_experts > 1:
         return MoE(dim, hidden_dim, num_experts, top_k, capacity_factor, kind, drop, act)
     if kind == "gelu":
-        return Mlp(dim, hidden_dim, drop, act or "gelu", norm, norm_eps)
+        return Mlp(dim, hidden_dim, drop, act or "gelu", norm, norm_eps, bias)
     if kind == "swiglu":
-        return SwiGLU(dim, swiglu_hidden_dim(hidden_dim), drop, act or "silu")
+        return SwiGLU(dim, swiglu_hidden_dim(hidden_dim), drop, act or "silu", bias=bias)
     if kind == "glu":
-        return SwiGLU(dim, hidden_dim // 2, drop, act or "gelu", gate_first=True)
+        return SwiGLU(dim, hidden_dim // 2, drop, act or "gelu", gate_first=True, bias=bias)
     if kind == "swiglu_packed":
-        return SwiGLU(dim, hidden_dim, drop, act or "silu", gate_first=True, norm=norm, norm_eps=norm_eps)
+        return SwiGLU(dim, hidden_dim, drop, act or "silu", gate_first=True, norm=norm, norm_eps=norm_eps, bias=bias)
     if kind == "swiglu_split":
         hidden_dim += -hidden_dim % align_to if align_to else 0
-        return SwiGLU(dim, hidden_dim, drop, act or "silu", split=True, norm=norm, norm_eps=norm_eps)
+        return SwiGLU(dim, hidden_dim, drop, act or "silu", split=True, norm=norm, norm_eps=norm_eps, bias=bias)
     raise ValueError(f"unknown mlp {kind!r}; expected one of {MLP_KINDS}")
 
 
@@ -857,7 +942,7 @@ class BlockConfig:
     act_layer "gelu" | "gelu_tanh" | "quick_gelu" | "silu"; num_experts > 1 for a mixture-of-experts
     MLP (experts_top_k experts per token, expert_capacity a capacity factor or None for dropless);
     qk_norm; init_values for LayerScale (None: none). The fields after expert_capacity are timm's
-    EVA block options, under timm's names.
+    EVA block options, under timm's names; after proj_bias, timm's other ViT blocks (`make_block`).
     """
 
     embed_dim: int = 768
@@ -882,14 +967,55 @@ class BlockConfig:
     swiglu_align_to: int = 0  # mlp "swiglu_split": hidden width rounded up to a multiple of this
     layer_scale: str = "ls"  # LayerScale as "ls" modules (ls1.gamma: timm's ViT) or "gamma" (gamma_1: EVA)
     rope_rotate_half: bool = True  # rotary pairs j, j + head_dim/2; False: 2j, 2j + 1 (EVA, timm's default)
+    proj_bias: bool = True  # False: no bias in attn.proj nor in the MLP's linears (timm's name; AIMv2)
+    post_norm: bool = False  # x = x + norm1(attn(x)), x = x + norm2(mlp(x)); init_values: the norms' init
+    attn_layer: str = "attn"  # "diff": differential attention (timm's DiffAttention; see _AttentionBase)
+    # "block": Block; "parallel_scaling": ViT-22B's ParallelScalingBlock; "parallel_things":
+    # ParallelThingsBlock, num_parallel attention then num_parallel MLP branches side by side.
+    block_fn: str = "block"
+    num_parallel: int = 2
+    fuse_out_proj: bool = False  # parallel_scaling: one out_proj of attention and MLP together
 
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.block_fn not in BLOCK_FNS:
+            raise ValueError(f"unknown block_fn {self.block_fn!r}; expected one of {BLOCK_FNS}")
+        if self.attn_layer not in ("attn", "diff"):
+            raise ValueError(f"attn_layer must be 'attn' or 'diff' (differential attention), got {self.attn_layer!r}")
+        if self.block_fn == "parallel_scaling" and (
+            self.mlp != "gelu" or self.num_experts > 1 or self.scale_attn_inner or self.scale_mlp or not self.qkv_fused
+        ):
+            raise ValueError("block_fn='parallel_scaling' has one fused in_proj and a plain MLP (mlp='gelu', no MoE, "
+                             "qkv_fused, no scale_attn_inner / scale_mlp)")  # fmt: skip
+        if self.post_norm and self.block_fn != "block":
+            raise ValueError("post_norm is an option of block_fn='block'")
         if self.layer_scale not in ("ls", "gamma"):
             raise ValueError(f"layer_scale must be 'ls' (timm's ViT) or 'gamma' (timm's EVA), got {self.layer_scale!r}")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"unknown mlp {self.mlp!r}; expected one of {MLP_KINDS}")
+
+
+BLOCK_FNS = ("block", "parallel_scaling", "parallel_things")
+
+
+def _attention(c: BlockConfig, causal: bool = False, depth: int = 0) -> Attention:
+    """The self-attention layer of a BlockConfig; `depth`: the block's number (differential attention)."""
+    return Attention(
+        c.embed_dim, num_heads=c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate,
+        proj_drop=c.proj_drop_rate, qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps, causal=causal,
+        qkv_fused=c.qkv_fused, k_bias=c.k_bias, scale_norm=c.scale_attn_inner, rope_half=c.rope_rotate_half,
+        proj_bias=c.proj_bias, diff=c.attn_layer == "diff", depth=depth,
+    )  # fmt: skip
+
+
+def _mlp(c: BlockConfig) -> nn.Module:
+    """The feed-forward layer of a BlockConfig."""
+    return make_mlp(
+        c.mlp, c.embed_dim, int(c.embed_dim * c.mlp_ratio), drop=c.proj_drop_rate, num_experts=c.num_experts,
+        top_k=c.experts_top_k, capacity_factor=c.expert_capacity, act=c.act_layer,
+        norm=c.norm if c.scale_mlp else None, norm_eps=c.norm_eps, align_to=c.swiglu_align_to, bias=c.proj_bias,
+    )  # fmt: skip
 
 
 class Block(nn.Module):
@@ -899,35 +1025,36 @@ class Block(nn.Module):
     x = x + drop_path(ls2(mlp(norm2(x))))
 
     Built from a BlockConfig; `drop_path` (stochastic depth) varies by depth, so the model passes
-    it; `causal=True` makes the self-attention causal (the GPT). Rotary tables come in forward.
+    it, and `depth`, the block's number (differential attention's lambda_init depends on it);
+    `causal=True` makes the self-attention causal (the GPT). Rotary tables come in forward.
     With layer_scale="gamma" the LayerScale vectors are the block's own `gamma_1`, `gamma_2`
-    (timm's EVA names) and ls1, ls2 stay identities.
+    (timm's EVA names) and ls1, ls2 stay identities. `post_norm=True` is timm's ResPostBlock,
+    x = x + drop_path(norm1(attn(x))), x = x + drop_path(norm2(mlp(x))), with init_values the norms'
+    initial scale instead of a LayerScale.
     """
 
-    def __init__(self, config: BlockConfig, drop_path: float = 0.0, causal: bool = False) -> None:
+    def __init__(self, config: BlockConfig, drop_path: float = 0.0, causal: bool = False, depth: int = 0) -> None:
         super().__init__()
         c, dim = config, config.embed_dim
+        if c.block_fn != "block":
+            raise ValueError(f"block_fn={c.block_fn!r} is not a Block; build blocks with vit.layers.make_block")
+        self.post_norm = c.post_norm
         self.norm1 = make_norm(c.norm, dim, c.norm_eps)
-        self.attn = Attention(
-            dim, num_heads=c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.proj_drop_rate,
-            qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps, causal=causal, qkv_fused=c.qkv_fused,
-            k_bias=c.k_bias, scale_norm=c.scale_attn_inner, rope_half=c.rope_rotate_half,
-        )  # fmt: skip
-        ls_modules = c.init_values and c.layer_scale == "ls"
-        gammas = c.init_values is not None and c.layer_scale == "gamma"  # timm's EVA: also at 0
+        self.attn = _attention(c, causal, depth)
+        ls_modules = c.init_values and c.layer_scale == "ls" and not c.post_norm
+        gammas = c.init_values is not None and c.layer_scale == "gamma" and not c.post_norm  # timm's EVA: also at 0
         self.ls1 = LayerScale(dim, c.init_values) if ls_modules else nn.Identity()
         self.gamma_1 = nn.Parameter(torch.full((dim,), float(c.init_values))) if gammas else None
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = make_norm(c.norm, dim, c.norm_eps)
-        hidden = int(dim * c.mlp_ratio)
-        self.mlp = make_mlp(
-            c.mlp, dim, hidden, drop=c.proj_drop_rate, num_experts=c.num_experts, top_k=c.experts_top_k,
-            capacity_factor=c.expert_capacity, act=c.act_layer, norm=c.norm if c.scale_mlp else None,
-            norm_eps=c.norm_eps, align_to=c.swiglu_align_to,
-        )  # fmt: skip
+        self.mlp = _mlp(c)
         self.ls2 = LayerScale(dim, c.init_values) if ls_modules else nn.Identity()
         self.gamma_2 = nn.Parameter(torch.full((dim,), float(c.init_values))) if gammas else None
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        if c.post_norm and c.init_values is not None:
+            with torch.no_grad():
+                self.norm1.weight.fill_(c.init_values)
+                self.norm2.weight.fill_(c.init_values)
 
     def forward(
         self,
@@ -942,16 +1069,137 @@ class Block(nn.Module):
         `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost.
         `attn_mask`, `rope`, `kv_cache`: see Attention.forward."""
         y = self.attn(
-            self.norm1(x), attn_mask=attn_mask, rope=rope, kv_cache=kv_cache, num_queries=num_queries,
-            return_attn=return_attn,
+            x if self.post_norm else self.norm1(x), attn_mask=attn_mask, rope=rope, kv_cache=kv_cache,
+            num_queries=num_queries, return_attn=return_attn,
         )  # fmt: skip
         y, attn = y if return_attn else (y, None)
         if num_queries is not None:
             x = x[:, :num_queries]
+        if self.post_norm:
+            x = x + self.drop_path1(self.norm1(y))
+            x = x + self.drop_path2(self.norm2(self.mlp(x)))
+            return (x, attn) if return_attn else x
         x = x + self.drop_path1(self.ls1(y) if self.gamma_1 is None else self.gamma_1 * y)
         y = self.mlp(self.norm2(x))
         x = x + self.drop_path2(self.ls2(y) if self.gamma_2 is None else self.gamma_2 * y)
         return (x, attn) if return_attn else x
+
+
+class ParallelScalingBlock(_AttentionBase):
+    """ViT-22B's parallel block (Dehghani et al. 2023; timm's ParallelScalingBlock, its parameter
+    names): attention and MLP read the same normed input, and one matmul, `in_proj`, gives the MLP's
+    hidden layer and q, k, v:
+
+    h, qkv = in_proj(in_norm(x))
+    x = x + drop_path(ls(attn_out_proj(attention(qkv)) + mlp_out_proj(act(h + mlp_bias))))
+
+    `fuse_out_proj`: one `out_proj` of both, concatenated. The attention is the Attention's
+    (_AttentionBase: both paths, the weights, qk-norm, rotary tables); attn_layer="diff" makes it
+    timm's DiffParallelScalingBlock. A layer of its own rather than an option of Block: timm keeps
+    the MLP's first layer inside the attention's input projection and q_norm, k_norm, the output
+    projections and the LayerScale `ls` on the block itself, so no `attn` or `mlp` submodule exists.
+    """
+
+    def __init__(self, config: BlockConfig, drop_path: float = 0.0, causal: bool = False, depth: int = 0) -> None:
+        c, dim = config, config.embed_dim
+        hidden = int(c.mlp_ratio * dim)
+        super().__init__(
+            dim, c.num_heads, c.attn_drop_rate, qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps,
+            diff=c.attn_layer == "diff", depth=depth, proj=False, in_norm=make_norm(c.norm, dim, c.norm_eps),
+            in_proj=nn.Linear(dim, hidden + 3 * dim, bias=c.qkv_bias),
+        )  # fmt: skip
+        self.causal, self.rope_half = causal, c.rope_rotate_half
+        self.in_split = [hidden, 3 * dim]
+        # With qkv_bias the MLP's bias is part of in_proj.bias.
+        self.mlp_bias = None if c.qkv_bias else nn.Parameter(torch.zeros(hidden))
+        self.mlp_drop = nn.Dropout(c.proj_drop_rate)
+        self.mlp_act = make_act(c.act_layer or "gelu")
+        if c.fuse_out_proj:
+            self.out_proj = nn.Linear(dim + hidden, dim, bias=c.proj_bias)
+            self.attn_out_proj = self.mlp_out_proj = None
+        else:
+            self.out_proj = None
+            self.attn_out_proj = nn.Linear(dim, dim, bias=c.proj_bias)
+            self.mlp_out_proj = nn.Linear(hidden, dim, bias=c.proj_bias)
+        self.ls = LayerScale(dim, c.init_values) if c.init_values is not None else nn.Identity()
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_cache: KVCache | None = None,
+        num_queries: int | None = None,
+        return_attn: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As Block.forward."""
+        h, qkv = self.in_proj(self.in_norm(x)).split(self.in_split, dim=-1)
+        y, attn = self.self_attention(qkv, attn_mask, rope, kv_cache, num_queries, return_attn)
+        if num_queries is not None:
+            x, h = x[:, :num_queries], h[:, :num_queries]
+        h = self.mlp_drop(self.mlp_act(h if self.mlp_bias is None else h + self.mlp_bias))
+        if self.out_proj is not None:
+            y = self.out_proj(torch.cat((y, h), dim=-1))
+        else:
+            y = self.attn_out_proj(y) + self.mlp_out_proj(h)
+        x = x + self.drop_path(self.ls(y))
+        return (x, attn) if return_attn else x
+
+
+class ParallelThingsBlock(nn.Module):
+    """`num_parallel` attention branches side by side, then as many MLP branches (Touvron et al. 2022,
+    "Three things everyone should know about Vision Transformers"; timm's ParallelThingsBlock):
+
+    x = x + sum_i attns[i].drop_path(attns[i].ls(attns[i].attn(attns[i].norm(x))))
+    x = x + sum_i ffns[i](x)
+
+    Its attention weights are every branch's heads side by side, (B, num_parallel x heads, N, N).
+    A layer of its own rather than an option of Block: timm nests each branch's norm, attention or
+    MLP and LayerScale under `attns.i` / `ffns.i`.
+    """
+
+    def __init__(self, config: BlockConfig, drop_path: float = 0.0, causal: bool = False, depth: int = 0) -> None:
+        super().__init__()
+        c, dim = config, config.embed_dim
+
+        def branch(name: str, layer: nn.Module) -> nn.Sequential:
+            return nn.Sequential(OrderedDict([
+                ("norm", make_norm(c.norm, dim, c.norm_eps)), (name, layer),
+                ("ls", LayerScale(dim, c.init_values) if c.init_values else nn.Identity()),
+                ("drop_path", DropPath(drop_path) if drop_path > 0 else nn.Identity()),
+            ]))  # fmt: skip
+
+        self.attns = nn.ModuleList([branch("attn", _attention(c, causal, depth)) for _ in range(c.num_parallel)])
+        self.ffns = nn.ModuleList([branch("mlp", _mlp(c)) for _ in range(c.num_parallel)])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_cache: KVCache | None = None,
+        num_queries: int | None = None,
+        return_attn: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As Block.forward, without a key/value cache (each branch would need its own)."""
+        if kv_cache is not None:
+            raise ValueError("a ParallelThingsBlock keeps no key/value cache")
+        outs, attns = [], []
+        for b in self.attns:
+            y = b.attn(b.norm(x), attn_mask=attn_mask, rope=rope, num_queries=num_queries, return_attn=return_attn)
+            y, attn = y if return_attn else (y, None)
+            outs.append(b.drop_path(b.ls(y)))
+            attns.append(attn)
+        x = (x if num_queries is None else x[:, :num_queries]) + torch.stack(outs).sum(dim=0)
+        x = x + torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
+        return (x, torch.cat(attns, dim=1)) if return_attn else x
+
+
+def make_block(config: BlockConfig, drop_path: float = 0.0, depth: int = 0, causal: bool = False) -> nn.Module:
+    """The block `config.block_fn` names: Block, ParallelScalingBlock or ParallelThingsBlock."""
+    cls = {"block": Block, "parallel_scaling": ParallelScalingBlock, "parallel_things": ParallelThingsBlock}
+    return cls[config.block_fn](config, drop_path=drop_path, causal=causal, depth=depth)
 
 
 def set_fused_attn(model: nn.Module, enabled: bool) -> None:

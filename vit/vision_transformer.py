@@ -29,11 +29,11 @@ from torch.utils.checkpoint import checkpoint
 from vit.layers import (
     ACTIVATIONS,
     AttentionPoolLatent,
-    Block,
     BlockConfig,
     HybridEmbed,
     PatchDropout,
     PatchEmbed,
+    make_block,
     make_norm,
     mimetic_init_,
     moe_aux_loss,
@@ -58,6 +58,7 @@ class ViTConfig(BlockConfig):
     # tokens; "map": a learned query attending to the patch tokens (big_vision's MAP head, SigLIP;
     # vit.layers.AttentionPoolLatent); "": no pooling (the head sees every token).
     global_pool: str = "token"
+    pool_include_prefix: bool = False  # avg/max/map pooling reads the prefix tokens too (timm's name)
     depth: int = 12
     class_token: bool = True
     reg_tokens: int = 0  # register tokens after the CLS token (Darcet et al. 2024; DINOv2-reg)
@@ -68,6 +69,7 @@ class ViTConfig(BlockConfig):
     # The position embedding covers the patches only; prefix tokens get none (DeiT III, big_vision).
     no_embed_class: bool = False
     pre_norm: bool = False  # a norm before the blocks, and no patch-embed bias (CLIP)
+    embed_norm: bool = False  # a norm on the patch tokens before positions are added (`patch_embed.norm`, AIMv2)
     final_norm: bool = True  # False: no norm after the blocks (nor after pooling)
     # Norm after pooling instead of before (timm/MAE convention for avg pooling); None: avg/max -> True.
     fc_norm: bool | None = None
@@ -101,6 +103,10 @@ class ViTConfig(BlockConfig):
             raise ValueError(f"posemb must be 'learn', 'sincos2d', 'rope' or 'none', got {self.posemb!r}")
         if self.weight_init not in ("", "mimetic"):
             raise ValueError(f"weight_init must be '' (timm's default) or 'mimetic', got {self.weight_init!r}")
+        if self.weight_init == "mimetic" and (self.block_fn != "block" or self.attn_layer != "attn"):
+            raise ValueError("weight_init='mimetic' is for a Block's plain attention (block_fn, attn_layer default)")
+        if self.posemb == "rope" and self.attn_layer == "diff":
+            raise ValueError("posemb='rope' with attn_layer='diff' is not supported: rotary tables are per full head")
         if self.global_pool not in GLOBAL_POOLS:
             raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {self.global_pool!r}")
         if self.global_pool == "token" and not self.class_token:
@@ -108,6 +114,8 @@ class ViTConfig(BlockConfig):
         if self.backbone is not None:
             if self.stem_channels:
                 raise ValueError("give a hybrid's backbone or stem_channels, not both")
+            if self.embed_norm:
+                raise ValueError("embed_norm is a norm of the patchify embedding; a hybrid's backbone has none")
             if self.backbone.get("name") not in HYBRID_BACKBONES:
                 raise ValueError(
                     f"backbone must be a dict with 'name' one of {sorted(HYBRID_BACKBONES)} and that constructor's "
@@ -133,7 +141,8 @@ class VisionTransformer(nn.Module):
             )  # fmt: skip
         else:
             self.patch_embed = PatchEmbed(
-                c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels, not c.pre_norm, c.dynamic_img_pad
+                c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels, not c.pre_norm, c.dynamic_img_pad,
+                c.norm if c.embed_norm else None, c.norm_eps,
             )  # fmt: skip
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.distilled else None
@@ -155,7 +164,7 @@ class VisionTransformer(nn.Module):
         self.norm_pre = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.pre_norm else nn.Identity()
 
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]
-        self.blocks = nn.Sequential(*[Block(c, drop_path=dpr[i]) for i in range(c.depth)])
+        self.blocks = nn.Sequential(*[make_block(c, dpr[i], depth=i) for i in range(c.depth)])
         use_fc_norm = c.global_pool in ("avg", "max", "avgmax") if c.fc_norm is None else c.fc_norm
         self.norm = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.final_norm and not use_fc_norm else nn.Identity()
         self.fc_norm = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.final_norm and use_fc_norm else nn.Identity()
@@ -365,12 +374,13 @@ class VisionTransformer(nn.Module):
             setattr(self, name, head)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (B, N, D) -> (B, D) by global_pool; all but "token" read the patch tokens only."""
+        """Tokens (B, N, D) -> (B, D) by global_pool; all but "token" read the patch tokens only, unless
+        pool_include_prefix."""
         if not self.global_pool:
             return x
         if self.global_pool == "token":
             return x[:, 0]
-        patches = x[:, self.num_prefix_tokens :]
+        patches = x if self.config.pool_include_prefix else x[:, self.num_prefix_tokens :]
         if self.attn_pool is not None:
             return self.attn_pool(patches)
         if self.global_pool == "avg":
@@ -586,31 +596,90 @@ def timm_pretrained_defaults(name: str) -> dict:
     return defaults
 
 
+def _timm_norm(value: object) -> tuple[str, float] | None:
+    """timm's norm_layer (a class, a partial with eps, or timm's name) as (our norm kind, eps); None if
+    it has no equal here."""
+    from timm.layers import LayerNorm, RmsNorm
+
+    if value in ("layernorm", "rmsnorm"):  # timm's get_norm_layer: its LayerNorm / RmsNorm, eps 1e-6
+        return value, 1e-6
+    func, keywords = getattr(value, "func", value), getattr(value, "keywords", {})
+    if func not in (LayerNorm, RmsNorm, nn.LayerNorm, nn.RMSNorm) or set(keywords) - {"eps"}:
+        return None
+    kind = "layernorm" if func in (LayerNorm, nn.LayerNorm) else "rmsnorm"
+    return kind, keywords.get("eps", 1e-5 if func is nn.LayerNorm else 1e-6)
+
+
+# timm's VisionTransformer kwargs that are ViTConfig fields under another name.
+_TIMM_RENAMED = {"scale_attn_norm": "scale_attn_inner", "scale_mlp_norm": "scale_mlp"}
+# ViTConfig fields whose timm kwarg of the same name means something else (a class, not our name).
+_NOT_TIMMS = ("norm", "mlp", "posemb", "act_layer", "embed_norm", "block_fn", "attn_layer", *_TIMM_RENAMED.values())
+
+
+def _timm_blocks() -> dict[type, dict[str, Any]]:
+    """timm's ViT block classes as our block options."""
+    import timm.models.vision_transformer as timm_vit
+
+    return {
+        timm_vit.Block: {},
+        timm_vit.ResPostBlock: {"post_norm": True},
+        timm_vit.ParallelScalingBlock: {"block_fn": "parallel_scaling"},
+        timm_vit.DiffParallelScalingBlock: dict(block_fn="parallel_scaling", attn_layer="diff", fuse_out_proj=True),
+        timm_vit.ParallelThingsBlock: {"block_fn": "parallel_things"},
+    }
+
+
+def _timm_block_options(config: BlockConfig) -> dict[str, Any]:
+    """The block options of a config that pick timm's block class (`_timm_blocks`)."""
+    names = ("post_norm", "block_fn", "attn_layer", "fuse_out_proj", "num_parallel")
+    return {name: getattr(config, name) for name in names}
+
+
+def _timm_attentions() -> tuple[type, type]:
+    """timm's ViT attention classes: plain, differential."""
+    from timm.layers import Attention, DiffAttention
+
+    return Attention, DiffAttention
+
+
 def from_timm_args(args: dict) -> dict:
     """timm's VisionTransformer kwargs as ViTConfig fields; anything without an equal is a ValueError."""
-    from timm.layers import GluMlp, LayerNorm, RmsNorm
+    from timm.layers import GluMlp, SwiGLU
     from timm.layers import HybridEmbed as TimmHybridEmbed
 
     fields = {f.name for f in dataclasses.fields(ViTConfig)}
-    out = {}
+    out, embed_norm = {}, None
     for key, value in args.items():
         func, keywords = getattr(value, "func", value), getattr(value, "keywords", {})
         if key == "embed_layer" and func is TimmHybridEmbed:
             out.update(_from_timm_hybrid_embed(keywords))
             continue
-        if key == "norm_layer" and func in (LayerNorm, RmsNorm, nn.LayerNorm, nn.RMSNorm):
-            out["norm"] = "layernorm" if func in (LayerNorm, nn.LayerNorm) else "rmsnorm"
-            out["norm_eps"] = keywords.get("eps", 1e-5 if func is nn.LayerNorm else 1e-6)
+        if key == "norm_layer" and _timm_norm(value):
+            out["norm"], out["norm_eps"] = _timm_norm(value)
+        elif key == "embed_norm_layer" and (value is None or _timm_norm(value)):
+            embed_norm = value and _timm_norm(value)
         elif key == "act_layer" and (value in ACTIVATIONS or func in (nn.SiLU, nn.GELU)):
             out["act_layer"] = value if isinstance(value, str) else {nn.SiLU: "silu", nn.GELU: "gelu"}[func]
         elif key == "mlp_layer" and func is GluMlp and not keywords.get("gate_last", True):
             out["mlp"] = "glu"
+        elif key == "mlp_layer" and func is SwiGLU and not set(keywords) - {"align_to"}:
+            out.update(mlp="swiglu_split", swiglu_align_to=keywords.get("align_to", 0))
         elif key == "pos_embed" and value in ("learn", "none", ""):
             out["posemb"] = value or "none"
-        elif key in fields and key not in ("norm", "mlp", "posemb", "act_layer"):
+        elif key == "block_fn" and func in _timm_blocks() and set(keywords) <= {"num_parallel", "fuse_out_proj"}:
+            out.update(_timm_blocks()[func], **keywords)
+        elif key == "attn_layer" and (value in ("", "attn", "diff") or func in _timm_attentions()):
+            out["attn_layer"] = "diff" if value == "diff" or func is _timm_attentions()[-1] else "attn"
+        elif key in _TIMM_RENAMED:
+            out[_TIMM_RENAMED[key]] = value
+        elif key in fields and key not in _NOT_TIMMS:
             out[key] = value
         else:
             raise ValueError(f"timm's {key}={getattr(func, '__name__', value)!r} has no equivalent here")
+    if embed_norm:  # ours is the blocks' norm: timm's must be the same kind and eps
+        if embed_norm != (out.get("norm", "layernorm"), out.get("norm_eps", 1e-6)):
+            raise ValueError(f"timm's embed_norm_layer {embed_norm} differs from its norm_layer; no equivalent here")
+        out["embed_norm"] = True
     return out
 
 
@@ -634,7 +703,7 @@ def _register_timm_models() -> None:
     private builders: where an installed timm changed them, that name (or every name) is listed
     unsupported with the error, and one warning says so; `import vit` and our own names stand."""
     names = []
-    for pattern, module in (("vit_*", "vision_transformer"), ("deit*", "deit"), ("vit_*", "vision_transformer_hybrid")):
+    for pattern, module in (("*", "vision_transformer"), ("deit*", "deit"), ("vit_*", "vision_transformer_hybrid")):
         try:
             names += timm.list_models(pattern, module=module)
         except Exception as e:
@@ -672,17 +741,17 @@ _TIMM_FIELDS = (
     "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "class_token", "embed_dim", "depth",
     "num_heads", "mlp_ratio", "qkv_bias", "qk_norm", "init_values", "fc_norm", "drop_rate", "pos_drop_rate",
     "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "dynamic_img_size", "patch_drop_rate", "reg_tokens",
-    "no_embed_class", "pre_norm", "final_norm", "dynamic_img_pad",
+    "no_embed_class", "pre_norm", "final_norm", "dynamic_img_pad", "proj_bias", "pool_include_prefix",
 )  # fmt: skip
 
 
 def timm_kwargs(config: ViTConfig) -> dict:
     """The kwargs of timm's `VisionTransformer` that builds this config with the same parameter names,
     shapes and function; options timm has no equal for (set away from their defaults) are an error."""
-    from timm.layers import GluMlp, LayerNorm, RmsNorm
+    from timm.layers import GluMlp, LayerNorm, RmsNorm, SwiGLU
 
     default = ViTConfig()
-    eva_options = ("qkv_fused", "k_bias", "scale_attn_inner", "scale_mlp", "layer_scale")  # timm's Eva has them
+    eva_options = ("qkv_fused", "k_bias", "layer_scale")  # timm's Eva has them
     unmatched = {
         name: getattr(config, name)
         for name in ("num_experts", "stem_channels", *eva_options)
@@ -690,18 +759,28 @@ def timm_kwargs(config: ViTConfig) -> dict:
     }
     if config.posemb not in ("learn", "none"):
         unmatched["posemb"] = config.posemb
-    if config.mlp not in ("gelu", "glu"):  # timm's ViT SwiGLU keeps value and gate in separate matrices
+    if config.mlp not in ("gelu", "glu", "swiglu_split"):  # timm's ViT has no SwiGLU of ours nor a packed one
         unmatched["mlp"] = config.mlp
+    block = {k: v for k, v in _timm_block_options(config).items() if v != getattr(default, k)}
+    diff_attn = "block_fn" not in block and block.pop("attn_layer", "attn") == "diff"  # timm's attn_layer="diff"
+    blocks = [type_ for type_, options in _timm_blocks().items() if options == block]
+    if len(blocks) != 1:  # num_parallel or fuse_out_proj where timm's class has them fixed
+        unmatched.update(block)
     if unmatched:
         raise ValueError(f"timm's VisionTransformer has no equivalent of {unmatched}")
     kwargs = {name: getattr(config, name) for name in _TIMM_FIELDS}
+    norm = partial(LayerNorm if config.norm == "layernorm" else RmsNorm, eps=config.norm_eps)
     kwargs.update(
-        pos_embed=config.posemb,
-        norm_layer=partial(LayerNorm if config.norm == "layernorm" else RmsNorm, eps=config.norm_eps),
-        act_layer=config.act_layer or "gelu",
-    )
+        pos_embed=config.posemb, norm_layer=norm, block_fn=blocks[0], attn_layer="diff" if diff_attn else "",
+        act_layer=config.act_layer or ("silu" if config.mlp == "swiglu_split" else "gelu"),
+        scale_attn_norm=config.scale_attn_inner, scale_mlp_norm=config.scale_mlp,
+    )  # fmt: skip
+    if config.embed_norm:
+        kwargs["embed_norm_layer"] = norm
     if config.mlp == "glu":
         kwargs["mlp_layer"] = partial(GluMlp, gate_last=False)
+    if config.mlp == "swiglu_split":
+        kwargs["mlp_layer"] = partial(SwiGLU, align_to=config.swiglu_align_to)
     if config.backbone is not None:  # a fresh backbone: timm's model gets its own modules
         from timm.layers import HybridEmbed as TimmHybridEmbed
 

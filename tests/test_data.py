@@ -318,7 +318,7 @@ def test_image_folder_picks_its_crop_from_the_image_size_and_logs_both_pipelines
     small = ImageFolderDataModule(root=str(tmp_path), img_size=32, num_workers=0)
     cifar = CIFARDataModule(root=str(tmp_path / "no_cifar_here"), download=False)
     assert ops(small.train_transform) == ops(cifar.train_transform)
-    pad_crop = ["Resize", "PadIfNeeded", "RandomCrop", "HorizontalFlip", "Normalize", "ToTensorV2"]
+    pad_crop = ["Lambda", "PadIfNeeded", "RandomCrop", "HorizontalFlip", "Normalize", "ToTensorV2"]  # Lambda: resize
     assert ops(small.train_transform) == pad_crop
     assert (small.augment.crop_padding, small.eval_crop_pct) == (cifar.augment.crop_padding, cifar.eval_crop_pct)
     assert (small.augment.crop_padding, small.eval_crop_pct) == (4, 1.0)
@@ -333,9 +333,9 @@ def test_image_folder_picks_its_crop_from_the_image_size_and_logs_both_pipelines
         small.setup("fit")
         large.setup("fit")
     assert "train transform: resize 32x32, pad 4 + random crop 32, flip, normalise" in caplog.text
-    assert "eval transform: resize shorter side to 32, centre crop 32, normalise" in caplog.text
+    assert "eval transform: centre crop 1 of the shorter side, resize to 32 (bicubic), normalise" in caplog.text
     assert "train transform: random resized crop 224 (scale 0.08-1), flip, normalise" in caplog.text
-    assert "eval transform: resize shorter side to 256, centre crop 224, normalise" in caplog.text
+    assert "eval transform: centre crop 0.875 of the shorter side, resize to 224 (bicubic), normalise" in caplog.text
 
 
 def test_the_logged_train_transform_says_how_often_batches_are_mixed(tmp_path):

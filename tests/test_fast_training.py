@@ -266,7 +266,7 @@ def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(t
 def test_batch_options_need_the_in_memory_path():
     with pytest.raises(ValueError, match="in_memory"):
         DigitsDataModule(augment={"cutout": 4})
-    with pytest.raises(ValueError, match=r"augment\.crop 'pad_crop' or 'resize'; got 'rrc'"):
+    with pytest.raises(ValueError, match=r"augment\.crop: got 'rrc', expected pad_crop or resize with --data"):
         DigitsDataModule(in_memory=True, augment={"crop": "rrc"})
 
 

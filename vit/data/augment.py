@@ -145,24 +145,62 @@ def center_crop_box(height: int, width: int, crop_pct: float) -> tuple[int, int,
     return (height - side) // 2, (width - side) // 2, side, side
 
 
-def crop_resize_flip(images: Sequence[torch.Tensor], params: torch.Tensor, size: int) -> torch.Tensor:
+# Evaluation's resize on every path (per sample, in memory, on the device, export and rollout):
+# bicubic and antialiased, PIL's filter (timm's evaluation), clamped to the pixel range.
+EVAL_RESIZE = "bicubic"
+RESIZES = ("bilinear", "bicubic")
+
+
+def resize_box(
+    image: torch.Tensor,
+    box: tuple[int, int, int, int],
+    size: int | tuple[int, int],
+    mode: str = EVAL_RESIZE,
+    whole_levels: bool = False,
+) -> torch.Tensor:
+    """uint8 or float (3, H, W) -> float (1, 3, size, size) in [0, 255]: the box (top, left,
+    height, width) cropped and resized, antialiased when shrinking (F.interpolate's filters).
+    `whole_levels` (uint8 on the CPU): torch's uint8 kernel, about 5x faster, rounded to whole
+    levels (0.3 of a level from the float result on average)."""
+    top, left, height, width = box
+    crop = image[None, :, top : top + height, left : left + width]
+    if whole_levels and image.dtype == torch.uint8 and image.device.type == "cpu":
+        crop = crop.contiguous(memory_format=torch.channels_last)  # the layout its fast kernel takes
+        return F.interpolate(crop, size=_pair(size), mode=mode, antialias=True).float()
+    out = F.interpolate(crop.float(), size=_pair(size), mode=mode, antialias=True, align_corners=False)
+    return out.clamp_(0, 255) if mode == "bicubic" else out  # bicubic overshoots at edges
+
+
+def eval_resize(image: torch.Tensor, size: int, crop_pct: float, whole_levels: bool = False) -> torch.Tensor:
+    """uint8 (3, H, W) -> float (3, size, size) in [0, 255]: evaluation's pixels on every path, the
+    centred square of crop_pct x the shorter side (center_crop_box) resized with EVAL_RESIZE."""
+    box = center_crop_box(image.shape[1], image.shape[2], crop_pct)
+    return resize_box(image, box, size, whole_levels=whole_levels)[0]
+
+
+def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else size
+
+
+def crop_resize_flip(
+    images: Sequence[torch.Tensor], params: torch.Tensor, size: int, mode: str = "bilinear"
+) -> torch.Tensor:
     """Float (B, 3, size, size) in [0, 255]: each image's box (params' TOP..WIDTH) cropped and
-    resized (bilinear, antialiased when shrinking: F.interpolate's), then flipped where its FLIP is
-    set. On a GPU the crops are resized together (`resize_crops_together`): one at a time, the host
-    launching two kernels an image sets the pace there. On the CPU, where the arithmetic does, one
-    at a time (the batched products would also multiply the padding)."""
+    resized (`mode` "bilinear" or "bicubic", antialiased when shrinking: F.interpolate's), then
+    flipped where its FLIP is set. On a GPU the crops are resized together
+    (`resize_crops_together`): one at a time, the host launching two kernels an image sets the pace
+    there. On the CPU, where the arithmetic does, one at a time (the batched products would also
+    multiply the padding)."""
     if images and images[0].device.type == "cuda":
-        return resize_crops_together(images, params, size)
-    return _resize_each(images, params, size)
+        return resize_crops_together(images, params, size, mode)
+    return _resize_each(images, params, size, mode)
 
 
-def _resize_each(images: Sequence[torch.Tensor], params: torch.Tensor, size: int) -> torch.Tensor:
-    out = []
-    for image, box in zip(images, params[:, :4].tolist(), strict=True):
-        top, left, height, width = (int(v) for v in box)
-        crop = image[:, top : top + height, left : left + width].unsqueeze(0).float()
-        out.append(F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False))
-    batch = torch.cat(out)
+def _resize_each(
+    images: Sequence[torch.Tensor], params: torch.Tensor, size: int, mode: str = "bilinear"
+) -> torch.Tensor:
+    boxes = params[:, :4].tolist()
+    batch = torch.cat([resize_box(i, tuple(int(v) for v in b), size, mode) for i, b in zip(images, boxes, strict=True)])
     flip = params[:, FLIP].bool().to(batch.device, non_blocking=True)  # a copy the host does not wait for
     return torch.where(flip[:, None, None, None], batch.flip(-1), batch)
 
@@ -171,10 +209,12 @@ def _resize_each(images: Sequence[torch.Tensor], params: torch.Tensor, size: int
 TOGETHER_SIDE = 2.5
 
 
-def resize_crops_together(images: Sequence[torch.Tensor], params: torch.Tensor, size: int) -> torch.Tensor:
+def resize_crops_together(
+    images: Sequence[torch.Tensor], params: torch.Tensor, size: int, mode: str = "bilinear"
+) -> torch.Tensor:
     """crop_resize_flip as two batched matrix products: the images copied into one tensor, padded
     to the largest, then (rows' weights) @ image @ (columns' weights)^T, with F.interpolate's
-    antialiased bilinear weights over each crop (`resize_weights`) and a flipped image's columns
+    antialiased weights over each crop (`resize_weights`) and a flipped image's columns
     reversed: a copy an image (queued from one call) and about 20 more kernels a batch, where
     resizing each crop alone takes two kernels and five Python-level calls an image. Equal to
     resizing one at a time up to float rounding (the sums run in another order; where matmuls may
@@ -188,29 +228,37 @@ def resize_crops_together(images: Sequence[torch.Tensor], params: torch.Tensor, 
         for chosen, resize in ((together, resize_crops_together), (alone, _resize_each)):
             if chosen:
                 index = torch.tensor(chosen)
-                out[index.to(device)] = resize([images[i] for i in chosen], params[index], size)
+                out[index.to(device)] = resize([images[i] for i in chosen], params[index], size, mode)
         return out
     height, width = (max(image.shape[axis] for image in images) for axis in (1, 2))
     padded = torch.empty(len(images), 3, height, width, dtype=torch.uint8, device=device)
     views = [view[:, : image.shape[1], : image.shape[2]] for view, image in zip(padded.unbind(0), images, strict=True)]
     torch._foreach_copy_(views, list(images))
     boxes = params[:, :5].float().to(device, non_blocking=True)  # a copy the host does not wait for
-    rows = resize_weights(boxes[:, TOP], boxes[:, HEIGHT], size, padded.shape[2])
-    columns = resize_weights(boxes[:, LEFT], boxes[:, WIDTH], size, padded.shape[3])
+    rows = resize_weights(boxes[:, TOP], boxes[:, HEIGHT], size, padded.shape[2], mode)
+    columns = resize_weights(boxes[:, LEFT], boxes[:, WIDTH], size, padded.shape[3], mode)
     columns = torch.where(boxes[:, FLIP, None, None] > 0, columns.flip(1), columns)
-    return rows[:, None] @ padded.float() @ columns.transpose(1, 2)[:, None]
+    out = rows[:, None] @ padded.float() @ columns.transpose(1, 2)[:, None]
+    return out.clamp_(0, 255) if mode == "bicubic" else out
 
 
-def resize_weights(starts: torch.Tensor, lengths: torch.Tensor, size: int, span: int) -> torch.Tensor:
+def resize_weights(
+    starts: torch.Tensor, lengths: torch.Tensor, size: int, span: int, mode: str = "bilinear"
+) -> torch.Tensor:
     """(B, size, span) float32: row o of image b weighs its input pixels starts[b] ..
-    starts[b] + lengths[b] - 1 into output pixel o, as F.interpolate(mode="bilinear",
-    antialias=True, align_corners=False) resizes that crop (its triangle filter, stretched by the
-    scale when shrinking; each row summing to 1)."""
+    starts[b] + lengths[b] - 1 into output pixel o, as F.interpolate(mode=`mode`, antialias=True,
+    align_corners=False) resizes that crop: its triangle ("bilinear") or cubic ("bicubic", a = -0.5
+    as PIL's) filter, stretched by the scale when shrinking; each row summing to 1."""
     scale = (lengths / size)[:, None, None]
     stretch = scale.clamp(min=1.0)
     centres = scale * (torch.arange(size, device=lengths.device, dtype=torch.float32)[None, :, None] + 0.5)
     pixels = torch.arange(span, device=lengths.device, dtype=torch.float32)[None, None, :] - starts[:, None, None]
-    weights = (1 - ((pixels + 0.5 - centres) / stretch).abs()).clamp_(min=0)
+    x = ((pixels + 0.5 - centres) / stretch).abs()
+    if mode == "bilinear":
+        weights = (1 - x).clamp_(min=0)
+    else:  # Keys' cubic with a = -0.5, zero from |x| = 2 on
+        near, far = (1.5 * x - 2.5) * x * x + 1, ((-0.5 * x + 2.5) * x - 4) * x + 2
+        weights = torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
     weights *= (pixels >= 0) & (pixels < lengths[:, None, None])
     return weights / weights.sum(-1, keepdim=True)
 

@@ -8,10 +8,10 @@ Mixup/CutMix; a subclass only says where its images and labels come from.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -217,7 +217,7 @@ class ImageDataModule(L.LightningDataModule):
             train.append(f"{mixing} {share}")
         if self.train_sizes:
             train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.train_sizes))
-        evaluation = f"resize shorter side to {round(size / self.eval_crop_pct)}, centre crop {size}, normalise"
+        evaluation = f"centre crop {self.eval_crop_pct:g} of the shorter side, resize to {size} (bicubic), normalise"
         if self.device_decode:
             evaluation = f"decode on the training device, {evaluation}"
         return ", ".join(train), evaluation
@@ -292,7 +292,7 @@ class ImageDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
         )
         if isinstance(dataset, EncodedFiles):  # bytes from the workers, decoded on the device (ahead of the step)
-            stages = (functools.partial(self._decode_on_device, dataset), self._augment_on_device)
+            stages = (partial(self._decode_on_device, dataset), partial(self._augment_on_device, dataset))
             options.update(collate_fn=collate_encoded, prepare=stages, device=self._device, ahead=self.device_prefetch)
         return options
 
@@ -307,10 +307,12 @@ class ImageDataModule(L.LightningDataModule):
         decode is named, or skipped as the loader workers skip one: skip_corrupt)."""
         return decode_encoded(batch, device, files)
 
-    def _augment_on_device(self, batch: DecodedBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """device_decode's second stage: the decoded batch cropped, flipped, RandAugmented and
-        normalised, with its labels, on `device`."""
-        x, y = augment_decoded(batch, self.img_size)
+    def _augment_on_device(
+        self, files: EncodedFiles, batch: DecodedBatch, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """device_decode's second stage: the decoded batch of `files` cropped, flipped, RandAugmented
+        (training) and normalised, with its labels, on `device`."""
+        x, y = augment_decoded(batch, self.img_size, files.train)
         return normalize(x, self.mean, self.std), y
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

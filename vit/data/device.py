@@ -37,6 +37,7 @@ from torch.utils.data import get_worker_info
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 from vit.data.augment import (
+    EVAL_RESIZE,
     FLIP,
     RA_COLUMNS,
     RA_START,
@@ -326,11 +327,12 @@ def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: Image
     return DecodedBatch(images, labels, params)  # type: ignore[arg-type]
 
 
-def augment_decoded(batch: DecodedBatch, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def augment_decoded(batch: DecodedBatch, size: int, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(float images, 0-255, size x size, cropped, flipped and RandAugmented as the batch's
-    `params` say; labels), on the images' device."""
+    `params` say; labels), on the images' device. Training resizes bilinear; evaluation as every
+    path evaluates (vit.data.augment.EVAL_RESIZE)."""
     device, params = batch.images[0].device, batch.params
-    images = crop_resize_flip(batch.images, params, size)
+    images = crop_resize_flip(batch.images, params, size, "bilinear" if train else EVAL_RESIZE)
     if params[:, RA_START:INDEX].isfinite().any():
         images = rand_augment(images, params[:, RA_START:INDEX])
     return images, batch.labels.to(device, non_blocking=True)
@@ -340,4 +342,4 @@ def decode_and_augment(
     batch: EncodedBatch, device: torch.device | str, size: int, files: ImageFiles
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_encoded, then augment_decoded: the two stages a PreparedLoader may run in two threads."""
-    return augment_decoded(decode_encoded(batch, device, files), size)
+    return augment_decoded(decode_encoded(batch, device, files), size, files.train)

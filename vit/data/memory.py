@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vit.data.augment import EVAL_RESIZE
 from vit.data.images import ImageArrays, ImageFiles
 from vit.data.sampling import ResumableSampler, mix_seed
-from vit.data.transforms import resize_transform
+from vit.data.transforms import eval_pixels
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,6 @@ def _decode(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -
             f"in_memory: {len(dataset):,} images at {img_size}x{img_size} need about {needed / 2**30:.1f} GiB to "
             f"decode, more than the {available / 2**30:.1f} GiB available; check img_size or use in_memory=False"
         )
-    geometry = resize_transform(img_size, crop_pct)
     images, labels = [], []
     for i in range(len(dataset)):
         if isinstance(dataset, ImageFiles):  # with skip_corrupt, an unreadable file is logged and left out
@@ -188,7 +188,7 @@ def _decode(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -
         else:
             image, label = dataset.images[i], int(dataset.labels[i])
         if crop_pct != 1.0 or image.shape[:2] != (img_size, img_size):
-            image = geometry(image=image)["image"]
+            image = eval_pixels(image, img_size, crop_pct)
         images.append(image)
         labels.append(label)
     if not images:
@@ -211,5 +211,5 @@ def _content_key(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: flo
         h.update(f"{dataset.images.shape}|{dataset.images.dtype}\n".encode())
         h.update(np.ascontiguousarray(dataset.images).tobytes())
         h.update(dataset.labels.tobytes())
-    h.update(json.dumps([img_size, crop_pct, bool(getattr(dataset, "skip_corrupt", False))]).encode())
+    h.update(json.dumps([img_size, crop_pct, EVAL_RESIZE, bool(getattr(dataset, "skip_corrupt", False))]).encode())
     return h.hexdigest()[:16]

@@ -339,7 +339,8 @@ class TrainCLI(LightningCLI):
         `log_every_n_steps` steps, when the loggers read the logged values anyway: Lightning's
         default bar shows the loss after every step, reading it back from the device, so the host
         would wait for each step to finish before queueing the next."""
-        config = self._get(self.config_init, "trainer", default={})
+        # The trainer's options, under the subcommand if any: LightningCLI's private _get, from public attributes.
+        config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
         callbacks = config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
@@ -366,6 +367,7 @@ class TrainCLI(LightningCLI):
                 path.rename(archive / path.name)
             print(f"Moved {len(old)} checkpoint(s) of an earlier run to {archive} (resume it with --ckpt_path PATH)")
 
+    # Overrides a private hook of LightningCLI (listed in vit.lightning_compat.PRIVATE_MEMBERS).
     def _parse_ckpt_path(self) -> None:
         """`--ckpt_path last` becomes the newest complete `last*.ckpt` of the run's checkpoint
         folder (by saved step; incomplete ones skipped with a warning); a named file that is

@@ -39,6 +39,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCh
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vit import lightning_compat as compat
+
 log = logging.getLogger(__name__)
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}  # 128 + signal number, the shell's convention
@@ -207,41 +209,41 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
+        if compat.saves_on_train_epoch_end(self, trainer):
             self._refresh_last(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         if self._ranks_at_validation() and self._fitting(trainer):
-            candidates = self._monitor_candidates(trainer)
+            candidates = compat.monitor_candidates(self, trainer)
             if self.monitor in candidates:
-                self._save_topk_checkpoint(trainer, candidates)
-                self._save_last_checkpoint(trainer, candidates)
-        if not self._should_save_on_train_epoch_end(trainer):
+                compat.save_topk(self, trainer, candidates)
+                compat.save_last(self, trainer, candidates)
+        if not compat.saves_on_train_epoch_end(self, trainer):
             self._refresh_last(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not (self._ranks_at_validation() and pl_module.automatic_optimization):
             super().on_train_batch_end(trainer, pl_module, *args)  # no score to rank by: the newest k are kept
             return
-        if self._step_save_due(trainer) and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self._step_save_due(trainer) and not compat.skips_saving(self, trainer):
+            compat.save_last(self, trainer, compat.monitor_candidates(self, trainer))
 
     def _ranks_at_validation(self) -> bool:
         """Checkpoints by steps or time with a monitored metric: Lightning would rank them at step saves."""
-        by_steps = self._every_n_train_steps >= 1 or self._train_time_interval is not None
-        return self.monitor is not None and by_steps and self._every_n_epochs < 1
+        every_n_train_steps, train_time_interval, every_n_epochs = compat.checkpoint_triggers(self)
+        by_steps = every_n_train_steps >= 1 or train_time_interval is not None
+        return self.monitor is not None and by_steps and every_n_epochs < 1
 
     def _step_save_due(self, trainer: L.Trainer) -> bool:
         """Lightning's trigger: every `every_n_train_steps` steps, or `train_time_interval` (rank 0's clock)."""
-        if self._every_n_train_steps >= 1:
-            return trainer.global_step % self._every_n_train_steps == 0
-        now = time.monotonic()
-        due = self._last_time_checked is not None and now - self._last_time_checked >= (
-            self._train_time_interval.total_seconds()
-        )
+        every_n_train_steps, train_time_interval, _ = compat.checkpoint_triggers(self)
+        if every_n_train_steps >= 1:
+            return trainer.global_step % every_n_train_steps == 0
+        now, checked = time.monotonic(), compat.last_time_checked(self)
+        due = checked is not None and now - checked >= train_time_interval.total_seconds()
         if trainer.strategy.broadcast(due):
-            self._last_time_checked = now
+            compat.set_last_time_checked(self, now)
             return True
         return False
 
@@ -272,9 +274,9 @@ class RunCheckpoint(ModelCheckpoint):
         super().load_state_dict(state_dict)
 
     def _refresh_last(self, trainer: L.Trainer) -> None:
-        saved_now = self._last_global_step_saved == trainer.global_step
-        if self.save_last and not saved_now and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        saved_now = compat.last_step_saved(self) == trainer.global_step
+        if self.save_last and not saved_now and not compat.skips_saving(self, trainer):
+            compat.save_last(self, trainer, compat.monitor_candidates(self, trainer))
 
 
 class InterruptCheckpoint(OnExceptionCheckpoint):
@@ -329,7 +331,7 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
         validates that epoch again from the start (Lightning resumes mid-validation only when the stop
         fell inside a validation step, and would then score the remaining batches alone; otherwise
         it skipped the epoch's validation, and its best checkpoint)."""
-        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress")
+        progress = compat.saved_val_batch_progress(checkpoint)
         if getattr(self, "_in_validation", False) and progress is not None:
             restart = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
             progress.update(total=dict(restart), current=dict(restart), is_last_batch=False)
@@ -377,7 +379,7 @@ class SynchronizedStop(Callback):
         self._agreed = HostCopy(marks)
         signum = int(agreed.get().item()) if agreed is not None else 0
         if signum == signal.SIGTERM:
-            trainer._signal_connector.received_sigterm = True  # Lightning raises at the end of this step
+            compat.stop_as_sigterm(trainer)  # Lightning raises at the end of this step
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
 

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from vit import lightning_compat as compat
 from vit.data.text import CharTokenizer
 from vit.gpt import GPT
 from vit.options import set_option_groups
@@ -60,7 +61,8 @@ class LanguageModel(TrainingTask):
         if self.model is not None:
             return
         hp = self.hparams
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        trainer = compat.attached_trainer(self)
+        datamodule = trainer.datamodule if trainer is not None else None
         tokenizer = getattr(datamodule, "tokenizer", None)
         if tokenizer is not None and hp.vocab is not None and tokenizer.vocab != hp.vocab:
             raise ValueError(

@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
 
+from vit import lightning_compat as compat
 from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
 from vit.data.images import MISSING, same_class_names
 from vit.fault_tolerance import CheckpointConflictError
@@ -244,7 +245,8 @@ class ImageClassifier(TrainingTask):
             return
         hp = self.hparams
         if hp.num_classes is None:
-            datamodule = self.trainer.datamodule if self._trainer is not None else None
+            trainer = compat.attached_trainer(self)
+            datamodule = trainer.datamodule if trainer is not None else None
             if datamodule is None or not hasattr(datamodule, "num_classes"):
                 raise ValueError("num_classes is not set and there is no datamodule with a num_classes to take it from")
             hp.num_classes = datamodule.num_classes
@@ -482,9 +484,10 @@ class ImageClassifier(TrainingTask):
         """A run resumed on data with other classes, or other class names in another order (a
         renamed folder sorts elsewhere), would shift every label under the trained head: refuse it,
         with both lists, before the weights are loaded."""
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        trainer = compat.attached_trainer(self)
+        datamodule = trainer.datamodule if trainer is not None else None
         if datamodule is not None:
-            path = self._trainer.ckpt_path or "the checkpoint"
+            path = trainer.ckpt_path or "the checkpoint"
             saved_names = checkpoint.get("vit", {}).get("class_names")
             names = getattr(datamodule, "class_names", None)
             saved_count = checkpoint.get("hyper_parameters", {}).get("num_classes")
@@ -507,7 +510,8 @@ class ImageClassifier(TrainingTask):
         super().on_save_checkpoint(checkpoint)
         checkpoint["hyper_parameters"]["num_classes"] = self.hparams.num_classes  # resolved from the data
         # The data's class names in label order, so exports label predictions "ship", not "8".
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        trainer = compat.attached_trainer(self)
+        datamodule = trainer.datamodule if trainer is not None else None
         names = getattr(datamodule, "class_names", None)
         if names is not None and len(names) == self.hparams.num_classes:
             checkpoint["vit"]["class_names"] = list(names)

@@ -34,6 +34,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from vit import lightning_compat as compat
 from vit.fault_tolerance import (
     DCP_METADATA,
     METADATA,
@@ -78,8 +79,7 @@ class ShardedStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         # One data-parallel dimension over every process (no tensor parallelism): the mesh fully_shard uses.
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        compat.set_parallel_sizes(self, data_parallel=self.num_nodes * self.num_processes, tensor_parallel=1)
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
@@ -96,7 +96,7 @@ class ShardedStrategy(ModelParallelStrategy):
         """A sharded checkpoint is written to `.<name>.tmp` and renamed into place once every rank
         has written its shard, so `name` is never a half-written mix of two steps; a checkpoint
         with non-finite weights is refused, as vit.fault_tolerance.AtomicCheckpointIO does."""
-        if not self._save_distributed_checkpoint:
+        if not compat.saves_distributed(self):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
         bad = non_finite_shards(checkpoint.get("state_dict", {}))
@@ -200,8 +200,6 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
     FSDPStrategy's layout (the weights under `model`) and stops with KeyError: 'model' on
     ModelParallelStrategy's (under `state_dict`); this takes both.
     """
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
-
     folder, out = Path(folder), Path(out)
     if not folder.exists():
         raise FileNotFoundError(f"{folder} does not exist; expected a sharded checkpoint directory")
@@ -215,7 +213,7 @@ def consolidate(folder: str | Path, out: str | Path) -> Path:
             f"{folder} is not a complete sharded checkpoint: its index ({DCP_METADATA}) or {METADATA} is missing, "
             "or a shard is shorter than the index says (a kill or a full disk while it was written)"
         )
-    checkpoint = _load_distributed_checkpoint(folder)
+    checkpoint = compat.load_distributed_checkpoint(folder)
     if "model" in checkpoint:  # FSDPStrategy's layout
         checkpoint["state_dict"] = checkpoint.pop("model")
     optimizers = sorted((k for k in checkpoint if re.fullmatch(r"optimizer_\d+", k)), key=lambda k: int(k[10:]))

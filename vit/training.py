@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from vit import lightning_compat as compat
 from vit.checkpoint import is_head
 from vit.data.sampling import batch_seed, carry_position, data_position
 from vit.fault_tolerance import (
@@ -298,7 +299,7 @@ class TrainingTask(L.LightningModule):
         built its train loader yet (estimated_stepping_batches is max_steps): build it to count."""
         trainer = self.trainer
         if trainer.num_training_batches == math.inf:
-            trainer.fit_loop.setup_data()  # the loader's resume position is read when the epoch starts
+            compat.setup_train_data(trainer)  # the loader's resume position is read when the epoch starts
         batches = trainer.num_training_batches
         if batches == math.inf:  # an iterable without a length: the whole run counts as one epoch
             return int(trainer.estimated_stepping_batches)
@@ -321,16 +322,18 @@ class TrainingTask(L.LightningModule):
         # Enough to rebuild the bare model without Lightning: vit.checkpoint.load_model(path).
         checkpoint["vit"] = {"model_name": self.hparams.model_name, "model_kwargs": dict(self.model_kwargs)}
         checkpoint["vit_seed"] = self.seed
-        if self._trainer is not None:  # what a resume with another batch or process count adapts
-            checkpoint["vit_data"] = data_position(self._trainer)
+        trainer = compat.attached_trainer(self)
+        if trainer is not None:  # what a resume with another batch or process count adapts
+            checkpoint["vit_data"] = data_position(trainer)
             checkpoint["vit_peak_lr"] = self.peak_lr()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.seed = checkpoint.get("vit_seed", self.seed)
-        if self._trainer is None:
+        trainer = compat.attached_trainer(self)
+        if trainer is None:
             return
         if "vit_data" in checkpoint:
-            carry_position(checkpoint, checkpoint["vit_data"], data_position(self._trainer))
+            carry_position(checkpoint, checkpoint["vit_data"], data_position(trainer))
         saved_peak = checkpoint.get("vit_peak_lr")
         if saved_peak is not None:  # the peak rate follows lr and, with lr_base_batch_size, the global batch
             rescale_lr(checkpoint, self.peak_lr() / saved_peak, f"peak lr {self.peak_lr():g}", f"{saved_peak:g}")

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from vit import lightning_compat as compat
 from vit.data.augment import Augment, batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
 from vit.data.device import (
     DEVICE_CROPS,
@@ -326,7 +327,7 @@ class ImageDataModule(L.LightningDataModule):
         if trainer is None or not trainer.training or not self.mixup.enabled:
             return batch
         x, y = batch
-        batch_idx = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this batch's: counted after its transfer
+        batch_idx = compat.batches_ready(trainer)  # this batch's: counted after its transfer
         rng = np.random.default_rng(batch_seed(trainer, batch_idx, 1))
         return MixupCutmix(self.num_classes, self.mixup)(x, y, rng)
 

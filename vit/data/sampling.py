@@ -17,6 +17,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
+from vit import lightning_compat as compat
 from vit.data.prefetch import PreparedLoader
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def resumable_loader(
     from the checkpoint. Without a trainer it counts the batches it hands out."""
     loader = ResumableLoader(dataset, sampler=sampler, **loader_options)
     if trainer is not None:
-        loader.batches_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        loader.batches_done = lambda: compat.batches_processed(trainer)
     return loader
 
 
@@ -193,7 +194,7 @@ def carry_position(checkpoint: dict[str, Any], saved: dict[str, int | None], now
     if None in (saved.get("batch_size"), saved.get("world_size"), now["batch_size"]):
         return
     per_batch, per_batch_now = saved["batch_size"] * saved["world_size"], now["batch_size"] * now["world_size"]
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    progress = compat.saved_batch_progress(checkpoint)
     if not progress or progress.get("is_last_batch"):
         return
     current = progress["current"]

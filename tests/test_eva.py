@@ -32,15 +32,12 @@ def test_every_timm_eva_name_is_built_or_refused_with_the_reason():
     assert len(TIMM_EVA_NAMES) == 65  # timm 1.0.31; another timm: recount below and in docs/models.md
     built = [n for n in TIMM_EVA_NAMES if n in supported]
     refused = {n: unsupported[n] for n in TIMM_EVA_NAMES if n not in supported}
-    assert len(built) == 59, sorted(refused)
-    assert refused.keys() == {"eva02_enormous_patch14_clip_224"} | {
-        f"vit_{size}_patch16_sapiens2" for size in ("base", "large", "huge", "giant", "5b")
-    }
-    assert "post-norm" in refused["eva02_enormous_patch14_clip_224"]
-    assert all("grouped-query attention" in r for n, r in refused.items() if "sapiens2" in n)
+    assert len(built) == 60, sorted(refused)
+    assert refused.keys() == {f"vit_{size}_patch16_sapiens2" for size in ("base", "large", "huge", "giant", "5b")}
+    assert all("grouped-query attention" in r for r in refused.values())
     assert isinstance(vit.create_model("eva02_tiny_patch14_224", depth=1), vit.Eva)
-    with pytest.raises(ValueError, match=r"eva02_enormous_patch14_clip_224' is not supported: .*post-norm"):
-        vit.create_model("eva02_enormous_patch14_clip_224")
+    with pytest.raises(ValueError, match=r"vit_base_patch16_sapiens2' is not supported: .*grouped-query"):
+        vit.create_model("vit_base_patch16_sapiens2")
 
 
 def test_timm_eva_names_have_timms_parameter_names_and_shapes():
@@ -63,6 +60,7 @@ def test_timm_eva_names_have_timms_parameter_names_and_shapes():
         ("eva02_tiny_patch14_224", 56),  # EVA-02: axial RoPE at a reference grid, packed SwiGLU
         ("eva02_base_patch14_224", 56),  # unfused q/k/v without a key bias, split SwiGLU with its norm
         ("eva02_base_patch16_clip_224", 64),  # + the attention's inner norm, CLS pooling
+        ("eva02_enormous_patch14_clip_224", 56),  # post-norm blocks (timm's EvaBlockPostNorm), q_bias/v_bias
         ("vit_small_patch16_dinov3", 64),  # DINOv3: its RoPE, registers, gamma LayerScale, no qkv bias
         ("vit_small_patch16_dinov3_qkvb", 64),  # q and v biases
         ("vit_huge_plus_patch16_dinov3", 64),  # split SwiGLU aligned to 8
@@ -229,7 +227,7 @@ def test_eva_config_refuses_what_an_eva_does_not_have():
     with pytest.raises(ValueError, match="rope_type must be one of"):
         vit.create_model("eva02_tiny_patch14_224", rope_type="mrope")
     with pytest.raises(ValueError, match="has no equivalent here"):
-        vit.eva.from_timm_eva_args({"use_post_norm": True})
+        vit.eva.from_timm_eva_args({"num_kv_heads": 4})
 
 
 def test_a_change_inside_timm_costs_the_eva_names_with_a_warning_never_the_import():

@@ -1,11 +1,13 @@
 """vit: Vision Transformers (timm-compatible), ResNet baselines and a small GPT, one shared Block."""
 
-from vit import eva, gpt, resnet, vision_transformer  # noqa: F401  (importing registers the models)
+from vit import eva, gpt, relpos, resnet, sam, vision_transformer  # noqa: F401  (importing registers the models)
 from vit.eva import Eva, EvaConfig
 from vit.gpt import GPT, GPTConfig
 from vit.layers import Attention, Block, BlockConfig, CrossAttention, set_fused_attn
 from vit.registry import create_model, list_models, model_config
+from vit.relpos import RelPosConfig, VisionTransformerRelPos
 from vit.resnet import CifarResNet, CifarResNetConfig, ResNetConfig
+from vit.sam import Sam, SamConfig
 from vit.vision_transformer import VisionTransformer, ViTConfig, checkpoint_filter_fn
 
 __all__ = [
@@ -19,9 +21,13 @@ __all__ = [
     "Eva",
     "EvaConfig",
     "GPTConfig",
+    "RelPosConfig",
     "ResNetConfig",
+    "Sam",
+    "SamConfig",
     "ViTConfig",
     "VisionTransformer",
+    "VisionTransformerRelPos",
     "checkpoint_filter_fn",
     "create_model",
     "list_models",

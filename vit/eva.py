@@ -149,7 +149,6 @@ def _init_linears(module: nn.Module) -> None:
 _RENAMED = {"num_reg_tokens": "reg_tokens", "use_pre_transformer_norm": "pre_norm"}
 # timm's Eva kwargs we have no equal for, when set away from timm's default, and why.
 _REFUSED = {
-    "use_post_norm": (False, "post-norm blocks (timm's EvaBlockPostNorm)"),
     "num_kv_heads": (None, "grouped-query attention (num_kv_heads)"),
     "attn_only_layer_scale": (False, "LayerScale on the attention branch only"),
     "rope_shift_coords": (None, "train-time RoPE coordinate augmentation"),
@@ -196,6 +195,8 @@ def from_timm_eva_args(args: dict) -> dict:
         elif key == "norm_layer" and func in (LayerNorm, RmsNorm, nn.LayerNorm, nn.RMSNorm):
             out["norm"] = "layernorm" if func in (LayerNorm, nn.LayerNorm) else "rmsnorm"
             out["norm_eps"] = keywords.get("eps", 1e-5 if func is nn.LayerNorm else 1e-6)
+        elif key == "use_post_norm":
+            out["post_norm"] = value  # timm's EvaBlockPostNorm: ResPostBlock's computation, EVA's attention
         elif key == "attn_type" and value in ("eva", "rope"):
             out["k_bias"] = value == "rope"
         elif key == "use_abs_pos_emb":
@@ -221,6 +222,8 @@ def from_timm_eva_args(args: dict) -> dict:
     if fc_on and post_on:
         raise ValueError("timm's use_fc_norm with use_post_transformer_norm: a norm before and after pooling")
     out.update(fc_norm=fc, final_norm=fc_on or post_on)
+    if out.get("post_norm"):
+        out.pop("init_values", None)  # timm's EvaBlockPostNorm ignores it
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit.position import apply_rope
+from vit.position import RelPosBias, RelPosMlp, apply_rope, decomposed_rel_pos_bias
 
 
 def _pair(x: int | tuple[int, int]) -> tuple[int, int]:
@@ -32,6 +32,17 @@ def make_norm(kind: str, dim: int, eps: float = 1e-6) -> nn.Module:
     if kind == "rmsnorm":
         return nn.RMSNorm(dim, eps=eps)
     raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of a (B, C, H, W) map (timm's LayerNorm2d, eps 1e-6; SAM's neck)."""
+
+    def __init__(self, num_channels: int, eps: float = 1e-6) -> None:
+        super().__init__(num_channels, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
 
 
 class QuickGELU(nn.Module):
@@ -491,10 +502,13 @@ class _AttentionBase(nn.Module):
             if self.diff:
                 raise ValueError("rotary positions with differential attention are not supported")
             q, k = apply_rope(q, *rope, half=self.rope_half), apply_rope(k, *rope, half=self.rope_half)
+        attn_mask = add_bias(attn_mask, self.position_bias(q))
         if num_queries is not None:
-            if attn_mask is not None or self.causal:
-                raise ValueError("num_queries is for unmasked attention; got a mask or a causal layer")
+            if self.causal:
+                raise ValueError("num_queries is for unmasked or explicitly masked attention, not a causal layer")
             q = q[:, :, :num_queries]
+            if attn_mask is not None and attn_mask.ndim >= 2 and attn_mask.shape[-2] == N:
+                attn_mask = attn_mask[..., :num_queries, :]  # the queries' rows
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         return self.attention(q, k, v, attn_mask, self.causal, return_attn)
@@ -503,8 +517,24 @@ class _AttentionBase(nn.Module):
         """The attention output before `proj`; self-attention may normalise it (scale_norm)."""
         return x
 
+    def position_bias(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The relative positions' bias on the scores, (B | 1, heads, N, N), or None (see Attention)."""
+        return None
+
+
+def add_bias(attn_mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """An SDPA mask (boolean or additive) with an additive bias added: one float mask, the bias's dtype."""
+    if bias is None:
+        return attn_mask
+    if attn_mask is None:
+        return bias
+    if attn_mask.dtype == torch.bool:
+        return bias.masked_fill(~attn_mask, float("-inf"))
+    return attn_mask.to(bias.dtype) + bias
+
 
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")  # timm's unfused projections
+REL_POS_TYPES = ("", "bias", "mlp", "mlp_swin", "decomposed")
 
 
 class Attention(_AttentionBase):
@@ -519,6 +549,11 @@ class Attention(_AttentionBase):
     `scale_norm` normalises the heads' output before `proj` (`norm`; EVA-CLIP's inner LayerNorm).
     `rope_half=False` takes rotary tables of interleaved pairs (EVA's; vit.position.rope_table).
     `diff=True`: differential attention (see _AttentionBase), `depth` the block's number.
+
+    `rel_pos_type` adds learned relative positions to the scores, for tokens on a `grid` after
+    `num_prefix_tokens` (vit.position): "bias" and "mlp" / "mlp_swin" are timm's RelPosBias and
+    RelPosMlp (`rel_pos`, hidden width `rel_pos_dim`), "decomposed" SAM's `rel_pos_h`, `rel_pos_w`
+    read by q (no prefix tokens). The bias joins `attn_mask`, so the fused path stays fused.
     """
 
     def __init__(
@@ -539,6 +574,10 @@ class Attention(_AttentionBase):
         proj_bias: bool = True,
         diff: bool = False,
         depth: int = 0,
+        rel_pos_type: str = "",
+        grid: tuple[int, int] | None = None,
+        num_prefix_tokens: int = 0,
+        rel_pos_dim: int = 128,
     ) -> None:
         if qkv_fused:
             proj = {"qkv": nn.Linear(dim, dim * 3, bias=qkv_bias and k_bias)}
@@ -553,9 +592,33 @@ class Attention(_AttentionBase):
         self.q_bias = nn.Parameter(torch.zeros(dim)) if separate else None
         self.v_bias = nn.Parameter(torch.zeros(dim)) if separate else None
         self.norm = make_norm(norm, dim, norm_eps) if scale_norm else nn.Identity()
+        if rel_pos_type and grid is None:
+            raise ValueError(f"rel_pos_type={rel_pos_type!r} needs the token grid")
+        self.grid = grid
+        self.rel_pos = None
+        if rel_pos_type == "bias":
+            self.rel_pos = RelPosBias(grid, num_heads, num_prefix_tokens)
+        elif rel_pos_type in ("mlp", "mlp_swin"):
+            mode = "swin" if rel_pos_type == "mlp_swin" else "cr"
+            self.rel_pos = RelPosMlp(grid, num_heads, rel_pos_dim, num_prefix_tokens, mode)
+        elif rel_pos_type == "decomposed":
+            if num_prefix_tokens:
+                raise ValueError("decomposed relative positions are for patch tokens only, no prefix tokens")
+            self.rel_pos_h = nn.Parameter(torch.zeros(2 * grid[0] - 1, self.head_dim))
+            self.rel_pos_w = nn.Parameter(torch.zeros(2 * grid[1] - 1, self.head_dim))
+        elif rel_pos_type:
+            raise ValueError(f"unknown rel_pos_type {rel_pos_type!r}; expected one of {REL_POS_TYPES}")
+        self.decomposed = rel_pos_type == "decomposed"
 
     def inner_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
+
+    def position_bias(self, q: torch.Tensor) -> torch.Tensor | None:
+        if self.rel_pos is not None:
+            return self.rel_pos.get_bias().to(q.dtype)
+        if self.decomposed:
+            return decomposed_rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, self.grid)
+        return None
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, N, dim) -> (B, N, 3 * dim): q, k, v side by side, whichever the layout."""
@@ -975,6 +1038,11 @@ class BlockConfig:
     block_fn: str = "block"
     num_parallel: int = 2
     fuse_out_proj: bool = False  # parallel_scaling: one out_proj of attention and MLP together
+    # Learned relative positions on the scores (Attention): "bias", "mlp", "mlp_swin" (timm's
+    # vision_transformer_relpos), "decomposed" (SAM's); rel_pos_dim: the "mlp" kinds' hidden width.
+    rel_pos_type: str = ""
+    rel_pos_dim: int = 128
+    window_size: int = 0  # attention within windows of this many patches a side (SAM, ViTDet); 0: global
 
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads:
@@ -994,18 +1062,30 @@ class BlockConfig:
             raise ValueError(f"layer_scale must be 'ls' (timm's ViT) or 'gamma' (timm's EVA), got {self.layer_scale!r}")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"unknown mlp {self.mlp!r}; expected one of {MLP_KINDS}")
+        if self.rel_pos_type not in REL_POS_TYPES:
+            raise ValueError(f"unknown rel_pos_type {self.rel_pos_type!r}; expected one of {REL_POS_TYPES}")
+        if (self.rel_pos_type or self.window_size) and (self.block_fn != "block" or self.attn_layer != "attn"):
+            raise ValueError("rel_pos_type and window_size are options of block_fn='block' with attn_layer='attn'")
 
 
 BLOCK_FNS = ("block", "parallel_scaling", "parallel_things")
 
 
-def _attention(c: BlockConfig, causal: bool = False, depth: int = 0) -> Attention:
-    """The self-attention layer of a BlockConfig; `depth`: the block's number (differential attention)."""
+def _attention(
+    c: BlockConfig,
+    causal: bool = False,
+    depth: int = 0,
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 0,
+) -> Attention:
+    """The self-attention layer of a BlockConfig; `depth`: the block's number (differential attention);
+    `grid`, `num_prefix_tokens`: the tokens it sees (relative positions)."""
     return Attention(
         c.embed_dim, num_heads=c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate,
         proj_drop=c.proj_drop_rate, qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps, causal=causal,
         qkv_fused=c.qkv_fused, k_bias=c.k_bias, scale_norm=c.scale_attn_inner, rope_half=c.rope_rotate_half,
-        proj_bias=c.proj_bias, diff=c.attn_layer == "diff", depth=depth,
+        proj_bias=c.proj_bias, diff=c.attn_layer == "diff", depth=depth, rel_pos_type=c.rel_pos_type, grid=grid,
+        num_prefix_tokens=num_prefix_tokens, rel_pos_dim=c.rel_pos_dim,
     )  # fmt: skip
 
 
@@ -1031,16 +1111,34 @@ class Block(nn.Module):
     (timm's EVA names) and ls1, ls2 stay identities. `post_norm=True` is timm's ResPostBlock,
     x = x + drop_path(norm1(attn(x))), x = x + drop_path(norm2(mlp(x))), with init_values the norms'
     initial scale instead of a LayerScale.
+
+    `grid` (rows, columns) is the patch grid of the tokens after `num_prefix_tokens`, which relative
+    positions and windows need. `window_size` > 0 (SAM's, ViTDet's): the attention runs within each
+    window_size x window_size window of the grid, the normed grid zero-padded on the bottom and right
+    to whole windows (padding tokens are keys too, as in SAM); its weights are then per window,
+    (B x windows, heads, window_size^2, window_size^2).
     """
 
-    def __init__(self, config: BlockConfig, drop_path: float = 0.0, causal: bool = False, depth: int = 0) -> None:
+    def __init__(
+        self,
+        config: BlockConfig,
+        drop_path: float = 0.0,
+        causal: bool = False,
+        depth: int = 0,
+        grid: tuple[int, int] | None = None,
+        num_prefix_tokens: int = 0,
+    ) -> None:
         super().__init__()
         c, dim = config, config.embed_dim
         if c.block_fn != "block":
             raise ValueError(f"block_fn={c.block_fn!r} is not a Block; build blocks with vit.layers.make_block")
+        if c.window_size and (grid is None or num_prefix_tokens):
+            raise ValueError("window_size needs the patch grid and no prefix tokens")
         self.post_norm = c.post_norm
+        self.grid, self.window_size = grid, c.window_size
         self.norm1 = make_norm(c.norm, dim, c.norm_eps)
-        self.attn = _attention(c, causal, depth)
+        attn_grid = (c.window_size, c.window_size) if c.window_size else grid
+        self.attn = _attention(c, causal, depth, attn_grid, num_prefix_tokens)
         ls_modules = c.init_values and c.layer_scale == "ls" and not c.post_norm
         gammas = c.init_values is not None and c.layer_scale == "gamma" and not c.post_norm  # timm's EVA: also at 0
         self.ls1 = LayerScale(dim, c.init_values) if ls_modules else nn.Identity()
@@ -1067,12 +1165,18 @@ class Block(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`return_attn=True` also returns this block's attention weights, (B, heads, N, N).
         `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost.
-        `attn_mask`, `rope`, `kv_cache`: see Attention.forward."""
+        `attn_mask`, `rope`, `kv_cache`: see Attention.forward (per window with window_size)."""
+        y = x if self.post_norm else self.norm1(x)
+        if self.window_size:
+            if num_queries is not None or kv_cache is not None:
+                raise ValueError("windowed attention takes neither num_queries nor a key/value cache")
+            y, padded = window_partition(y, self.grid, self.window_size)
         y = self.attn(
-            x if self.post_norm else self.norm1(x), attn_mask=attn_mask, rope=rope, kv_cache=kv_cache,
-            num_queries=num_queries, return_attn=return_attn,
+            y, attn_mask=attn_mask, rope=rope, kv_cache=kv_cache, num_queries=num_queries, return_attn=return_attn
         )  # fmt: skip
         y, attn = y if return_attn else (y, None)
+        if self.window_size:
+            y = window_unpartition(y, self.grid, padded, self.window_size)
         if num_queries is not None:
             x = x[:, :num_queries]
         if self.post_norm:
@@ -1083,6 +1187,25 @@ class Block(nn.Module):
         y = self.mlp(self.norm2(x))
         x = x + self.drop_path2(self.ls2(y) if self.gamma_2 is None else self.gamma_2 * y)
         return (x, attn) if return_attn else x
+
+
+def window_partition(x: torch.Tensor, grid: tuple[int, int], size: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Tokens (B, H*W, C) of a row-major grid -> (B x windows, size*size, C), the grid zero-padded on the
+    bottom and right to whole windows, windows row-major; and the padded grid (timm's SAM's)."""
+    (h, w), c = grid, x.shape[-1]
+    x = F.pad(x.view(-1, h, w, c), (0, 0, 0, -w % size, 0, -h % size))
+    hp, wp = x.shape[1:3]
+    x = x.view(-1, hp // size, size, wp // size, size, c).transpose(2, 3)
+    return x.reshape(-1, size * size, c), (hp, wp)
+
+
+def window_unpartition(
+    windows: torch.Tensor, grid: tuple[int, int], padded: tuple[int, int], size: int
+) -> torch.Tensor:
+    """window_partition's inverse: (B x windows, size*size, C) -> (B, H*W, C), the padding dropped."""
+    (h, w), (hp, wp), c = grid, padded, windows.shape[-1]
+    x = windows.view(-1, hp // size, wp // size, size, size, c).transpose(2, 3).reshape(-1, hp, wp, c)
+    return x[:, :h, :w].reshape(-1, h * w, c)
 
 
 class ParallelScalingBlock(_AttentionBase):
@@ -1196,9 +1319,21 @@ class ParallelThingsBlock(nn.Module):
         return (x, torch.cat(attns, dim=1)) if return_attn else x
 
 
-def make_block(config: BlockConfig, drop_path: float = 0.0, depth: int = 0, causal: bool = False) -> nn.Module:
-    """The block `config.block_fn` names: Block, ParallelScalingBlock or ParallelThingsBlock."""
-    cls = {"block": Block, "parallel_scaling": ParallelScalingBlock, "parallel_things": ParallelThingsBlock}
+def make_block(
+    config: BlockConfig,
+    drop_path: float = 0.0,
+    depth: int = 0,
+    causal: bool = False,
+    grid: tuple[int, int] | None = None,
+    num_prefix_tokens: int = 0,
+) -> nn.Module:
+    """The block `config.block_fn` names: Block, ParallelScalingBlock or ParallelThingsBlock. `grid`,
+    `num_prefix_tokens`: the tokens' patch grid after the prefix tokens (Block's relative positions, windows)."""
+    if config.block_fn == "block":
+        return Block(
+            config, drop_path=drop_path, causal=causal, depth=depth, grid=grid, num_prefix_tokens=num_prefix_tokens
+        )
+    cls = {"parallel_scaling": ParallelScalingBlock, "parallel_things": ParallelThingsBlock}
     return cls[config.block_fn](config, drop_path=drop_path, causal=causal, depth=depth)
 
 

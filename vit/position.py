@@ -11,6 +11,11 @@
   and `MixedRope` (Heo et al. 2024: learned frequencies per block and head). Attention applies them
   with `apply_rope`; tokens before the table's positions (CLS, registers) are left unrotated.
 
+Relative positions, learned, add a bias per pair of tokens to the attention scores, from the
+tokens' offset on the patch grid: `RelPosBias` (a table per offset; Swin, BEiT), `RelPosMlp` (an
+MLP of log-spaced offsets; Swin-V2 and timm's variant) and `decomposed_rel_pos_bias` (MViTv2 and
+SAM: per-axis embeddings read by the query). Attention adds them as a float mask, fused or not.
+
 By default the rotation pairs channel j with channel j + head_dim/2 ("rotate half", GPT-NeoX /
 LLaMA layout); `rotate_half=False` pairs channel 2j with 2j + 1 (interleaved: EVA's, timm's
 default). A table is (cos, sin), each (..., N, head_dim), every angle written twice in its layout.
@@ -19,8 +24,10 @@ default). A table is (cos, sin), each (..., N, head_dim), every angle written tw
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -189,3 +196,104 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool
         return x * cos + turn(x) * sin
     prefix, rest = x[..., :-n, :], x[..., -n:, :]
     return torch.cat([prefix, rest * cos + turn(rest) * sin], dim=-2)
+
+
+# -- relative positions ----------------------------------------------------------------------------
+
+
+def relative_position_index(grid: tuple[int, int], class_token: bool = False) -> torch.Tensor:
+    """(N, N) index of each pair's grid offset into a (2H-1)(2W-1) table, row-major over the grid (timm's
+    `gen_relative_position_index`). With `class_token` (BEiT's) the index is padded by one token, whose
+    pairs take the table's 3 last entries: token to CLS, CLS to token, CLS to itself."""
+    h, w = grid
+    coords = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")).flatten(1)  # (2, N)
+    offsets = coords[:, :, None] - coords[:, None, :]  # (2, N, N)
+    index = (offsets[0] + h - 1) * (2 * w - 1) + offsets[1] + w - 1
+    if class_token:
+        size = (2 * h - 1) * (2 * w - 1)
+        index = F.pad(index, [1, 0, 1, 0])
+        index[0, :], index[:, 0], index[0, 0] = size, size + 1, size + 2
+    return index
+
+
+def relative_log_coords(grid: tuple[int, int], mode: str = "cr") -> torch.Tensor:
+    """(2H-1, 2W-1, 2) grid offsets, log-spaced: sign(d) log(1 + |d|) ("cr", timm's), or Swin-V2's
+    offsets scaled to [-8, 8] then sign(d) log2(1 + |d|) / 3 ("swin")."""
+    h, w = grid
+    dh, dw = torch.arange(-(h - 1), h).float(), torch.arange(-(w - 1), w).float()
+    coords = torch.stack(torch.meshgrid(dh, dw, indexing="ij"), dim=-1)
+    if mode == "swin":
+        coords = coords / torch.tensor([max(h - 1, 1), max(w - 1, 1)]) * 8  # timm divides by size - 1
+        return torch.sign(coords) * torch.log2(1.0 + coords.abs()) / math.log2(8)
+    return torch.sign(coords) * torch.log(1.0 + coords.abs())
+
+
+class RelPosBias(nn.Module):
+    """A learned bias per head for every grid offset (Swin-V1, BEiT; timm's `RelPosBias`, its names):
+    `relative_position_bias_table` ((2H-1)(2W-1) (+ 3 with a CLS token), heads)."""
+
+    def __init__(self, grid: tuple[int, int], num_heads: int, prefix_tokens: int = 0) -> None:
+        super().__init__()
+        if prefix_tokens > 1:
+            raise ValueError(f"a relative position table has entries for one prefix token, not {prefix_tokens}")
+        self.grid, self.prefix_tokens = tuple(grid), prefix_tokens
+        size = (2 * grid[0] - 1) * (2 * grid[1] - 1) + 3 * prefix_tokens
+        self.relative_position_bias_table = nn.Parameter(torch.zeros(size, num_heads))
+        nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+        index = relative_position_index(self.grid, class_token=prefix_tokens > 0).flatten()
+        self.register_buffer("relative_position_index", index, persistent=False)  # timm's: not in checkpoints
+
+    def get_bias(self) -> torch.Tensor:
+        """(1, heads, N, N), N = prefix + H*W: the scores' bias (timm's name)."""
+        n = self.grid[0] * self.grid[1] + self.prefix_tokens
+        return self.relative_position_bias_table[self.relative_position_index].view(n, n, -1).permute(2, 0, 1)[None]
+
+
+class RelPosMlp(nn.Module):
+    """The bias of every grid offset computed by a 2-layer MLP of the log-spaced offset (Swin-V2's
+    continuous position bias; timm's `RelPosMlp`, its names): `mlp.fc1`, ReLU, dropout 0.125 (while
+    training), `mlp.fc2` to one value per head. mode "cr" (timm's) uses it as it is; "swin" scales
+    16 sigmoid(.) and has no fc2 bias. Prefix tokens get no bias."""
+
+    def __init__(
+        self, grid: tuple[int, int], num_heads: int, hidden_dim: int = 128, prefix_tokens: int = 0, mode: str = "cr"
+    ) -> None:
+        super().__init__()
+        if mode not in ("cr", "swin"):
+            raise ValueError(f"RelPosMlp mode must be 'cr' or 'swin', got {mode!r}")
+        self.grid, self.prefix_tokens, self.mode = tuple(grid), prefix_tokens, mode
+        self.mlp = nn.Sequential(OrderedDict([
+            ("fc1", nn.Linear(2, hidden_dim)), ("act", nn.ReLU()), ("drop1", nn.Dropout(0.125)),
+            ("fc2", nn.Linear(hidden_dim, num_heads, bias=mode != "swin")),
+        ]))  # fmt: skip
+        self.register_buffer("relative_position_index", relative_position_index(self.grid).flatten(), persistent=False)
+        self.register_buffer("rel_coords_log", relative_log_coords(self.grid, mode), persistent=False)
+
+    def get_bias(self) -> torch.Tensor:
+        """(1, heads, N, N), N = prefix + H*W: the scores' bias (timm's name)."""
+        n = self.grid[0] * self.grid[1]
+        table = self.mlp(self.rel_coords_log).flatten(0, 1)  # ((2H-1)(2W-1), heads)
+        bias = table[self.relative_position_index].view(n, n, -1).permute(2, 0, 1)
+        if self.mode == "swin":
+            bias = 16 * torch.sigmoid(bias)
+        return F.pad(bias, [self.prefix_tokens, 0, self.prefix_tokens, 0])[None]
+
+
+def decomposed_rel_pos_bias(
+    q: torch.Tensor, rel_pos_h: torch.Tensor, rel_pos_w: torch.Tensor, grid: tuple[int, int]
+) -> torch.Tensor:
+    """MViTv2's and SAM's decomposed relative positions (timm's `get_decomposed_rel_pos_bias`): the bias
+    of query (i, j) for key (k, l) is q . rel_pos_h[i - k + H - 1] + q . rel_pos_w[j - l + W - 1], q
+    unscaled. q (B, heads, H*W, head_dim), rel_pos_h (2H-1, head_dim), rel_pos_w (2W-1, head_dim);
+    returns (B, heads, H*W, H*W)."""
+    h, w = grid
+    if rel_pos_h.shape[0] != 2 * h - 1 or rel_pos_w.shape[0] != 2 * w - 1:
+        raise ValueError(f"relative positions for a {rel_pos_h.shape[0] // 2 + 1}x{rel_pos_w.shape[0] // 2 + 1} grid, "
+                         f"not {h}x{w}")  # fmt: skip
+    ih, iw = torch.arange(h, device=q.device), torch.arange(w, device=q.device)
+    rh = rel_pos_h[ih[:, None] - ih[None, :] + h - 1]  # (H, H, head_dim)
+    rw = rel_pos_w[iw[:, None] - iw[None, :] + w - 1]  # (W, W, head_dim)
+    r_q = q.unflatten(-2, (h, w))  # (B, heads, H, W, head_dim)
+    rel_h = torch.einsum("...hwc,hkc->...hwk", r_q, rh.to(q.dtype))
+    rel_w = torch.einsum("...hwc,wkc->...hwk", r_q, rw.to(q.dtype))
+    return (rel_h[..., :, None] + rel_w[..., None, :]).flatten(-4, -3).flatten(-2)

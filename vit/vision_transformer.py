@@ -96,6 +96,7 @@ class ViTConfig(BlockConfig):
     # the backbone's feature map (1 for most of timm's hybrids), as in timm.
     backbone: dict[str, Any] | None = None
     backbone_proj: bool = True  # False: no projection, the feature map's channels are the width
+    global_attn_indexes: tuple[int, ...] = ()  # with window_size: the blocks that attend globally (SAM's)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,6 +110,9 @@ class ViTConfig(BlockConfig):
             raise ValueError("posemb='rope' with attn_layer='diff' is not supported: rotary tables are per full head")
         if self.global_pool not in GLOBAL_POOLS:
             raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {self.global_pool!r}")
+        if (self.rel_pos_type or self.window_size) and (self.patch_drop_rate or self.dynamic_img_size):
+            raise ValueError("relative positions and windows are for the built grid: no patch_drop_rate nor "
+                             "dynamic_img_size")  # fmt: skip
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True (use global_pool='avg' without it)")
         if self.backbone is not None:
@@ -164,7 +168,12 @@ class VisionTransformer(nn.Module):
         self.norm_pre = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.pre_norm else nn.Identity()
 
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]
-        self.blocks = nn.Sequential(*[make_block(c, dpr[i], depth=i) for i in range(c.depth)])
+        grid = self.patch_embed.grid_size
+        self.blocks = nn.Sequential(*[
+            make_block(replace(c, window_size=0) if i in c.global_attn_indexes else c, dpr[i], i, False, grid,
+                       self.num_prefix_tokens)
+            for i in range(c.depth)
+        ])  # fmt: skip
         use_fc_norm = c.global_pool in ("avg", "max", "avgmax") if c.fc_norm is None else c.fc_norm
         self.norm = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.final_norm and not use_fc_norm else nn.Identity()
         self.fc_norm = make_norm(c.norm, c.embed_dim, c.norm_eps) if c.final_norm and use_fc_norm else nn.Identity()
@@ -238,7 +247,13 @@ class VisionTransformer(nn.Module):
         """Images -> [CLS, registers] + patch tokens with their positions, as the blocks take them,
         and the rotary tables of those patches (posemb="rope", else None)."""
         x = self.patch_embed(images)
-        pos_embed = self._pos_embed(self.patch_grid(images), x.device) if self.pos_embed is not None else None
+        grid = self.patch_grid(images)
+        if (self.config.rel_pos_type or self.config.window_size) and grid != self.patch_embed.grid_size:
+            raise ValueError(
+                f"input of a {grid[0]}x{grid[1]} patch grid; this model's relative positions and windows are for "
+                f"{self.patch_embed.grid_size[0]}x{self.patch_embed.grid_size[1]}: build it with that img_size"
+            )
+        pos_embed = self._pos_embed(grid, x.device) if self.pos_embed is not None else None
         if pos_embed is not None and self.config.no_embed_class:
             x = x + pos_embed  # the patches only
         tokens = (self.cls_token, self.dist_token, self.reg_token)
@@ -276,20 +291,21 @@ class VisionTransformer(nn.Module):
         return_attn: bool = False,
         take: Collection[int] = (),
         depth: int | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The first `depth` blocks (all by default) in order: the output, the attention weights of
         every block if `return_attn`, and the outputs of the blocks numbered in `take`. The last block
         returns only its first `last_num_queries` tokens if given. `rope`: one table for every block,
-        or a list of one per block (mixed RoPE)."""
+        or a list of one per block (mixed RoPE); `attn_mask`: every block's (a shared bias)."""
         attns, taken = [], []
         blocks = self.blocks[:depth] if depth is not None else self.blocks
         for i, block in enumerate(blocks):
             num_queries = last_num_queries if i == len(blocks) - 1 else None
             table = rope[i] if isinstance(rope, list) else rope
             if self.grad_checkpointing and torch.is_grad_enabled():
-                out = checkpoint(block, x, None, table, None, num_queries, return_attn, use_reentrant=False)
+                out = checkpoint(block, x, attn_mask, table, None, num_queries, return_attn, use_reentrant=False)
             else:
-                out = block(x, rope=table, num_queries=num_queries, return_attn=return_attn)
+                out = block(x, attn_mask, rope=table, num_queries=num_queries, return_attn=return_attn)
             if return_attn:
                 out, attn = out
                 attns.append(attn)
@@ -582,6 +598,26 @@ def timm_model_args(name: str) -> dict:
     return timm_pretrained_defaults(name) | recorded
 
 
+def record_timm_builder(name: str, module: object, builder: str) -> dict:
+    """The kwargs timm's `create_model(name)` passes to `module.builder`, the private function that builds
+    the model (called with it swapped for a recorder, so nothing is built), with the defaults it takes
+    from the name's pretrained config (image size, classes)."""
+    recorded: dict = {}
+
+    def record(variant: str, pretrained: bool = False, **kwargs: object) -> None:
+        recorded.update(kwargs)
+        raise _Recorded
+
+    with mock.patch.object(module, builder, record):
+        try:
+            timm.models.model_entrypoint(name)()
+        except _Recorded:
+            pass
+        else:
+            raise ValueError(f"timm's {name} does not build its model through timm's {builder}")
+    return timm_pretrained_defaults(name) | recorded
+
+
 def timm_pretrained_defaults(name: str) -> dict:
     """What timm's builder adds to a model function's kwargs from the name's default pretrained
     config (DINOv2: 518 px, no head)."""
@@ -733,6 +769,16 @@ _timm_changed: list[str] = []  # what could not be read from the installed timm,
 
 _register_timm_models()
 
+# timm's NaFlexVit names: not built here, but named, so create_model says why.
+try:
+    for _name in timm.list_models(module="naflexvit"):
+        register_unsupported(
+            _name, "timm's NaFlexVit: images as variable-length patch sequences with coordinates and padding masks, "
+            "its own embedding module (`embeds`); not built here"
+        )  # fmt: skip
+except Exception:  # another timm without the module: nothing to name
+    pass
+
 
 # -- checkpoints: timm's kwargs, fix-ups of other layouts, Google's .npz files ------------------------
 
@@ -752,9 +798,10 @@ def timm_kwargs(config: ViTConfig) -> dict:
 
     default = ViTConfig()
     eva_options = ("qkv_fused", "k_bias", "layer_scale")  # timm's Eva has them
+    others = ("rel_pos_type", "window_size", "global_attn_indexes")  # timm's relpos and SAM ViTs have them
     unmatched = {
         name: getattr(config, name)
-        for name in ("num_experts", "stem_channels", *eva_options)
+        for name in ("num_experts", "stem_channels", *eva_options, *others)
         if getattr(config, name) != getattr(default, name)
     }
     if config.posemb not in ("learn", "none"):

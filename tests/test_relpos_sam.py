@@ -1,0 +1,147 @@
+"""timm's relative-position ViTs (vision_transformer_relpos) and SAM encoders (vision_transformer_sam) on
+our VisionTransformer and Block: names, parameters, logits and feature maps against timm's."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+import vit
+from vit.layers import Attention, Block, BlockConfig, window_partition, window_unpartition
+
+RELPOS_NAMES = timm.list_models(module="vision_transformer_relpos")
+SAM_NAMES = timm.list_models(module="vision_transformer_sam")
+
+
+def _pair(name: str, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """timm's model, small, with every parameter moved off its init, and ours loaded from its state dict."""
+    small = dict(dict(depth=2, embed_dim=64, num_heads=2, num_classes=5), **kwargs)
+    theirs = timm.create_model(name, pretrained=False, **small).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ours = vit.create_model(name, **small).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    return ours, theirs
+
+
+def test_every_relpos_and_sam_name_is_built():
+    assert len(RELPOS_NAMES) == 14 and len(SAM_NAMES) == 4  # timm 1.0.31; another timm: recount in docs/models.md
+    assert set(RELPOS_NAMES + SAM_NAMES) <= set(vit.list_models())
+    assert isinstance(vit.create_model("vit_srelpos_small_patch16_224", depth=1), vit.VisionTransformerRelPos)
+    assert isinstance(vit.create_model("samvit_base_patch16_224", depth=1), vit.Sam)
+
+
+def test_timms_vit_family_count_and_naflexvit_refused_with_the_reason():
+    """The count docs/models.md and README give: timm 1.0.31's 7 ViT-family modules, 271 of 290 names."""
+    modules = ("vision_transformer", "deit", "vision_transformer_hybrid", "eva", "vision_transformer_relpos",
+               "vision_transformer_sam", "naflexvit")  # fmt: skip
+    names = [n for m in modules for n in timm.list_models(module=m)]
+    built = set(vit.list_models())
+    assert (sum(n in built for n in names), len(names)) == (271, 290)
+    unsupported = vit.registry.unsupported_models()
+    assert all(n in built or n in unsupported for n in names)
+    with pytest.raises(ValueError, match="is not supported: timm's NaFlexVit"):
+        vit.create_model("naflexvit_base_patch16_gap")
+
+
+@pytest.mark.parametrize("name", RELPOS_NAMES + SAM_NAMES)
+def test_full_size_names_and_shapes_are_timms(name):
+    with torch.device("meta"):
+        ours, theirs = vit.create_model(name, num_classes=7), timm.create_model(name, num_classes=7)
+    assert {k: v.shape for k, v in ours.named_parameters()} == {k: v.shape for k, v in theirs.named_parameters()}
+    assert ours.state_dict().keys() == theirs.state_dict().keys()  # the index buffers are not saved, as timm's
+
+
+@pytest.mark.parametrize("name", RELPOS_NAMES)
+def test_relpos_models_give_timms_logits_on_both_attention_paths(name):
+    ours, theirs = _pair(name, img_size=64, **({"rel_pos_dim": 32} if "srelpos" in name else {}))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = theirs(x)
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours.forward_features(x), theirs.forward_features(x), atol=1e-5, rtol=0)
+        logits, attns = ours.forward_with_attn(x)  # the explicit path: the bias added to the scores
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    n = ours.num_prefix_tokens + (64 // ours.config.patch_size) ** 2
+    assert len(attns) == 2 and all(a.shape == (2, 2, n, n) for a in attns)
+    assert expected.abs().max() > 0.1  # a comparison of real numbers, not of zeros
+
+
+@pytest.mark.parametrize("name", SAM_NAMES)
+@pytest.mark.parametrize(("img_size", "num_classes"), [(64, 5), (80, 0)])  # 80: a 5x5 grid, padded windows
+def test_sam_encoders_give_timms_features_and_logits(name, img_size, num_classes):
+    ours, theirs = _pair(
+        name, img_size=img_size, num_classes=num_classes, depth=3, window_size=2, global_attn_indexes=(1,)
+    )
+    x = torch.randn(2, 3, img_size, img_size)
+    with torch.no_grad():
+        features = theirs.forward_features(x)  # the neck's map
+        torch.testing.assert_close(ours.forward_features(x), features, atol=1e-5, rtol=0)
+        expected = theirs(x)
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
+        logits, attns = ours.forward_with_attn(x)
+        final, feats = ours.forward_intermediates(x, indices=[0, 2], norm=True)
+        final_t, feats_t = theirs.forward_intermediates(x, indices=[0, 2], norm=True)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(final, final_t, atol=1e-5, rtol=0)
+    for ours_map, theirs_map in zip(feats, feats_t, strict=True):
+        torch.testing.assert_close(ours_map, theirs_map, atol=1e-5, rtol=0)
+    side = img_size // 16
+    windows = 2 * (-(-side // 2)) ** 2
+    assert [a.shape for a in attns] == [(windows, 2, 4, 4), (2, 2, side**2, side**2), (windows, 2, 4, 4)]
+    assert features.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("rel_pos_type", ["bias", "mlp", "mlp_swin", "decomposed"])
+def test_relative_positions_keep_both_attention_paths_equal(rel_pos_type):
+    prefix = 0 if rel_pos_type == "decomposed" else 1
+    attn = Attention(32, num_heads=2, rel_pos_type=rel_pos_type, grid=(3, 4), num_prefix_tokens=prefix).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(2, prefix + 12, 32)
+    with torch.no_grad():
+        fused = attn(x)
+        explicit, weights = attn(x, return_attn=True)
+        plain = attn.position_bias(attn._heads(x))
+    torch.testing.assert_close(explicit, fused, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, prefix + 12))
+    assert plain.abs().max() > 0  # a bias, not zeros
+    if prefix:  # CLS pooling: the first query alone, its row of the bias
+        with torch.no_grad():
+            torch.testing.assert_close(attn(x, num_queries=1), fused[:, :1], atol=1e-6, rtol=1e-5)
+
+
+def test_window_partition_round_trips_and_pads_the_bottom_right():
+    x = torch.randn(2, 5 * 7, 8)
+    windows, padded = window_partition(x, (5, 7), 3)
+    assert windows.shape == (2 * 2 * 3, 9, 8) and padded == (6, 9)
+    assert torch.equal(window_unpartition(windows, (5, 7), padded, 3), x)
+    assert torch.equal(windows[0, :3], x[0, :3]) and torch.equal(windows[0, 3:6], x[0, 7:10])  # row-major
+
+
+def test_windowed_relpos_blocks_train_with_drop_path_and_grad_checkpointing():
+    for name in ("vit_relpos_small_patch16_rpn_224", "vit_srelpos_small_patch16_224", "samvit_base_patch16"):
+        kwargs = dict(img_size=64, depth=2, num_classes=3, drop_path_rate=0.1)
+        if name.startswith("sam"):
+            kwargs.update(window_size=3, global_attn_indexes=(1,), embed_dim=64, num_heads=2)
+        model = vit.create_model(name, **kwargs)
+        model.set_grad_checkpointing(True)
+        model.train()
+        model(torch.randn(2, 3, 64, 64)).square().sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters()), name
+
+
+def test_relative_positions_and_windows_refuse_what_they_cannot_do():
+    with pytest.raises(ValueError, match="block_fn='block'"):
+        BlockConfig(rel_pos_type="mlp", block_fn="parallel_things")
+    with pytest.raises(ValueError, match="unknown rel_pos_type"):
+        BlockConfig(rel_pos_type="rope")
+    with pytest.raises(ValueError, match="grid"):
+        Block(BlockConfig(embed_dim=32, num_heads=2, window_size=2))
+    with pytest.raises(ValueError, match="patch_drop_rate"):
+        vit.create_model("vit_relpos_small_patch16_224", patch_drop_rate=0.5)
+    with pytest.raises(ValueError, match="build it with that img_size"):
+        vit.create_model("samvit_base_patch16_224", depth=1, embed_dim=64, num_heads=2)(torch.zeros(1, 3, 240, 240))

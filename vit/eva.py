@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 from unittest import mock
 
@@ -23,7 +22,7 @@ from torch import nn
 
 from vit.layers import AttentionPoolLatent
 from vit.position import MixedRope, rope_2d, rope_2d_dinov3
-from vit.registry import register_model, register_unsupported
+from vit.registry import register_timm_names
 from vit.vision_transformer import (
     Rope,
     VisionTransformer,
@@ -227,29 +226,4 @@ def from_timm_eva_args(args: dict) -> dict:
     return out
 
 
-def _register_timm_eva_models() -> None:
-    """Register timm's Eva names that we build identically; the rest are listed with the reason
-    (`vit.registry.unsupported_models()`). Where an installed timm changed its builders, the names
-    affected are listed unsupported with the error and one warning says so; `import vit` stands."""
-    changed = []
-    try:
-        names = timm.list_models(module="eva")
-    except Exception as e:
-        names, changed = [], [f"timm.list_models(module='eva'): {type(e).__name__}: {e}"]
-    for name in names:
-        try:
-            register_model(name, Eva, EvaConfig, **from_timm_eva_args(timm_eva_args(name)))
-        except ValueError as e:
-            register_unsupported(name, str(e))
-        except Exception as e:
-            register_unsupported(name, f"could not be read from timm {timm.__version__} ({type(e).__name__}: {e})")
-            changed.append(f"{name}: {type(e).__name__}: {e}")
-    if changed:
-        warnings.warn(
-            f"{len(changed)} of timm's EVA names could not be read from timm {timm.__version__}, whose model "
-            f"builders differ from those vit was written against; they are not available by name. First: {changed[0]}",
-            stacklevel=2,
-        )
-
-
-_register_timm_eva_models()
+register_timm_names("EVA", [("*", "eva")], Eva, EvaConfig, lambda name: from_timm_eva_args(timm_eva_args(name)))

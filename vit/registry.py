@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,4 +79,44 @@ def _check_fields(name: str, config_cls: type, kwargs: dict[str, Any]) -> None:
         raise ValueError(
             f"model {name!r} has no option(s) {', '.join(unknown)}; "
             f"{config_cls.__name__} fields are: {', '.join(sorted(fields))}"
+        )
+
+
+def register_timm_names(
+    family: str,
+    modules: list[tuple[str, str]],
+    build: Callable[[Any], nn.Module],
+    config_cls: type,
+    fields_of: Callable[[str], dict[str, Any]],
+    skip: Collection[str] = (),
+) -> None:
+    """Register timm's names of a family, (pattern, module) pairs of timm's, that we build
+    identically: `fields_of(name)` gives the config's fields, or ValueError when timm's arguments
+    have no equal here (the name is listed unsupported, with the reason). Reading the arguments
+    relies on timm's private builders: where an installed timm changed them, the names affected (or
+    every name) are listed unsupported with the error and one warning says so; `import vit` stands."""
+    import timm
+
+    changed, names = [], []
+    for pattern, module in modules:
+        try:
+            names += timm.list_models(pattern, module=module)
+        except Exception as e:
+            changed.append(f"timm.list_models(module={module!r}): {type(e).__name__}: {e}")
+    for name in names:
+        if name in skip:
+            continue
+        try:
+            register_model(name, build, config_cls, **fields_of(name))
+        except ValueError as e:
+            register_unsupported(name, str(e))
+        except Exception as e:
+            register_unsupported(name, f"could not be read from timm {timm.__version__} ({type(e).__name__}: {e})")
+            changed.append(f"{name}: {type(e).__name__}: {e}")
+    if changed:
+        warnings.warn(
+            f"{len(changed)} of timm's {family} names could not be read from timm {timm.__version__}, whose model "
+            f"builders differ from those vit was written against; they are not available by name (vit's own "
+            f"names are). First: {changed[0]}",
+            stacklevel=3,
         )

@@ -12,15 +12,13 @@ model functions at import, as vit.vision_transformer does for ViTs.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, replace
 
-import timm
 import torch
 from torch import nn
 
 from vit.position import RelPosBias, RelPosMlp
-from vit.registry import register_model, register_unsupported
+from vit.registry import register_timm_names
 from vit.vision_transformer import Rope, VisionTransformer, ViTConfig, _timm_norm, record_timm_builder
 
 
@@ -119,29 +117,7 @@ def from_timm_relpos_args(args: dict) -> dict:
     return out
 
 
-def _register_timm_relpos_models() -> None:
-    """Register timm's relative-position ViT names that we build identically; the rest are listed with
-    the reason (`vit.registry.unsupported_models()`); a change inside timm costs names, never the import."""
-    changed = []
-    try:
-        names = timm.list_models(module="vision_transformer_relpos")
-    except Exception as e:
-        names, changed = [], [f"timm.list_models(module='vision_transformer_relpos'): {type(e).__name__}: {e}"]
-    for name in names:
-        try:
-            register_model(name, VisionTransformerRelPos, RelPosConfig, **from_timm_relpos_args(timm_relpos_args(name)))
-        except ValueError as e:
-            register_unsupported(name, str(e))
-        except Exception as e:
-            register_unsupported(name, f"could not be read from timm {timm.__version__} ({type(e).__name__}: {e})")
-            changed.append(f"{name}: {type(e).__name__}: {e}")
-    if changed:
-        warnings.warn(
-            f"{len(changed)} of timm's relative-position ViT names could not be read from timm {timm.__version__}, "
-            f"whose model builders differ from those vit was written against; they are not available by name. "
-            f"First: {changed[0]}",
-            stacklevel=2,
-        )
-
-
-_register_timm_relpos_models()
+register_timm_names(
+    "relative-position ViT", [("*", "vision_transformer_relpos")], VisionTransformerRelPos, RelPosConfig,
+    lambda name: from_timm_relpos_args(timm_relpos_args(name)),
+)  # fmt: skip

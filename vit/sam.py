@@ -12,15 +12,13 @@ timm's names are read from its model functions at import, as vit.vision_transfor
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, replace
 
-import timm
 import torch
 from torch import nn
 
 from vit.layers import LayerNorm2d
-from vit.registry import register_model, register_unsupported
+from vit.registry import register_timm_names
 from vit.vision_transformer import VisionTransformer, ViTConfig, _take_indices, record_timm_builder
 
 SAM_POOLS = ("avg", "max", "avgmax", "")
@@ -222,28 +220,6 @@ def from_timm_sam_args(args: dict) -> dict:
     return out
 
 
-def _register_timm_sam_models() -> None:
-    """Register timm's SAM encoder names that we build identically; the rest are listed with the reason
-    (`vit.registry.unsupported_models()`); a change inside timm costs names, never the import."""
-    changed = []
-    try:
-        names = timm.list_models(module="vision_transformer_sam")
-    except Exception as e:
-        names, changed = [], [f"timm.list_models(module='vision_transformer_sam'): {type(e).__name__}: {e}"]
-    for name in names:
-        try:
-            register_model(name, Sam, SamConfig, **from_timm_sam_args(timm_sam_args(name)))
-        except ValueError as e:
-            register_unsupported(name, str(e))
-        except Exception as e:
-            register_unsupported(name, f"could not be read from timm {timm.__version__} ({type(e).__name__}: {e})")
-            changed.append(f"{name}: {type(e).__name__}: {e}")
-    if changed:
-        warnings.warn(
-            f"{len(changed)} of timm's SAM names could not be read from timm {timm.__version__}, whose model "
-            f"builders differ from those vit was written against; they are not available by name. First: {changed[0]}",
-            stacklevel=2,
-        )
-
-
-_register_timm_sam_models()
+register_timm_names(
+    "SAM", [("*", "vision_transformer_sam")], Sam, SamConfig, lambda name: from_timm_sam_args(timm_sam_args(name))
+)

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from functools import partial
@@ -39,7 +38,7 @@ from vit.layers import (
     moe_aux_loss,
 )
 from vit.position import rope_2d, sincos_2d
-from vit.registry import register_model, register_unsupported
+from vit.registry import register_model, register_timm_names, register_unsupported
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 
@@ -733,41 +732,11 @@ def _from_timm_hybrid_embed(keywords: dict[str, Any]) -> dict[str, Any]:
     return {"backbone": backbone.spec, **({"backbone_proj": False} if keywords.get("proj") is False else {})}
 
 
-def _register_timm_models() -> None:
-    """Register timm's VisionTransformer names that we build identically; the rest are listed with
-    the reason (`vit.registry.unsupported_models()`). Reading a name's arguments relies on timm's
-    private builders: where an installed timm changed them, that name (or every name) is listed
-    unsupported with the error, and one warning says so; `import vit` and our own names stand."""
-    names = []
-    for pattern, module in (("*", "vision_transformer"), ("deit*", "deit"), ("vit_*", "vision_transformer_hybrid")):
-        try:
-            names += timm.list_models(pattern, module=module)
-        except Exception as e:
-            _timm_changed.append(f"timm.list_models(module={module!r}): {type(e).__name__}: {e}")
-    for name in names:
-        if name in VIT_MODELS:
-            continue
-        try:
-            register_model(name, VisionTransformer, ViTConfig, **from_timm_args(timm_model_args(name)))
-        except ValueError as e:
-            register_unsupported(name, str(e))
-        except Exception as e:
-            reason = f"could not be read from timm {timm.__version__} ({type(e).__name__}: {e})"
-            register_unsupported(name, reason)
-            _timm_changed.append(f"{name}: {type(e).__name__}: {e}")
-    if _timm_changed:
-        warnings.warn(
-            f"{len(_timm_changed)} of timm's ViT names could not be read from timm {timm.__version__}, whose model "
-            f"builders differ from those vit was written against; they are not available by name (vit's own "
-            f"names are). First: {_timm_changed[0]}",
-            stacklevel=2,
-        )
-
-
-_timm_changed: list[str] = []  # what could not be read from the installed timm, and why
-
-
-_register_timm_models()
+# timm's ViT names we build identically; the rest are named unsupported, with the reason.
+register_timm_names(
+    "ViT", [("*", "vision_transformer"), ("deit*", "deit"), ("vit_*", "vision_transformer_hybrid")],
+    VisionTransformer, ViTConfig, lambda name: from_timm_args(timm_model_args(name)), skip=VIT_MODELS,
+)  # fmt: skip
 
 # timm's NaFlexVit names: not built here, but named, so create_model says why.
 try:

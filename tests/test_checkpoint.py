@@ -179,6 +179,22 @@ def test_timm_name_offline_says_how_to_pass_a_file(monkeypatch):
     assert isinstance(cause, OfflineModeIsEnabled), f"not the offline error: {e.value.__cause__!r}"
 
 
+def test_the_cli_prints_that_advice_not_the_network_error_beneath_it(monkeypatch, tmp_path, capsys):
+    """scripts/train.py printed only the innermost error ("offline mode is enabled", or "Name or
+    service not known"), losing how to pass a local file."""
+    from huggingface_hub import constants
+
+    from vit.cli import main
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", "configs/default.yaml", "--trainer.default_root_dir", str(tmp_path),
+              "--model.finetune.init_from", "timm:vit_tiny_patch16_224.augreg_in21k"])  # fmt: skip
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 1 and last.startswith("error: could not get timm's pretrained weights")
+    assert last.endswith("--model.finetune.init_from /path/to/model.safetensors")
+
+
 def _to_google_npz(model: torch.nn.Module, path) -> None:
     """Write a timm ViT in the layout of Google's original ViT .npz checkpoints."""
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}

@@ -546,8 +546,8 @@ def main(args: list[str] | None = None) -> Any:
             raise
         # A class that could not be built from the config (e.g. a data root that does not exist, an
         # option its constructor refuses): jsonargparse wraps the reason in a dump of every subtype
-        # tried; say the reason alone.
-        print(f"\nerror: {cause}", file=sys.stderr)
+        # tried; say the reason alone, as the class raised it (its advice with the library's cause).
+        print(f"\nerror: {_raised_by_class(e)}", file=sys.stderr)
         sys.exit(1)
     destroy_process_group()  # a finished DDP or sharded run exits 0, not a teardown abort
     return cli
@@ -572,6 +572,14 @@ def _option_error(e: BaseException | None) -> OptionError | None:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def _raised_by_class(e: BaseException) -> BaseException:
+    """The error under jsonargparse's wrappers: what the class being built raised."""
+    wrapper = re.compile(r"Does not validate against any|Problem with given class_path")
+    while e.__cause__ is not None and wrapper.match(str(e)):
+        e = e.__cause__
+    return e
 
 
 def _root_cause(e: BaseException) -> BaseException:

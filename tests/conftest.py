@@ -91,3 +91,19 @@ def quiet_trainer(root: Path, **kwargs) -> L.Trainer:
     checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", monitor="val/acc1", mode="max", save_last=True)
     defaults["callbacks"] = [*defaults["callbacks"], checkpoints]
     return L.Trainer(**defaults)
+
+
+def timm_and_ours(name: str, noise: float = 0.1, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(ours, timm's) model `name` built with `kwargs` in eval mode: timm's with every parameter moved
+    off its init by `noise`, ours loaded strictly from its state dict."""
+    import timm
+
+    import vit
+
+    theirs = timm.create_model(name, pretrained=False, **kwargs).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    ours = vit.create_model(name, **kwargs).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    return ours, theirs

@@ -8,6 +8,7 @@ import torch
 from timm.layers.pos_embed_sincos import RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed
 
 import vit
+from tests.conftest import timm_and_ours
 from vit.layers import Attention
 from vit.position import MixedRope, apply_rope, rope_2d, rope_2d_dinov3
 
@@ -17,14 +18,7 @@ SMALL = dict(depth=2, embed_dim=64, num_heads=2, num_classes=5)
 
 
 def _pair(name: str, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """timm's model with every parameter moved off its init, and ours loaded from its state dict."""
-    theirs = timm.create_model(name, pretrained=False, **SMALL, **kwargs).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ours = vit.create_model(name, **SMALL, **kwargs).eval()
-    ours.load_state_dict(theirs.state_dict(), strict=True)
-    return ours, theirs
+    return timm_and_ours(name, 0.05, **SMALL, **kwargs)
 
 
 def test_every_timm_eva_name_is_built_or_refused_with_the_reason():

@@ -52,3 +52,18 @@ def test_the_readme_quotes_the_budget_reports_headline_table():
         assert f"{words} {quoted}" in row, (model, quoted, row)
     hybrid = table["ViT + conv stem (hybrid)"]
     assert f"conv-stem hybrid {float(hybrid[1].rstrip('%')):.1f}% at 30 min" in row
+
+
+def test_the_readme_counts_the_timm_names_that_build():
+    """README's "N of timm's M ViT-family names" is what `import vit` registers of timm's modules."""
+    import timm
+
+    import vit
+
+    modules = ("vision_transformer", "deit", "vision_transformer_hybrid", "eva", "vision_transformer_relpos",
+               "vision_transformer_sam", "naflexvit")  # fmt: skip
+    names = {name for module in modules for name in timm.list_models(module=module)}
+    built = names & set(vit.list_models())
+    text = (ROOT / "README.md").read_text()
+    claims = re.findall(r"(\d+) of timm's (\d+) ViT-family names", text)
+    assert len(claims) == 2 and set(claims) == {(str(len(built)), str(len(names)))}, claims

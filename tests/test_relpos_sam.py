@@ -8,6 +8,7 @@ import timm
 import torch
 
 import vit
+from tests.conftest import timm_and_ours
 from vit.layers import Attention, Block, BlockConfig, window_partition, window_unpartition
 
 RELPOS_NAMES = timm.list_models(module="vision_transformer_relpos")
@@ -15,15 +16,7 @@ SAM_NAMES = timm.list_models(module="vision_transformer_sam")
 
 
 def _pair(name: str, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """timm's model, small, with every parameter moved off its init, and ours loaded from its state dict."""
-    small = dict(dict(depth=2, embed_dim=64, num_heads=2, num_classes=5), **kwargs)
-    theirs = timm.create_model(name, pretrained=False, **small).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    ours = vit.create_model(name, **small).eval()
-    ours.load_state_dict(theirs.state_dict(), strict=True)
-    return ours, theirs
+    return timm_and_ours(name, 0.1, **dict(dict(depth=2, embed_dim=64, num_heads=2, num_classes=5), **kwargs))
 
 
 def test_every_relpos_and_sam_name_is_built():

@@ -4,23 +4,15 @@ AIMv2, BEiT3 and the other names of timm's vision_transformer module; logits aga
 from __future__ import annotations
 
 import pytest
-import timm
 import torch
 
 import vit
+from tests.conftest import timm_and_ours
 from vit.layers import Attention, Block, BlockConfig, ParallelScalingBlock, set_fused_attn
 
 
 def _pair(name: str, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """timm's model, 2 blocks deep, with every parameter moved off its init, and ours loaded from it."""
-    small = dict(depth=2, num_classes=5, **kwargs)
-    theirs = timm.create_model(name, pretrained=False, **small).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    ours = vit.create_model(name, **small).eval()
-    ours.load_state_dict(theirs.state_dict(), strict=True)
-    return ours, theirs
+    return timm_and_ours(name, 0.1, depth=2, num_classes=5, **kwargs)  # 2 blocks deep
 
 
 NARROW = dict(embed_dim=64, num_heads=2)

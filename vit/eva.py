@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from unittest import mock
 
-import timm
 import torch
 from torch import nn
 
@@ -27,9 +25,8 @@ from vit.vision_transformer import (
     Rope,
     VisionTransformer,
     ViTConfig,
-    _Recorded,
     keep_rope,
-    timm_pretrained_defaults,
+    record_timm_builder,
 )
 
 ROPE_TYPES = ("cat", "dinov3", "mixed")
@@ -158,25 +155,10 @@ _REFUSED = {
 
 
 def timm_eva_args(name: str) -> dict:
-    """The kwargs timm's `create_model(name)` builds its Eva with: those its model function passes to
-    timm's `_create_eva` (called with that builder swapped for a recorder, so nothing is built) and
-    the defaults its builder takes from the name's pretrained config (image size, classes)."""
+    """The kwargs timm's `create_model(name)` builds its Eva with (vit.vision_transformer.record_timm_builder)."""
     import timm.models.eva as timm_eva
 
-    recorded: dict = {}
-
-    def record(variant: str, pretrained: bool = False, **kwargs: object) -> None:
-        recorded.update(kwargs)
-        raise _Recorded
-
-    with mock.patch.object(timm_eva, "_create_eva", record):
-        try:
-            timm.models.model_entrypoint(name)()
-        except _Recorded:
-            pass
-        else:
-            raise ValueError(f"timm's {name} does not build its model through timm's _create_eva")
-    return timm_pretrained_defaults(name) | recorded
+    return record_timm_builder(name, timm_eva, "_create_eva")
 
 
 def from_timm_eva_args(args: dict) -> dict:

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import math
 import os
-from functools import partial
+import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,15 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vit import lightning_compat as compat
 from vit.data.augment import Augment, batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
-from vit.data.device import (
-    DEVICE_CROPS,
-    DecodedBatch,
-    EncodedBatch,
-    EncodedFiles,
-    augment_decoded,
-    collate_encoded,
-    decode_encoded,
-)
+from vit.data.device import DEVICE_CROPS, DeviceSteps, EncodedFiles, collate_encoded
 from vit.data.images import (
     ImageArrays,
     ImageFiles,
@@ -90,6 +82,10 @@ class ImageDataModule(L.LightningDataModule):
         device_prefetch: with device_decode, how many batches a thread decodes ahead of the step,
             on a CUDA stream of its own (vit.data.prefetch); 0: each when its step begins; None: 1
             on a GPU, 0 on the CPU (there the thread only competes with the model for the cores).
+        data_process: with device_decode, decode and augment in a process of its own per loader
+            (vit.data.process), which hands finished batches to the training process; None: on a
+            GPU. In the training process's threads, the data work takes the interpreter's lock from
+            the thread that launches the model's kernels.
         worker_decode: with device_decode, the share of the JPEGs (0 to 1, the same files every
             epoch) that the loader workers decode (PIL) instead of the device: decoding on a GPU
             takes its cores from the model, and workers with cores to spare can take part of it.
@@ -135,6 +131,7 @@ class ImageDataModule(L.LightningDataModule):
         device_decode: bool = False,
         device_prefetch: int | None = None,
         worker_decode: float = 0.0,
+        data_process: bool | None = None,
     ) -> None:
         super().__init__()
         check_loader_options(img_size, batch_size, num_workers, eval_crop_pct, mean, std, val_holdout,
@@ -166,9 +163,13 @@ class ImageDataModule(L.LightningDataModule):
                 "false with --data.in_memory true (in memory, images are decoded once, before training)")  # fmt: skip
         require(not device_decode or crop in DEVICE_CROPS, "data.augment.crop", crop,
                 f"{' or '.join(DEVICE_CROPS)} with --data.device_decode true")  # fmt: skip
+        require(data_process in (None, False) or device_decode, "data.data_process", data_process,
+                "false or null unless --data.device_decode true (it runs the decoding and augmenting)")  # fmt: skip
+        self._data_process = data_process
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
+        self._loaders: weakref.WeakSet[PreparedLoader] = weakref.WeakSet()  # their data processes end at teardown
 
     def load_splits(self) -> tuple[ImageFiles | ImageArrays, ImageFiles | ImageArrays]:
         """The (train, val) datasets with the train and eval transforms; each subclass says where they come from."""
@@ -250,7 +251,7 @@ class ImageDataModule(L.LightningDataModule):
             sampler = BatchSampler(self.train_set, self.batch_size, shuffle=True, seed=seed, drop_last=True)
             return resumable_loader(self.train_set, sampler, self.trainer, batch_size=None, pin_memory=self.pin_memory)
         sampler = self.train_sampler(self.train_set, seed)
-        return resumable_loader(
+        loader = resumable_loader(
             self.train_set,
             sampler,
             self.trainer,
@@ -258,6 +259,8 @@ class ImageDataModule(L.LightningDataModule):
             drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
             **self._loader_options(self.train_set),
         )
+        self._loaders.add(loader)
+        return loader
 
     def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
         """The training order: a permutation by (seed, epoch), shared among the processes."""
@@ -284,7 +287,13 @@ class ImageDataModule(L.LightningDataModule):
             return DataLoader(dataset, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
         if isinstance(dataset, ImageFiles):  # a corrupt file is left out, not replaced by an image scored twice
             dataset.substitute = False
-        return PreparedLoader(dataset, batch_size=self.batch_size, shuffle=False, **self._loader_options(dataset))
+        loader = PreparedLoader(dataset, batch_size=self.batch_size, shuffle=False, **self._loader_options(dataset))
+        self._loaders.add(loader)
+        return loader
+
+    def teardown(self, stage: str) -> None:
+        for loader in list(self._loaders):
+            loader.close()
 
     def _loader_options(self, dataset: Dataset) -> dict[str, Any]:
         options: dict[str, Any] = dict(
@@ -293,9 +302,17 @@ class ImageDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers and self.num_workers > 0,
         )
         if isinstance(dataset, EncodedFiles):  # bytes from the workers, decoded on the device (ahead of the step)
-            stages = (partial(self._decode_on_device, dataset), partial(self._augment_on_device, dataset))
-            options.update(collate_fn=collate_encoded, prepare=stages, device=self._device, ahead=self.device_prefetch)
+            steps = DeviceSteps(dataset, self.img_size, self.mean, self.std)
+            options.update(collate_fn=collate_encoded, prepare=steps.stages, device=self._device,
+                           ahead=self.device_prefetch, process=self.data_process)  # fmt: skip
         return options
+
+    @property
+    def data_process(self) -> bool:
+        """Whether device_decode's work runs in a data process: as given, else on a GPU."""
+        if self._data_process is not None:
+            return self._data_process
+        return self.device_decode and self._device().type == "cuda"
 
     def _device(self) -> torch.device:
         """Where the model runs: the trainer's device; outside a run, the GPU if there is one."""
@@ -303,22 +320,9 @@ class ImageDataModule(L.LightningDataModule):
             return self.trainer.strategy.root_device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def _decode_on_device(self, files: EncodedFiles, batch: EncodedBatch, device: torch.device) -> DecodedBatch:
-        """device_decode's first stage: a batch of `files` decoded on `device` (a file that does not
-        decode is named, or skipped as the loader workers skip one: skip_corrupt)."""
-        return decode_encoded(batch, device, files)
-
-    def _augment_on_device(
-        self, files: EncodedFiles, batch: DecodedBatch, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """device_decode's second stage: the decoded batch of `files` cropped, flipped, RandAugmented
-        (training) and normalised, with its labels, on `device`."""
-        x, y = augment_decoded(batch, self.img_size, files.train)
-        return normalize(x, self.mean, self.std), y
-
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """On the device: in-memory batches augmented (training) and normalised (encoded files
-        arrive decoded and normalised: _decode_on_device, _augment_on_device); then Mixup/CutMix,
+        arrive decoded and normalised: vit.data.device.DeviceSteps); then Mixup/CutMix,
         training batches only. All randomness is a function of (seed, step, rank) or (seed, epoch,
         index), so resumed runs augment and mix exactly like uninterrupted ones."""
         if self.in_memory:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import io
 import logging
 import random
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ from vit.data.augment import (
     center_crop_box,
     crop_resize_flip,
     draw_rand_augment,
+    normalize,
     rand_augment,
     random_resized_crop_box,
 )
@@ -343,3 +345,27 @@ def decode_and_augment(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_encoded, then augment_decoded: the two stages a PreparedLoader may run in two threads."""
     return augment_decoded(decode_encoded(batch, device, files), size, files.train)
+
+
+@dataclass(frozen=True)
+class DeviceSteps:
+    """The work on the device for a batch of `files`, in the two stages a PreparedLoader runs
+    (vit.data.prefetch; in threads or in a data process, which is why it is a plain, picklable
+    object): `decode` (a file that does not decode is named, or skipped as the loader workers skip
+    one: skip_corrupt), then `augment` (cropped, flipped, RandAugmented in training, normalised)."""
+
+    files: EncodedFiles
+    size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def decode(self, batch: EncodedBatch, device: torch.device) -> DecodedBatch:
+        return decode_encoded(batch, device, self.files)
+
+    def augment(self, batch: DecodedBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = augment_decoded(batch, self.size, self.files.train)
+        return normalize(x, self.mean, self.std), y
+
+    @property
+    def stages(self) -> tuple[Callable[[Any, torch.device], Any], ...]:
+        return self.decode, self.augment

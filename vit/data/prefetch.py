@@ -20,11 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
+
+from vit.data.process import DataProcess, sampler_state
 
 _DONE = object()
 Stage = Callable[[Any, torch.device], Any]
@@ -63,29 +66,73 @@ class PreparedLoader(DataLoader):
         prepare: Stage | Sequence[Stage] | None = None,
         device: Callable[[], torch.device] | None = None,
         ahead: int | None = None,
+        process: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(dataset, *args, **kwargs)
         self.stages: list[Stage] = [] if prepare is None else [prepare] if callable(prepare) else list(prepare)
-        self.device, self.ahead = device, ahead
+        self.device, self.ahead, self.process = device, ahead, process
         self.times = LoaderTimes()
         self._stop_running: Callable[[], None] | None = None
+        self._data_process: DataProcess | None = None
 
     def __iter__(self) -> Iterator[Any]:
         if self._stop_running is not None:  # the last epoch's threads, if it was left early
             self._stop_running()
-        batches = super().__iter__()
         if not self.stages:
-            return batches
+            return super().__iter__()
         stages = len(self.stages)
         self.times = LoaderTimes([[] for _ in range(stages)], [[] for _ in range(stages)])
         device = torch.device(self.device() if self.device is not None else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         ahead = self.ahead if self.ahead is not None else int(device.type == "cuda")
+        if self.process:
+            return self._from_process(device, ahead)
+        batches = super().__iter__()
         if ahead <= 0:
             return self._on_demand(batches, device)
         return self._ahead(batches, device, ahead)
+
+    def _from_process(self, device: torch.device, ahead: int) -> Iterator[Any]:
+        """The batches made by this loader's data process (vit.data.process): `ahead` + 1 of them
+        ready at most (at least 1), while the training step has the last one."""
+        if self._data_process is None or self._data_process.device != device:
+            if self._data_process is not None:
+                self._data_process.close()
+            make = partial(
+                PreparedLoader, self.dataset, batch_size=self.batch_size, drop_last=self.drop_last,
+                sampler=self.sampler, num_workers=self.num_workers, collate_fn=self.collate_fn,
+                pin_memory=self.pin_memory, persistent_workers=self.persistent_workers,
+                prefetch_factor=self.prefetch_factor, worker_init_fn=self.worker_init_fn, prepare=self.stages,
+                device=partial(torch.device, str(device)), ahead=self.ahead,
+            )  # fmt: skip
+            self._data_process = DataProcess(make, device, ring=max(1, ahead) + 2, batch_size=self.batch_size or 1)
+        state = sampler_state(self.sampler)
+        if hasattr(self.sampler, "begin_epoch"):  # the child's sampler starts the epoch: this one moves on with it
+            self.sampler.begin_epoch()
+        return self._taken(self._data_process.epoch(state))
+
+    def close(self) -> None:
+        """Stops this loader's threads and its data process, if running."""
+        if self._stop_running is not None:
+            self._stop_running()
+        if self._data_process is not None:
+            self._data_process.close()
+            self._data_process = None
+
+    def _taken(self, batches: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            asked = time.perf_counter()
+            item = next(batches, _DONE)
+            if item is _DONE:
+                return
+            batch, stage_times = item
+            self.times.waited.append(time.perf_counter() - asked)
+            for k, (wall, cpu) in enumerate(stage_times):
+                self.times.prepared[k].append(wall)
+                self.times.prepared_cpu[k].append(cpu)
+            yield batch
 
     def _on_demand(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -61,11 +61,16 @@ class ResumableSampler(DistributedSampler):
         self.resume_epoch, self.resume_position = 0, 0
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        start = self.resume_position if self.epoch == self.resume_epoch else 0
-        self.resume_position = 0
+        start = self.begin_epoch()
         indices = self.epoch_order()
         for i in indices[start:]:
             yield i, mix_seed(self.seed, self.epoch, i)
+
+    def begin_epoch(self) -> int:
+        """Where this epoch starts: the resume position once, after a resume into it, else 0."""
+        start = self.resume_position if self.epoch == self.resume_epoch else 0
+        self.resume_position = 0
+        return start
 
     def epoch_order(self) -> list[int]:
         """This process's indices for the epoch: DistributedSampler's (a permutation by (seed, epoch),

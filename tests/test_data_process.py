@@ -1,0 +1,204 @@
+"""The data process (`data.data_process`): device_decode's decoding and augmenting in a process of
+its own, handing finished batches to the training process, with the batches the training process
+would have made itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.conftest import ROOT, write_image_folder
+from tests.test_device_data import _recipe
+from tests.test_fault_tolerance import assert_bit_identical, signal_at, weights
+from vit.cli import main
+from vit.data import ImageFolderDataModule
+from vit.data.images import CorruptImageError
+from vit.data.prefetch import PreparedLoader
+from vit.data.process import DataProcess
+
+
+def _module(data: Path, **options) -> ImageFolderDataModule:
+    module = ImageFolderDataModule(
+        str(data), img_size=40, batch_size=4, num_workers=0, device_decode=True,
+        augment={"crop": "rrc", "randaugment_ops": 2}, **options,
+    )  # fmt: skip
+    module.setup("fit")
+    return module
+
+
+def _batches(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [tuple(t.clone() for t in batch) for batch in loader]
+
+
+@pytest.fixture
+def jpegs(tmp_path: Path) -> Path:
+    return write_image_folder(tmp_path / "data", train=5, val=3, size=56, ext="jpg")
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_the_data_process_makes_the_batches_the_training_process_makes(jpegs, start, monkeypatch):
+    """Training (random resized crops, flips, RandAugment, two epochs) and evaluation (a ragged last
+    batch), bit for bit; spawned as on a GPU, the loader and its dataset travel by pickle."""
+    monkeypatch.setattr(DataProcess, "start_method", start)
+    here, there = _module(jpegs, data_process=False), _module(jpegs, data_process=True)
+    assert not here.data_process and there.data_process
+    for make in ("train_dataloader", "val_dataloader"):
+        mine, theirs = getattr(here, make)(), getattr(there, make)()
+        for epoch in range(2 if make == "train_dataloader" else 1):
+            mine.sampler.set_epoch(epoch) if hasattr(mine.sampler, "set_epoch") else None
+            theirs.sampler.set_epoch(epoch) if hasattr(theirs.sampler, "set_epoch") else None
+            expected, got = _batches(mine), _batches(theirs)
+            assert [len(x) for x, _ in got] == ([4] * 5 if make == "train_dataloader" else [4, 4, 4])
+            for (x, y), (x2, y2) in zip(expected, got, strict=True):
+                assert torch.equal(x, x2) and torch.equal(y, y2)
+        assert theirs._data_process.pid != os.getpid()
+    there.teardown("fit")
+    assert all(loader._data_process is None for loader in there._loaders)
+
+
+def test_an_epoch_left_early_is_dropped_and_a_resumed_one_starts_at_its_next_batch(jpegs):
+    module = _module(jpegs, data_process=True)
+    loader = module.train_dataloader()
+    whole = _batches(loader)
+    for x, _ in zip(loader, range(2), strict=False):  # left after 2 of 5 batches, the process ahead of it
+        pass
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(_batches(loader), whole, strict=True))
+    loader.load_state_dict({"epoch": 0, "position": 3 * 4, "seed": 0})
+    rest = _batches(loader)
+    assert len(rest) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(rest, whole[3:], strict=True))
+    loader.close()
+
+
+def test_a_corrupt_file_is_named_in_the_training_process_or_skipped(jpegs, caplog):
+    bad = jpegs / "train" / "class2" / "1.jpg"
+    data = bad.read_bytes()
+    bad.write_bytes(data[:200] + bytes(len(data) - 202) + data[-2:])
+    loader = _module(jpegs, data_process=True).train_dataloader()
+    with pytest.raises(CorruptImageError, match=f"{bad}"):
+        _batches(loader)
+    loader.close()
+    loader = _module(jpegs, data_process=True, skip_corrupt=True).train_dataloader()
+    assert [len(x) for x, _ in _batches(loader)] == [4] * 5
+    loader.close()
+
+
+def test_the_training_process_dispatches_four_ops_a_batch_whatever_its_size(jpegs):
+    """The training process's whole work for a batch: a message, a copy of the images and one of the
+    labels; decoding and augmenting there dispatch an op or more an image."""
+
+    class Count(TorchDispatchMode):
+        ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for process in (False, True):
+        for batch_size in (4, 8):
+            module = ImageFolderDataModule(str(jpegs), img_size=72, batch_size=batch_size, num_workers=0,
+                                           device_decode=True, data_process=process)  # fmt: skip
+            module.setup("fit")
+            loader = module.train_dataloader()
+            batches = iter(loader)
+            next(batches)  # the process started and the buffers shared
+            Count.ops = []
+            with Count():
+                next(batches)
+            counts[process, batch_size] = len(Count.ops)
+            loader.close()
+    assert counts[True, 4] == counts[True, 8] == 4  # a view of the buffer and a copy of it, twice
+    assert counts[False, 8] > counts[False, 4] > 50  # 68 and 100 in torch 2.14
+
+
+def test_a_data_process_that_dies_is_said_where_the_batch_is_taken(jpegs):
+    loader = _module(jpegs, data_process=True).train_dataloader()
+    batches = iter(loader)
+    next(batches)
+    os.kill(loader._data_process.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"the data process exited \(exit code -9\)"):
+        list(batches)
+    assert len(_batches(loader)) == 5  # the next epoch starts another
+    loader.close()
+
+
+def test_the_data_process_ends_with_the_training_process_and_outlives_its_signals(jpegs, tmp_path):
+    """SIGTERM and SIGINT reach a whole process group (SLURM, Ctrl-C): the training process decides
+    when to stop. Killed outright, it leaves no data process behind."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from tests.test_data_process import _module\n"
+        "from pathlib import Path\n"
+        f"loader = _module(Path({str(jpegs)!r}), data_process=True).train_dataloader()\n"
+        "batches = iter(loader)\n"
+        "next(batches)\n"
+        "print(loader._data_process.pid, flush=True)\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"  # as Lightning takes Ctrl-C: the run goes on to shut down
+        "    print('interrupted', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(run.stdout.readline())
+    os.killpg(run.pid, signal.SIGINT)
+    assert run.stdout.readline() == "interrupted\n"
+    os.kill(child, signal.SIGTERM)
+    time.sleep(0.5)
+    assert _alive(child)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_data_process_needs_device_decoding():
+    with pytest.raises(ValueError, match=r"data\.data_process: got True, expected false or null unless --data\.device"):
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, data_process=True)
+
+
+def test_a_batch_that_does_not_fit_the_buffers_is_said():
+    def grow(batch, device):
+        return (torch.zeros(len(batch), int(batch[0]) + 1),)
+
+    loader = PreparedLoader(torch.arange(8), batch_size=4, prepare=grow, process=True)
+    with pytest.raises(ValueError, match=r"a batch of shape \(4, 5\) does not fit the data process's buffers \(4, 1\)"):
+        list(loader)
+    loader.close()
+
+
+@pytest.mark.slow
+def test_a_recipe_fed_by_the_data_process_resumes_mid_epoch_to_the_weights_of_one_fed_in_process(tmp_path, one_thread):
+    """configs/imagenet_resnet50.yaml's recipe (tests.test_device_data._recipe) with the data
+    process: SIGTERM after step 6 (epoch 1, batch 2 of 4), resumed with --ckpt_path last, equals an
+    uninterrupted run whose data work ran in the training process, bit for bit."""
+    data = write_image_folder(tmp_path / "data", train=8, val=2, size=96, ext="jpg")
+    with pytest.raises(SystemExit) as stopped:
+        main(_recipe(data, tmp_path / "run", "--data.data_process", "true", *signal_at(6, "SIGTERM")))
+    assert stopped.value.code == 143
+    resumed = main(_recipe(data, tmp_path / "run", "--data.data_process", "true", "--ckpt_path", "last"))
+    straight = main(_recipe(data, tmp_path / "straight", "--data.data_process", "false"))
+    assert resumed.datamodule.data_process and not straight.datamodule.data_process
+    assert resumed.trainer.global_step == straight.trainer.global_step == 12
+    assert_bit_identical(weights(resumed), weights(straight))
+    assert all(loader._data_process is None for loader in resumed.datamodule._loaders)  # ended at teardown

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_an_epoch_left_early_is_dropped_and_a_resumed_one_starts_at_its_next_bat
     module = _module(jpegs, data_process=True)
     loader = module.train_dataloader()
     whole = _batches(loader)
-    for x, _ in zip(loader, range(2), strict=False):  # left after 2 of 5 batches, the process ahead of it
+    for _ in zip(loader, range(2), strict=False):  # left after 2 of 5 batches, the process ahead of it
         pass
     assert all(torch.equal(a[0], b[0]) for a, b in zip(_batches(loader), whole, strict=True))
     loader.load_state_dict({"epoch": 0, "position": 3 * 4, "seed": 0})
@@ -95,7 +96,7 @@ def test_the_training_process_dispatches_four_ops_a_batch_whatever_its_size(jpeg
     labels; decoding and augmenting there dispatch an op or more an image."""
 
     class Count(TorchDispatchMode):
-        ops: list[str] = []
+        ops: ClassVar[list[str]] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops.append(str(func))

@@ -143,8 +143,8 @@ def test_the_data_process_ends_with_the_training_process_and_outlives_its_signal
         f"loader = _module(Path({str(jpegs)!r}), data_process=True).train_dataloader()\n"
         "batches = iter(loader)\n"
         "next(batches)\n"
-        "print(loader._data_process.pid, flush=True)\n"
         "try:\n"
+        "    print(loader._data_process.pid, flush=True)\n"
         "    time.sleep(60)\n"
         "except KeyboardInterrupt:\n"  # as Lightning takes Ctrl-C: the run goes on to shut down
         "    print('interrupted', flush=True)\n"

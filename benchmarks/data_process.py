@@ -78,7 +78,7 @@ def cost(config: str, root: Path, batch: int, workers: int, steps: int, warmup: 
             epoch += 1
         # the ops, over a few more batches: the main thread's and, in the training process, the stages' threads'
         in_stages = [0]
-        if not data.data_process:
+        if not data.data_process and data.device_prefetch:  # the stages run in threads the main one does not see
             loader.stages = [counted(stage, in_stages) for stage in loader.stages]
         loader.sampler.set_epoch(epoch)
         batches, counts = iter(loader), []
@@ -102,6 +102,34 @@ def cost(config: str, root: Path, batch: int, workers: int, steps: int, warmup: 
     }
 
 
+class Zeros:
+    """A stage that makes a batch of `side` x `side` images and does nothing else."""
+
+    def __init__(self, side: int) -> None:
+        self.side = side
+
+    def __call__(self, batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(len(batch), 3, self.side, self.side), batch
+
+
+def hand_over(batch: int, batches: int = 60) -> None:
+    """The training process's CPU ms a batch for taking batches from a data process alone, at 8 px
+    (the message and buffer bookkeeping) and at 224 px (plus the copy out of the buffer, which a
+    GPU makes on the device)."""
+    from vit.data.prefetch import PreparedLoader
+
+    for side in (8, 224):
+        loader = PreparedLoader(torch.arange(batch * batches), batch_size=batch, prepare=Zeros(side), process=True)
+        taken = iter(loader)
+        next(taken)
+        cpu, main, n = time.process_time(), time.thread_time(), 0
+        for _ in taken:
+            n += 1
+        cpu, main = (1000 * (time.process_time() - cpu) / n, 1000 * (time.thread_time() - main) / n)
+        print(f"| hand-over alone, {side} px | {cpu:.2f} ({main:.2f}) |", flush=True)
+        loader.close()
+
+
 def main() -> None:
     from vit.tools.data_check import synthetic_tree_wanted, write_synthetic_imagenet
 
@@ -120,6 +148,9 @@ def main() -> None:
     if args.end_to_end:
         end_to_end(root, args)
         return
+    print(f"batch {args.batch}: the training process's CPU ms a batch (main thread)")
+    print("| what | ms |\n|---|---:|")
+    hand_over(args.batch)
     print(f"224 px, batch {args.batch}, {args.workers} loader worker(s), {args.steps - args.warmup} batches timed")
     print("| recipe | device_decode's work | data path img/s | training process CPU ms a batch (main thread) "
           "| torch ops a batch in the training process |")  # fmt: skip

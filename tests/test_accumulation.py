@@ -104,8 +104,8 @@ def _mixed_run(tmp_path, max_steps: int, accumulate: int, ckpt_path: str | None 
 def test_each_batch_of_an_accumulated_step_draws_its_own_mixup_and_dropout_and_a_resume_the_same(tmp_path):
     """With 2 batches a step, the two mix with their own lambda and run the model under their own
     seed; resumed after the first step, the next batches draw as the uninterrupted run's did. One
-    batch a step draws as it always did."""
-    from vit.data.sampling import mix_seed
+    batch a step is keyed by (step, rank) alone."""
+    from vit.seeds import Purpose, seed_for
 
     whole = _mixed_run(tmp_path / "whole", max_steps=3, accumulate=2)
     assert [(i, step) for i, step, _, _ in whole.rows] == [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (5, 2)]
@@ -116,4 +116,4 @@ def test_each_batch_of_an_accumulated_step_draws_its_own_mixup_and_dropout_and_a
     assert all(torch.equal(a[3], b[3]) for a, b in zip(resumed.rows, whole.rows[2:], strict=True))
 
     single = _mixed_run(tmp_path / "single", max_steps=2, accumulate=1)
-    assert [seed for _, _, seed, _ in single.rows] == [mix_seed(0, step, 0, 2) for step in (0, 1)]
+    assert [seed for _, _, seed, _ in single.rows] == [seed_for(0, Purpose.DROPOUT, step, 0) for step in (0, 1)]

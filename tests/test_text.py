@@ -281,13 +281,21 @@ def test_resume_matches_an_uninterrupted_run(text_file, tmp_path):
 
 def test_a_resumed_run_keeps_its_seed_whatever_the_new_process_was_seeded_with(text_file, tmp_path):
     """Seeded 5, stopped at step 3, resumed in a process seeded 9 (as `seed_everything: true` would
-    pick a new seed): model and data go on with 5, and the process's global seed stays 9."""
+    pick a new seed): model and data go on with 5, and the process's global seed stays 9. The
+    datamodule holds the seed in the checkpoint itself; a checkpoint without it gives the task's."""
     fit(tmp_path, text_file, "--seed_everything", "5", "--trainer.max_steps", "3")
-    cli = fit(tmp_path, text_file, "--seed_everything", "9", "--trainer.max_steps", "6", "--ckpt_path", "last")
-    assert cli.trainer.global_step == 6
-    assert cli.model.seed == 5 and cli.trainer.train_dataloader.sampler.seed == 5
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["vit_seed"] == 5
-    assert os.environ["PL_GLOBAL_SEED"] == "9"
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["TextDataModule"] == {"seed": 5}
+    for without_datamodule_seed in (False, True):
+        if without_datamodule_seed:
+            checkpoint = torch.load(last, weights_only=True)
+            del checkpoint["TextDataModule"]
+            torch.save(checkpoint, last)
+        cli = fit(tmp_path, text_file, "--seed_everything", "9", "--trainer.max_steps", "6", "--ckpt_path", "last")
+        assert cli.trainer.global_step == 6
+        assert cli.model.seed == cli.datamodule.seed == cli.trainer.train_dataloader.sampler.seed == 5
+        assert torch.load(last, weights_only=True)["vit_seed"] == 5
+        assert os.environ["PL_GLOBAL_SEED"] == "9"
 
 
 def test_a_run_resumed_with_another_lr_trains_at_it(text_file, tmp_path, caplog):

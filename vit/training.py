@@ -27,7 +27,7 @@ from torch import nn
 
 from vit import lightning_compat as compat
 from vit.checkpoint import is_head
-from vit.data.sampling import batch_seed, carry_position, data_position
+from vit.data.sampling import carry_position, data_position
 from vit.fault_tolerance import (
     HostCopy,
     InterruptCheckpoint,
@@ -41,6 +41,7 @@ from vit.fault_tolerance import (
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.options import upgrade
 from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
+from vit.seeds import Purpose, RunSeed, global_seed, step_seed
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +99,13 @@ class Schedule:
     decay_steps: int | None = None
 
 
-def global_seed() -> int:
-    """The seed `seed_everything` set (LightningCLI's `seed_everything:`, or `L.seed_everything` in
-    a script), 0 if none. Lightning keeps it only in the environment variable PL_GLOBAL_SEED, so
-    this is the one place that reads it: a task takes it when its run starts (TrainingTask.setup),
-    and everything else gets the seed from the task."""
-    return int(os.environ.get("PL_GLOBAL_SEED", 0))
-
-
 class TrainingTask(L.LightningModule):
     """Base of the LightningModules: what every task trains with.
 
     - `seed`: the run's seed, taken from `seed_everything` when a run starts and from the
       checkpoint when it resumes (saved as `vit_seed`), so a resumed run draws what the
       uninterrupted one would even if the new process was seeded differently. The datamodules
-      read it from here (vit.data.sampling.run_seed).
+      hold it as the task does (vit.seeds.RunSeed).
     - dropout and drop-path masks seeded by (seed, step, rank) before every step: exact resume,
       and ranks differ.
     - the NaN guard: a non-finite loss stops the run on every rank before it reaches the weights,
@@ -184,7 +177,7 @@ class TrainingTask(L.LightningModule):
     # -- training -----------------------------------------------------------------------------
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        torch.manual_seed(batch_seed(self.trainer, batch_idx, 2))
+        torch.manual_seed(step_seed(self.seed or 0, Purpose.DROPOUT, self.trainer, batch_idx))
         self._batch_idx = batch_idx
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
@@ -332,6 +325,9 @@ class TrainingTask(L.LightningModule):
         trainer = compat.attached_trainer(self)
         if trainer is None:
             return
+        datamodule = getattr(trainer, "datamodule", None)
+        if isinstance(datamodule, RunSeed) and "vit_seed" in checkpoint:  # saved before datamodules held the seed
+            checkpoint.setdefault(type(datamodule).__qualname__, {}).setdefault("seed", checkpoint["vit_seed"])
         if "vit_data" in checkpoint:
             carry_position(checkpoint, checkpoint["vit_data"], data_position(trainer))
         saved_peak = checkpoint.get("vit_peak_lr")

@@ -33,11 +33,12 @@ from vit.data.images import (
 from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
 from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.prefetch import PreparedLoader
-from vit.data.sampling import ChunkedSampler, ResumableSampler, batch_seed, mix_seed, resumable_loader, run_seed
+from vit.data.sampling import ChunkedSampler, ResumableSampler, resumable_loader
 from vit.data.streaming import StreamingImages
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
 from vit.options import number, require, set_option_groups, whole
 from vit.schedule import stepwise, training_progress
+from vit.seeds import Purpose, RunSeed, seed_for, step_seed
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def default_num_workers() -> int:
     return max(0, min(8, cpus // local_procs - 1))
 
 
-class ImageDataModule(L.LightningDataModule):
+class ImageDataModule(RunSeed, L.LightningDataModule):
     """Shared options of every image datamodule.
 
     Args:
@@ -176,6 +177,7 @@ class ImageDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def setup(self, stage: str | None = None) -> None:
+        self.take_run_seed()  # a resume then restores the checkpoint's (RunSeed)
         if self.train_set is not None:
             return
         if self.trainer is None or self.trainer.is_global_zero:
@@ -243,7 +245,7 @@ class ImageDataModule(L.LightningDataModule):
         return EncodedFiles(dataset, train, self.augment, self.eval_crop_pct, self.skip_corrupt, self.worker_decode)
 
     def train_dataloader(self) -> DataLoader:
-        seed = run_seed(self.trainer)
+        seed = self.seed
         if self.device_decode:
             self.train_set = self._encoded(self.train_set, train=True)
         if self.in_memory:  # whole batches gathered from one tensor, in this process
@@ -332,7 +334,7 @@ class ImageDataModule(L.LightningDataModule):
             return batch
         x, y = batch
         batch_idx = compat.batches_ready(trainer)  # this batch's: counted after its transfer
-        rng = np.random.default_rng(batch_seed(trainer, batch_idx, 1))
+        rng = np.random.default_rng(step_seed(self.seed, Purpose.MIXUP, trainer, batch_idx))
         return MixupCutmix(self.num_classes, self.mixup)(x, y, rng)
 
     def _augment_in_memory(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,7 +346,7 @@ class ImageDataModule(L.LightningDataModule):
         padding = augment.crop_padding if augment.crop == "pad_crop" else 0
         x = batch_augment(x, generator, padding, augment.hflip)
         if augment.randaugment_ops > 0:  # before cutout, as RandAugment precedes random erasing in timm
-            rng = np.random.default_rng(mix_seed(seed, 2))
+            rng = np.random.default_rng(seed_for(seed, Purpose.BATCH_RANDAUGMENT))  # keyed by the batch's seed
             x = rand_augment(x, torch.from_numpy(draw_rand_augment(rng, *augment.randaugment, count=len(x))))
         x = batch_augment(x, generator, cutout=augment.cutout)  # the generator's draws in the order of one call
         x = normalize(x, self.mean, self.std)

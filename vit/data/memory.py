@@ -4,7 +4,7 @@ The per-sample path (a DataLoader worker decoding and augmenting one image at a 
 core on a laptop and starves a GPU at CIFAR scale. Here the images are decoded once (and cached on
 disk, keyed by the source files), batches are gathered by index from one tensor, and augmented
 whole where the model runs (vit.data.augment), with no per-sample Python.
-Randomness is a function of (seed, epoch, batch, rank), so resumed runs see the same batches.
+Randomness is a function of (seed, epoch, batch, rank) (vit.seeds), so resumed runs see the same batches.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from torch.utils.data import Dataset
 
 from vit.data.augment import EVAL_RESIZE
 from vit.data.images import ImageArrays, ImageFiles
-from vit.data.sampling import ResumableSampler, mix_seed
+from vit.data.sampling import ResumableSampler
 from vit.data.transforms import eval_pixels
+from vit.seeds import Purpose, seed_for
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class BatchSampler(ResumableSampler):
     (seed, epoch), shared among the processes as DistributedSampler shares it (Lightning keeps it
     under DDP and calls `set_epoch`).
 
-    With `shuffle`, each batch comes with its augmentation seed mix_seed(seed, epoch, batch, rank).
+    With `shuffle`, each batch comes with its augmentation seed (vit.seeds: Purpose.BATCH).
     `resume_epoch` / `resume_position` (in batches) start an epoch part-way, as ResumableLoader sets them.
     """
 
@@ -90,11 +91,13 @@ class BatchSampler(ResumableSampler):
         return full + (1 if rest and not (self.drop_batch and full >= 1) else 0)
 
     def __iter__(self) -> Iterator:
-        start = self.resume_position if self.epoch == self.resume_epoch else 0
-        self.resume_position = 0
+        start = self.begin_epoch()
         batches = self._batches()
         for b in range(start, len(batches)):
-            yield (batches[b], mix_seed(self.seed, self.epoch, b, self.rank)) if self.shuffle else batches[b]
+            if not self.shuffle:
+                yield batches[b]
+                continue
+            yield batches[b], seed_for(self.seed, Purpose.BATCH, self.epoch, b, self.rank)
 
 
 # -- decoding once, with a cache -------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Reproducible, resumable data order.
 
 The training sampler's shuffle depends only on (seed, epoch), and each sample gets its own
-augmentation seed from (seed, epoch, index). Together with the per-step seeding in
+augmentation seed from (seed, epoch, index) (vit.seeds). Together with the per-step seeding in
 `vit.training`, a run interrupted and resumed from a checkpoint, even mid-epoch, sees exactly the
 batches and augmentations an uninterrupted run would have seen.
 """
@@ -19,30 +19,9 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from vit import lightning_compat as compat
 from vit.data.prefetch import PreparedLoader
+from vit.seeds import Purpose, seed_for
 
 log = logging.getLogger(__name__)
-
-
-def mix_seed(*values: int) -> int:
-    """A well-mixed 32-bit seed from several integers (e.g. seed, epoch, index)."""
-    return int(np.random.SeedSequence([int(v) % 2**63 for v in values]).generate_state(1)[0])
-
-
-def run_seed(trainer: L.Trainer | None) -> int:
-    """The seed of the run `trainer` is in: its task's (vit.training.TrainingTask.seed, the
-    checkpoint's on resume, so data and model agree on it); 0 outside a run."""
-    seed = getattr(trainer.lightning_module, "seed", None) if trainer is not None else None
-    return seed or 0
-
-
-def batch_seed(trainer: L.Trainer, batch_idx: int, purpose: int) -> int:
-    """The seed of the epoch's training batch `batch_idx` for `purpose` (1: Mixup/CutMix, 2: the
-    model's dropout and drop-path): a function of (run seed, optimizer step, rank) and, with
-    gradient accumulation, of the batch's place among its step's, so each batch of a step draws its
-    own (without accumulation, as it always drew). Exact on resume: Lightning restores all three."""
-    micro = batch_idx % trainer.accumulate_grad_batches
-    values = (run_seed(trainer), trainer.global_step, trainer.global_rank, purpose)
-    return mix_seed(*values, micro) if micro else mix_seed(*values)
 
 
 class ResumableSampler(DistributedSampler):
@@ -64,7 +43,7 @@ class ResumableSampler(DistributedSampler):
         start = self.begin_epoch()
         indices = self.epoch_order()
         for i in indices[start:]:
-            yield i, mix_seed(self.seed, self.epoch, i)
+            yield i, seed_for(self.seed, Purpose.SAMPLE, self.epoch, i)
 
     def begin_epoch(self) -> int:
         """Where this epoch starts: the resume position once, after a resume into it, else 0."""
@@ -103,7 +82,7 @@ class ChunkedSampler(ResumableSampler):
 
     def epoch_order(self) -> list[int]:
         n = len(self.chunk_of)
-        rng = np.random.default_rng(mix_seed(self.seed, self.epoch))
+        rng = np.random.default_rng(seed_for(self.seed, Purpose.CHUNK_ORDER, self.epoch))
         chunks, chunk_index = np.unique(self.chunk_of, return_inverse=True)
         chunk_rank = rng.permutation(len(chunks))[chunk_index]
         order = np.lexsort((rng.random(n), chunk_rank))  # chunk by chunk, in the epoch's chunk order
@@ -111,7 +90,7 @@ class ChunkedSampler(ResumableSampler):
         order = np.resize(order, total)  # wrapped round to an equal share each, as DistributedSampler pads
         share = order[self.rank * self.num_samples : (self.rank + 1) * self.num_samples]
         width = self.window * max(1, round(n / len(chunks)))
-        local = np.random.default_rng(mix_seed(self.seed, self.epoch, self.rank))
+        local = np.random.default_rng(seed_for(self.seed, Purpose.CHUNK_WINDOWS, self.epoch, self.rank))
         return np.concatenate([local.permutation(share[i : i + width]) for i in range(0, len(share), width)]).tolist()
 
 

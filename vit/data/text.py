@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from vit.data.sampling import ResumableSampler, resumable_loader, run_seed
+from vit.data.sampling import ResumableSampler, resumable_loader
 from vit.options import number, require, whole
+from vit.seeds import RunSeed
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -101,7 +102,7 @@ class FixedWindows(Dataset):
         return _window(self.tokens, self.starts[i], self.block_size)
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(RunSeed, L.LightningDataModule):
     """Character-level language modelling on one UTF-8 text file.
 
     Args:
@@ -155,6 +156,7 @@ class TextDataModule(L.LightningDataModule):
             urllib.request.urlretrieve(TINY_SHAKESPEARE_URL, self.text_path)
 
     def setup(self, stage: str | None = None) -> None:
+        self.take_run_seed()  # a resume then restores the checkpoint's (RunSeed)
         if self.train_set is not None:
             return
         text = read_text(self.text_path)
@@ -177,7 +179,7 @@ class TextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return resumable_loader(
             self.train_set,
-            ResumableSampler(self.train_set, shuffle=True, seed=run_seed(self.trainer)),
+            ResumableSampler(self.train_set, shuffle=True, seed=self.seed),
             self.trainer,
             batch_size=self.batch_size,
             drop_last=len(self.train_set) > self.batch_size,

@@ -1,9 +1,10 @@
 """vit: Vision Transformers (timm-compatible), ResNet baselines and a small GPT, one shared Block."""
 
-from vit import eva, gpt, relpos, resnet, sam, vision_transformer  # noqa: F401  (importing registers the models)
+from vit import eva, gpt, naflex, relpos, resnet, sam, vision_transformer  # noqa: F401  (importing registers the models)
 from vit.eva import Eva, EvaConfig
 from vit.gpt import GPT, GPTConfig
 from vit.layers import Attention, Block, BlockConfig, CrossAttention, set_fused_attn
+from vit.naflex import NaFlexConfig, NaFlexVit
 from vit.registry import create_model, list_models, model_config
 from vit.relpos import RelPosConfig, VisionTransformerRelPos
 from vit.resnet import CifarResNet, CifarResNetConfig, ResNetConfig
@@ -21,6 +22,8 @@ __all__ = [
     "Eva",
     "EvaConfig",
     "GPTConfig",
+    "NaFlexConfig",
+    "NaFlexVit",
     "RelPosConfig",
     "ResNetConfig",
     "Sam",

@@ -746,9 +746,12 @@ class AttentionPoolLatent(CrossAttention):
         self.norm = make_norm(norm, dim, norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act)  # a plain MLP whatever the blocks use, as timm
 
-    def forward(self, x: torch.Tensor, return_attn: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Tokens (B, N, dim) -> pooled (B, dim); with `return_attn`, also the query's (B, heads, 1, N) weights."""
-        out = super().forward(self.latent.expand(x.shape[0], -1, -1), x, return_attn=return_attn)
+    def forward(
+        self, x: torch.Tensor, return_attn: bool = False, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (B, N, dim) -> pooled (B, dim); with `return_attn`, also the query's (B, heads, 1, N) weights.
+        `attn_mask` (B or 1, 1, 1, N) follows SDPA: padding tokens kept out of the pool (NaFlexVit)."""
+        out = super().forward(self.latent.expand(x.shape[0], -1, -1), x, attn_mask, return_attn=return_attn)
         y, attn = out if return_attn else (out, None)
         y = (y + self.mlp(self.norm(y)))[:, 0]
         return (y, attn) if return_attn else y

@@ -38,7 +38,7 @@ from vit.layers import (
     moe_aux_loss,
 )
 from vit.position import rope_2d, sincos_2d
-from vit.registry import register_model, register_timm_names, register_unsupported
+from vit.registry import register_model, register_timm_names
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 
@@ -373,7 +373,7 @@ class VisionTransformer(nn.Module):
                 raise ValueError(
                     "reset_classifier cannot add an attention-pool head; build the model with global_pool='map'"
                 )
-            if global_pool == "token" and self.cls_token is None:
+            if global_pool == "token" and not self.config.class_token:
                 raise ValueError("global_pool='token' needs a CLS token; this model has none")
             if global_pool != "map":
                 self.attn_pool = None
@@ -737,16 +737,6 @@ register_timm_names(
     "ViT", [("*", "vision_transformer"), ("deit*", "deit"), ("vit_*", "vision_transformer_hybrid")],
     VisionTransformer, ViTConfig, lambda name: from_timm_args(timm_model_args(name)), skip=VIT_MODELS,
 )  # fmt: skip
-
-# timm's NaFlexVit names: not built here, but named, so create_model says why.
-try:
-    for _name in timm.list_models(module="naflexvit"):
-        register_unsupported(
-            _name, "timm's NaFlexVit: images as variable-length patch sequences with coordinates and padding masks, "
-            "its own embedding module (`embeds`); not built here"
-        )  # fmt: skip
-except Exception:  # another timm without the module: nothing to name
-    pass
 
 
 # -- checkpoints: timm's kwargs, fix-ups of other layouts, Google's .npz files ------------------------

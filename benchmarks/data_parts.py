@@ -71,8 +71,8 @@ def main() -> None:
     from lightning_utilities.core.apply_func import apply_to_collection
     from torch.utils.data import DataLoader
 
-    from vit.data.augment import RA_START, Augment, crop_resize_flip, normalize, rand_augment
-    from vit.data.device import INDEX, EncodedFiles, collate_encoded, decode_batch
+    from vit.data.augment import Augment, crop_resize_flip, normalize, rand_augment
+    from vit.data.device import EncodedFiles, collate_encoded, decode_batch
     from vit.data.images import scan_image_folder
     from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
     from vit.tools.data_check import synthetic_tree_wanted, write_synthetic_imagenet
@@ -125,18 +125,18 @@ def main() -> None:
     batch = collate_encoded([dataset[item] for item in order[: args.batch]])
     if cuda:  # as the datamodule's loader hands it over (pin_memory on CUDA): the decoder copies each file
         batch = apply_to_collection(batch, torch.Tensor, torch.Tensor.pin_memory)
-    params = batch.params
+    drawn = batch.augmentation
     images = decode_batch(batch.images(device), device)
-    cropped = crop_resize_flip(images, params, args.size)
+    cropped = crop_resize_flip(images, drawn.box, drawn.flip, args.size)
     parts = {
         "decode (nvjpeg on CUDA, libjpeg on the CPU)": lambda: decode_batch(batch.images(device), device),
-        "crop + resize + flip": lambda: crop_resize_flip(images, params, args.size),
-        "RandAugment, 2 ops at magnitude 9": lambda: rand_augment(cropped, params[:, RA_START:INDEX]),
+        "crop + resize + flip": lambda: crop_resize_flip(images, drawn.box, drawn.flip, args.size),
+        "RandAugment, 2 ops at magnitude 9": lambda: rand_augment(cropped, drawn.rand_augment),
         "normalise": lambda: normalize(cropped, IMAGENET_MEAN, IMAGENET_STD),
     }
     parts["all four, one after another"] = lambda: normalize(
-        rand_augment(crop_resize_flip(decode_batch(batch.images(device), device), params, args.size),
-                     params[:, RA_START:INDEX]),
+        rand_augment(crop_resize_flip(decode_batch(batch.images(device), device), drawn.box, drawn.flip, args.size),
+                     drawn.rand_augment),
         IMAGENET_MEAN, IMAGENET_STD,
     )  # fmt: skip
     for name, part in parts.items():

@@ -17,7 +17,6 @@ from tests.test_fault_tolerance import QUIET, assert_bit_identical, signal_at, w
 from vit.cli import main
 from vit.data.augment import (
     RA_OPS,
-    RA_START,
     TOGETHER_SIDE,
     Augment,
     center_crop_box,
@@ -281,13 +280,15 @@ def test_evaluation_crops_the_centred_square_and_resizes_it_as_every_path_does(t
 def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     (path,) = _photos(tmp_path)[:1]
     dataset = EncodedFiles([Sample(str(path), 0)], train=True, augment=Augment(crop_scale=(0.3, 1.0)))
-    a, b, c = (dataset[item][2].nan_to_num(-1) for item in [(0, 7), (0, 7), (0, 8)])  # NaN: no RandAugment
-    assert torch.equal(a, b) and not torch.equal(a, c)
-    assert torch.equal(dataset[(0, np.int64(7))][2].nan_to_num(-1), a)  # a numpy seed draws as its int does
-    flips = [int(dataset[(0, seed)][2][4]) for seed in range(400)]
+    a, b, c = (dataset[item][2] for item in [(0, 7), (0, 7), (0, 8)])
+    assert torch.equal(a.rand_augment.isnan(), torch.ones(len(a.rand_augment), dtype=torch.bool))  # none drawn
+    same, other = ([d.box.tolist(), bool(d.flip), int(d.index)] for d in (b, c))
+    assert [a.box.tolist(), bool(a.flip), int(a.index)] == same != other
+    assert dataset[(0, np.int64(7))][2].box.tolist() == a.box.tolist()  # a numpy seed draws as its int does
+    flips = [bool(dataset[(0, seed)][2].flip) for seed in range(400)]
     assert 160 < sum(flips) < 240  # a flip with probability 1/2
     x, _ = decode_and_augment(collate_encoded([dataset[(0, 7)]]), "cpu", 32, dataset)
-    top, left, h, w, flip = (int(v) for v in a[:5])
+    (top, left, h, w), flip = a.box.tolist(), bool(a.flip)
     crop = torch.from_numpy(read_rgb(path)).permute(2, 0, 1)[None, :, top : top + h, left : left + w].float()
     expected = torch.nn.functional.interpolate(crop, size=(32, 32), mode="bilinear", antialias=True)
     expected = expected.flip(-1) if flip else expected
@@ -296,11 +297,12 @@ def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
     # RandAugment: two ops drawn from the same seed, applied to the cropped image
     with_ra = Augment(crop_scale=(0.3, 1.0), randaugment_ops=2)
     augmented = EncodedFiles([Sample(str(path), 0)], train=True, augment=with_ra)
-    params = augmented[(0, 7)][2]
-    assert torch.equal(params[:5], a[:5]) and torch.equal(params.nan_to_num(-1), augmented[(0, 7)][2].nan_to_num(-1))
-    assert params[RA_START : RA_START + len(RA_OPS)].isfinite().sum() == 2
+    drawn = augmented[(0, 7)][2]
+    assert drawn.box.tolist() == a.box.tolist() and bool(drawn.flip) == flip
+    torch.testing.assert_close(drawn.rand_augment, augmented[(0, 7)][2].rand_augment, equal_nan=True)
+    assert drawn.rand_augment[: len(RA_OPS)].isfinite().sum() == 2
     x, _ = decode_and_augment(collate_encoded([augmented[(0, 7)]]), "cpu", 32, dataset)
-    torch.testing.assert_close(x, rand_augment(expected, params[None, RA_START:-1]))
+    torch.testing.assert_close(x, rand_augment(expected, drawn.rand_augment[None]))
     assert (x - expected.round()).abs().mean() > 1
 
 
@@ -315,18 +317,18 @@ def test_crops_resized_together_equal_crops_resized_one_at_a_time():
         images.append(torch.from_numpy(rng.integers(0, 256, size=(3, h, w), dtype=np.uint8)))
         rows.append([*random_resized_crop_box(rng, h, w), i % 2])
     rows[3] = [0, 0, 13, 12, 1]  # enlarged 1.6x
-    params = torch.tensor(rows, dtype=torch.float64)
+    box, flips = torch.tensor(rows)[:, :4], torch.tensor(rows)[:, 4].bool()
     expected = []
-    for image, (y, x, h, w, flip) in zip(images, params.long().tolist(), strict=True):
+    for image, (y, x, h, w, flip) in zip(images, rows, strict=True):
         crop = image[None, :, y : y + h, x : x + w].float()
         resized = torch.nn.functional.interpolate(crop, size=(20, 20), mode="bilinear", antialias=True)
         expected.append(resized.flip(-1) if flip else resized)
     expected = torch.cat(expected)
-    together = resize_crops_together(images, params, 20)
+    together = resize_crops_together(images, box, flips, 20)
     assert together.shape == (40, 3, 20, 20)
     assert sum(max(image.shape[1:]) > TOGETHER_SIDE * 20 for image in images) >= 5  # some go one at a time
     torch.testing.assert_close(together, expected, rtol=0, atol=2e-3)
-    torch.testing.assert_close(crop_resize_flip(images, params, 20), expected, rtol=0, atol=0)  # the CPU's way
+    torch.testing.assert_close(crop_resize_flip(images, box, flips, 20), expected, rtol=0, atol=0)  # the CPU's way
 
 
 def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog):
@@ -395,7 +397,8 @@ def test_a_file_the_training_process_cannot_decode_is_named_or_skipped_as_the_wo
     assert f"skipped cannot decode image {paths[1]}" in caplog.text and files.num_skipped == 1
     assert decoded.labels.tolist() == [10, 12, 12, 13]
     assert torch.equal(decoded.images[1], decoded.images[2])
-    torch.testing.assert_close(decoded.params[1], batch.params[2], rtol=0, atol=0, equal_nan=True)
+    for took, source in zip(decoded.augmentation, batch.augmentation, strict=True):
+        torch.testing.assert_close(took[1], source[2], rtol=0, atol=0, equal_nan=True)
     x, y = augment_decoded(decoded, 32)
     assert x.shape == (4, 3, 32, 32) and torch.equal(x[1], x[2]) and y.tolist() == [10, 12, 12, 13]
 

@@ -90,11 +90,12 @@ def test_the_resize_is_pils_bicubic_with_antialiasing_and_the_batched_one_equals
     images = [
         torch.from_numpy(np.asarray(synthetic_photo(rng, w, h))).permute(2, 0, 1) for w, h in [(90, 70), (20, 30)]
     ]
-    params = torch.tensor([[5, 10, 60, 60, 0], [0, 0, 30, 20, 1]], dtype=torch.float64)
+    rows = [[5, 10, 60, 60, 0], [0, 0, 30, 20, 1]]
+    box, flips = torch.tensor(rows)[:, :4], torch.tensor(rows)[:, 4].bool()
     for size in (16, 48):
-        together = resize_crops_together(images, params, size, "bicubic")
-        for image, box, out in zip(images, params.int().tolist(), together, strict=True):
-            top, left, height, width, flip = box
+        together = resize_crops_together(images, box, flips, size, "bicubic")
+        for image, row, out in zip(images, rows, together, strict=True):
+            top, left, height, width, flip = row
             crop = image[None, :, top : top + height, left : left + width].float()
             alone = F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True).clamp(0, 255)[0]
             torch.testing.assert_close(out, alone.flip(-1) if flip else alone, atol=1e-3, rtol=0)

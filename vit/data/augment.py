@@ -20,6 +20,7 @@ import functools
 import math
 import random
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -80,11 +81,6 @@ class Augment:
         return self.randaugment_ops, self.randaugment_magnitude
 
 
-# Each image's parameters, drawn before the batch reaches the device: its crop box, flip (0/1), then
-# RandAugment's RA_COLUMNS.
-TOP, LEFT, HEIGHT, WIDTH, FLIP = range(5)
-RA_START = 5
-
 # RandAugment's ops in the order they are applied. Each image's parameters are one row of
 # RA_COLUMNS floats: the strength of each op (NaN: not applied), then Sharpen's lightness.
 RA_OPS = (
@@ -95,6 +91,25 @@ RA_COLUMNS = len(RA_OPS) + 1
 LIGHTNESS = len(RA_OPS)
 SHARPEN_LIGHTNESS = (0.5, 1.0)  # albumentations' Sharpen default
 GREY = (0.299, 0.587, 0.114)  # RGB -> grey weights (OpenCV's, as albumentations' colour ops use)
+
+
+class Augmentation(NamedTuple):
+    """What was drawn for each image of a batch, once, before the batch reaches the device (from
+    the image's sample seed, vit.seeds.Purpose.SAMPLE), a row an image: the device applies it
+    (crop_resize_flip, rand_augment), in a thread or process of any kind, to the same pixels."""
+
+    box: torch.Tensor  # int64 (B, 4): the crop's top, left, height and width in the decoded image
+    flip: torch.Tensor  # bool (B,): mirrored left to right after the crop
+    rand_augment: torch.Tensor  # float64 (B, RA_COLUMNS): each op's strength (NaN: not applied), Sharpen's lightness
+    index: torch.Tensor  # int64 (B,): the image's position in its dataset, to name its file
+
+    @classmethod
+    def stack(cls, rows: Sequence[Augmentation]) -> Augmentation:
+        """One record of many images' (each with the batch dimension left out)."""
+        return cls(*(torch.stack(field) for field in zip(*rows, strict=True)))
+
+    def take(self, rows: torch.Tensor | list[int]) -> Augmentation:
+        return Augmentation(*(field[rows] for field in self))
 
 
 Rng = np.random.Generator | random.Random  # the draws below use its random() alone: uniform in [0, 1)
@@ -183,25 +198,25 @@ def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def crop_resize_flip(
-    images: Sequence[torch.Tensor], params: torch.Tensor, size: int, mode: str = "bilinear"
+    images: Sequence[torch.Tensor], box: torch.Tensor, flip: torch.Tensor, size: int, mode: str = "bilinear"
 ) -> torch.Tensor:
-    """Float (B, 3, size, size) in [0, 255]: each image's box (params' TOP..WIDTH) cropped and
-    resized (`mode` "bilinear" or "bicubic", antialiased when shrinking: F.interpolate's), then
-    flipped where its FLIP is set. On a GPU the crops are resized together
+    """Float (B, 3, size, size) in [0, 255]: each image's `box` (top, left, height, width) cropped
+    and resized (`mode` "bilinear" or "bicubic", antialiased when shrinking: F.interpolate's), then
+    mirrored where `flip` is set (Augmentation's fields). On a GPU the crops are resized together
     (`resize_crops_together`): one at a time, the host launching two kernels an image sets the pace
     there. On the CPU, where the arithmetic does, one at a time (the batched products would also
     multiply the padding)."""
     if images and images[0].device.type == "cuda":
-        return resize_crops_together(images, params, size, mode)
-    return _resize_each(images, params, size, mode)
+        return resize_crops_together(images, box, flip, size, mode)
+    return _resize_each(images, box, flip, size, mode)
 
 
 def _resize_each(
-    images: Sequence[torch.Tensor], params: torch.Tensor, size: int, mode: str = "bilinear"
+    images: Sequence[torch.Tensor], box: torch.Tensor, flip: torch.Tensor, size: int, mode: str = "bilinear"
 ) -> torch.Tensor:
-    boxes = params[:, :4].tolist()
-    batch = torch.cat([resize_box(i, tuple(int(v) for v in b), size, mode) for i, b in zip(images, boxes, strict=True)])
-    flip = params[:, FLIP].bool().to(batch.device, non_blocking=True)  # a copy the host does not wait for
+    boxes = box.tolist()
+    batch = torch.cat([resize_box(i, tuple(b), size, mode) for i, b in zip(images, boxes, strict=True)])
+    flip = flip.to(batch.device, non_blocking=True)  # a copy the host does not wait for
     return torch.where(flip[:, None, None, None], batch.flip(-1), batch)
 
 
@@ -210,7 +225,7 @@ TOGETHER_SIDE = 2.5
 
 
 def resize_crops_together(
-    images: Sequence[torch.Tensor], params: torch.Tensor, size: int, mode: str = "bilinear"
+    images: Sequence[torch.Tensor], box: torch.Tensor, flip: torch.Tensor, size: int, mode: str = "bilinear"
 ) -> torch.Tensor:
     """crop_resize_flip as two batched matrix products: the images copied into one tensor, padded
     to the largest, then (rows' weights) @ image @ (columns' weights)^T, with F.interpolate's
@@ -228,16 +243,18 @@ def resize_crops_together(
         for chosen, resize in ((together, resize_crops_together), (alone, _resize_each)):
             if chosen:
                 index = torch.tensor(chosen)
-                out[index.to(device)] = resize([images[i] for i in chosen], params[index], size, mode)
+                out[index.to(device)] = resize([images[i] for i in chosen], box[index], flip[index], size, mode)
         return out
     height, width = (max(image.shape[axis] for image in images) for axis in (1, 2))
     padded = torch.empty(len(images), 3, height, width, dtype=torch.uint8, device=device)
     views = [view[:, : image.shape[1], : image.shape[2]] for view, image in zip(padded.unbind(0), images, strict=True)]
     torch._foreach_copy_(views, list(images))
-    boxes = params[:, :5].float().to(device, non_blocking=True)  # a copy the host does not wait for
-    rows = resize_weights(boxes[:, TOP], boxes[:, HEIGHT], size, padded.shape[2], mode)
-    columns = resize_weights(boxes[:, LEFT], boxes[:, WIDTH], size, padded.shape[3], mode)
-    columns = torch.where(boxes[:, FLIP, None, None] > 0, columns.flip(1), columns)
+    # one copy the host does not wait for: top, left, height, width, flip
+    boxes = torch.cat([box, flip[:, None]], 1).float().to(device, non_blocking=True)
+    tops, lefts, heights, widths, flipped = boxes.unbind(1)
+    rows = resize_weights(tops, heights, size, padded.shape[2], mode)
+    columns = resize_weights(lefts, widths, size, padded.shape[3], mode)
+    columns = torch.where(flipped[:, None, None] > 0, columns.flip(1), columns)
     out = rows[:, None] @ padded.float() @ columns.transpose(1, 2)[:, None]
     return out.clamp_(0, 255) if mode == "bicubic" else out
 

@@ -39,10 +39,9 @@ from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 from vit.data.augment import (
     EVAL_RESIZE,
-    FLIP,
     RA_COLUMNS,
-    RA_START,
     Augment,
+    Augmentation,
     center_crop_box,
     crop_resize_flip,
     draw_rand_augment,
@@ -69,9 +68,6 @@ log = logging.getLogger(__name__)
 
 GOLDEN = (5**0.5 - 1) / 2  # EncodedFiles.decoded_here: n x GOLDEN mod 1 spreads evenly over [0, 1)
 DEVICE_CROPS = ("rrc", "resize")
-# A worker sends each image's augmentation parameters (vit.data.augment: crop box, flip, RandAugment)
-# and, last, the index of the file read (to name it if it does not decode).
-INDEX = -1
 
 
 def image_size(data: bytes) -> tuple[int, int]:
@@ -141,13 +137,13 @@ class EncodedFiles(ImageFiles):
         of them, spread evenly over the positions, the same ones every epoch)."""
         return ((position + 1) * GOLDEN) % 1.0 < self.worker_decode
 
-    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int, Augmentation]:
         index, seed = item if isinstance(item, tuple) else (item, None)
         found = self.first_readable(index, self._read)
         if found is None:  # evaluation: a stand-in the evaluation steps leave out of the scores
-            return torch.zeros(3, 1, 1, dtype=torch.uint8), MISSING, self._params(None, 1, 1, index)
+            return torch.zeros(3, 1, 1, dtype=torch.uint8), MISSING, self._draw(None, 1, 1, index)
         position, (image, height, width) = found
-        return image, self.samples[position].label, self._params(seed, height, width, position)
+        return image, self.samples[position].label, self._draw(seed, height, width, position)
 
     def read_order(self, positions: Sequence[int]) -> Sequence[int]:
         return self.source.read_order(positions)
@@ -176,18 +172,19 @@ class EncodedFiles(ImageFiles):
         image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
         return image, image.shape[1], image.shape[2]
 
-    def _params(self, seed: int | None, height: int, width: int, index: int) -> torch.Tensor:
-        """float64 (TOP..FLIP, RandAugment's columns, INDEX): exact for any file index below 2**53."""
+    def _draw(self, seed: int | None, height: int, width: int, index: int) -> Augmentation:
+        """The image's Augmentation (without the batch dimension): in training drawn from its sample
+        seed, in evaluation the centred crop."""
         if not self.train:
-            box, flip, ra = center_crop_box(height, width, self.crop_pct), 0, np.full(RA_COLUMNS, np.nan)
+            box, flip, ra = center_crop_box(height, width, self.crop_pct), False, np.full(RA_COLUMNS, np.nan)
         else:
             rng = random.Random(None if seed is None else int(seed))  # seeded in microseconds, numpy's in 12
             whole = (0, 0, height, width)
             augment = self.augment
             box = random_resized_crop_box(rng, height, width, augment.crop_scale) if augment.crop == "rrc" else whole
-            flip = int(augment.hflip and rng.random() < 0.5)
+            flip = augment.hflip and rng.random() < 0.5
             ra = draw_rand_augment(rng, *augment.randaugment)[0]
-        return torch.tensor([*box, flip, *ra, index], dtype=torch.float64)
+        return Augmentation(torch.tensor(box), torch.tensor(flip), torch.from_numpy(ra), torch.tensor(index))
 
 
 class EncodedBatch(NamedTuple):
@@ -198,7 +195,7 @@ class EncodedBatch(NamedTuple):
     pixels: torch.Tensor  # uint8 (M,): the images decoded in the worker, each (3, H, W) flattened, end to end
     sizes: torch.Tensor  # int64 (D, 2): their (H, W), in batch order
     labels: torch.Tensor  # int64 (B,)
-    params: torch.Tensor  # float64 (B, columns): EncodedFiles._params
+    augmentation: Augmentation  # what EncodedFiles drew for each image
 
     def decoded(self, device: torch.device | str | None = None) -> list[torch.Tensor]:
         """The images decoded in the worker, uint8 (3, H, W) views of `pixels` (moved to `device`
@@ -216,11 +213,11 @@ class EncodedBatch(NamedTuple):
         return [next(decoded) if n == 0 else jpeg for jpeg, n in zip(self.data.split(lengths), lengths, strict=True)]
 
 
-def collate_encoded(batch: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> EncodedBatch:
+def collate_encoded(batch: Sequence[tuple[torch.Tensor, int, Augmentation]]) -> EncodedBatch:
     """EncodedFiles' samples -> an EncodedBatch; in a loader worker the bytes and the pixels are
     written straight into shared memory (as torch's default collate does), so handing them over
     copies nothing more (a tensor an image would cost a shared-memory block each)."""
-    images, labels, params = zip(*batch, strict=True)
+    images, labels, drawn = zip(*batch, strict=True)
     jpegs = [image for image in images if image.dim() == 1]
     decoded = [image.flatten() for image in images if image.dim() == 3]
     data, pixels = (torch.empty(sum(len(part) for part in parts), dtype=torch.uint8) for parts in (jpegs, decoded))
@@ -231,7 +228,8 @@ def collate_encoded(batch: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> 
             torch.cat(parts, out=block)
     lengths = torch.tensor([len(image) if image.dim() == 1 else 0 for image in images], dtype=torch.int64)
     sizes = torch.tensor([image.shape[1:] for image in images if image.dim() == 3], dtype=torch.int64).view(-1, 2)
-    return EncodedBatch(data, lengths, pixels, sizes, torch.tensor(labels, dtype=torch.int64), torch.stack(params))
+    labels = torch.tensor(labels, dtype=torch.int64)
+    return EncodedBatch(data, lengths, pixels, sizes, labels, Augmentation.stack(drawn))
 
 
 def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
@@ -296,7 +294,7 @@ class DecodedBatch(NamedTuple):
 
     images: list[torch.Tensor]  # uint8 (3, H, W)
     labels: torch.Tensor
-    params: torch.Tensor  # as EncodedBatch's
+    augmentation: Augmentation
 
 
 def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: ImageFiles) -> DecodedBatch:
@@ -306,12 +304,12 @@ def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: Image
     that decoded, its label and augmentation with it) or given a stand-in left out of the scores
     (evaluation: label MISSING), so the batch keeps its size."""
     try:
-        return DecodedBatch(decode_batch(batch.images(device), device), batch.labels, batch.params)
+        return DecodedBatch(decode_batch(batch.images(device), device), batch.labels, batch.augmentation)
     except UndecodableError as e:
         failures, images = e.failures, e.images
-    labels, params = batch.labels.clone(), batch.params.clone()
+    labels, drawn = batch.labels.clone(), Augmentation(*(field.clone() for field in batch.augmentation))
     for position, reason in failures.items():
-        error = undecodable(files.name(int(params[position, INDEX])), reason)
+        error = undecodable(files.name(int(drawn.index[position])), reason)
         if not files.skip_corrupt:
             raise error
         files.skipped(error)
@@ -320,23 +318,25 @@ def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: Image
         if not files.substitute:
             images[position] = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device)
             labels[position] = MISSING
-            params[position, : FLIP + 1] = torch.tensor([0, 0, 1, 1, 0], dtype=params.dtype)  # the whole 1x1 stand-in
+            drawn.box[position], drawn.flip[position] = torch.tensor([0, 0, 1, 1]), False  # the whole 1x1 stand-in
             continue
         if not decoded:
             raise CorruptImageError(f"none of the {len(images)} images of a batch could be decoded (skip_corrupt)")
         source = next((i for i in decoded if i > position), decoded[0])  # the next one that decoded, cyclically
-        images[position], labels[position], params[position] = images[source], labels[source], params[source]
-    return DecodedBatch(images, labels, params)  # type: ignore[arg-type]
+        images[position], labels[position] = images[source], labels[source]
+        for field in drawn:
+            field[position] = field[source]
+    return DecodedBatch(images, labels, drawn)  # type: ignore[arg-type]
 
 
 def augment_decoded(batch: DecodedBatch, size: int, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(float images, 0-255, size x size, cropped, flipped and RandAugmented as the batch's
-    `params` say; labels), on the images' device. Training resizes bilinear; evaluation as every
-    path evaluates (vit.data.augment.EVAL_RESIZE)."""
-    device, params = batch.images[0].device, batch.params
-    images = crop_resize_flip(batch.images, params, size, "bilinear" if train else EVAL_RESIZE)
-    if params[:, RA_START:INDEX].isfinite().any():
-        images = rand_augment(images, params[:, RA_START:INDEX])
+    Augmentation says; labels), on the images' device. Training resizes bilinear; evaluation as
+    every path evaluates (vit.data.augment.EVAL_RESIZE)."""
+    device, drawn = batch.images[0].device, batch.augmentation
+    images = crop_resize_flip(batch.images, drawn.box, drawn.flip, size, "bilinear" if train else EVAL_RESIZE)
+    if drawn.rand_augment.isfinite().any():
+        images = rand_augment(images, drawn.rand_augment)
     return images, batch.labels.to(device, non_blocking=True)
 
 

@@ -203,3 +203,27 @@ def test_a_recipe_fed_by_the_data_process_resumes_mid_epoch_to_the_weights_of_on
     assert resumed.trainer.global_step == straight.trainer.global_step == 12
     assert_bit_identical(weights(resumed), weights(straight))
     assert all(loader._data_process is None for loader in resumed.datamodule._loaders)  # ended at teardown
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_the_data_process_reads_streaming_chunks_as_the_training_process_does(tmp_path, start, monkeypatch):
+    """The litdata source in a data process (spawned as on a GPU: the dataset travels by pickle)
+    gives the training process's batches, in ChunkedSampler's order, with a loader worker."""
+    pytest.importorskip("litdata")
+    from vit.data import StreamingDataModule
+    from vit.tools.convert_streaming import convert_image_folder
+
+    monkeypatch.setattr(DataProcess, "start_method", start)
+    convert_image_folder(write_image_folder(tmp_path / "src", train=5, val=2, size=56, ext="jpg"), tmp_path / "s")
+    loaders = []
+    for process in (False, True):
+        module = StreamingDataModule(str(tmp_path / "s"), img_size=40, batch_size=4, num_workers=1,
+                                     device_decode=True, data_process=process,
+                                     augment={"crop": "rrc", "randaugment_ops": 2})  # fmt: skip
+        module.setup("fit")
+        loaders.append(module.train_dataloader())
+    expected, got = (_batches(loader) for loader in loaders)
+    assert len(got) == 5
+    for (x, y), (x2, y2) in zip(expected, got, strict=True):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    loaders[1].close()

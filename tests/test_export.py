@@ -3,6 +3,9 @@ PyTorch logits; inputs the file cannot take are refused with the reason."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +14,8 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")  # torch's dynamo exporter translates with it
 
 from vit import create_model  # noqa: E402
+from vit.checkpoint import Preprocess  # noqa: E402
+from vit.data.transforms import eval_transform  # noqa: E402
 from vit.export import ImageSpec, OnnxClassifier, export_onnx, max_abs_diff  # noqa: E402
 from vit.tools.export import main as export_main  # noqa: E402
 
@@ -72,10 +77,40 @@ def test_what_cannot_be_exported_is_refused_before_tracing(tmp_path):
         export_onnx(vit, tmp_path / "vit.onnx", img_size=18)
     with pytest.raises(ValueError, match="opset 17 has no antialiased Resize"):
         export_onnx(vit, tmp_path / "vit.onnx", opset=17)
+    with pytest.raises(ValueError, match="not a positive multiple of the patch size"):  # its preprocessing's images
+        export_onnx(vit, tmp_path / "vit.onnx", preprocess=Preprocess(18, 1.0, (0.5,) * 3, (0.5,) * 3))
+    with pytest.raises(ValueError, match="fixed image size 16x16, got 24x24"):
+        export_onnx(vit, tmp_path / "vit.onnx", dynamic=False, preprocess=Preprocess(24, 1.0, (0.5,) * 3, (0.5,) * 3))
     with pytest.raises(ValueError, match="mixture-of-experts ViT cannot be exported"):
         export_onnx(create_model("vit_nano_patch4_16", num_experts=2), tmp_path / "moe.onnx")
     with pytest.raises(FileNotFoundError):
         OnnxClassifier(tmp_path / "missing.onnx")
+
+
+def test_the_preprocessing_and_class_names_go_into_the_metadata_and_come_back(vit_onnx, tmp_path):
+    """What a bare onnxruntime session reads (docs/export.md), and OnnxClassifier prepares images with;
+    a file exported without them says nothing, and prepare refuses."""
+    settings = Preprocess(16, 0.875, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    names = ["goldfish", "tabby, tabby cat", "n03", "Bücherwurm", "5"]
+    path = export_onnx(vit_onnx[0], tmp_path / "meta.onnx", preprocess=settings, class_names=names)
+    onnx_model = OnnxClassifier(path)
+    assert onnx_model.preprocess == settings and onnx_model.class_names == names
+    props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert {k: props[k] for k in ("vit.eval_img_size", "vit.eval_crop_pct", "vit.eval_interpolation")} == {
+        "vit.eval_img_size": "16", "vit.eval_crop_pct": "0.875", "vit.eval_interpolation": "bicubic",
+    }  # fmt: skip
+    assert props["vit.mean"] == "0.485,0.456,0.406" and props["vit.std"] == "0.229,0.224,0.225"
+    assert json.loads(props["vit.class_names"]) == names and props["vit.in_chans"] == "3"
+    image = np.random.default_rng(0).integers(0, 256, (30, 20, 3), dtype=np.uint8)
+    expected = eval_transform(16, 0.875, settings.mean, settings.std)(image=image)["image"][None]
+    np.testing.assert_array_equal(onnx_model.prepare([image]), expected.numpy())
+    with torch.no_grad():
+        np.testing.assert_allclose(onnx_model(onnx_model.prepare([image])), vit_onnx[0](expected), atol=1e-4, rtol=0)
+
+    bare = vit_onnx[1]
+    assert bare.preprocess is None and bare.class_names is None
+    with pytest.raises(ValueError, match="does not say how to prepare images"):
+        bare.prepare([image])
 
 
 def test_sincos_vit_and_cifar_resnet_export_with_a_dynamic_size(tmp_path):

@@ -20,6 +20,7 @@ from tests.faults import InterruptAt
 from vit.checkpoint import load_model, read_lightning_checkpoint
 from vit.cli import main
 from vit.data import DigitsDataModule
+from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from vit.fault_tolerance import NonFiniteLossError
 from vit.lit import ImageClassifier
 from vit.schedule import warmup_cosine_steps
@@ -222,6 +223,7 @@ def test_default_job_learns_and_leaves_checkpoints_that_rebuild_the_model(tmp_pa
         "model_name": "vit_nano_patch4_16",
         "model_kwargs": {"img_size": 16, "num_classes": 10},
         "class_names": [str(digit) for digit in range(10)],
+        "preprocess": {"img_size": 16, "crop_pct": 1.0, "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
     }
     model = load_model(ckpt.last_model_path)  # from the file alone
     x = torch.randn(3, 3, 16, 16)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -93,6 +94,45 @@ def _torch_load(path: Path) -> Any:
 # -- our own checkpoints ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Preprocess:
+    """How evaluation feeds an image classifier (vit.data.transforms.eval_transform): the centred
+    square of crop_pct x the shorter side, resized to img_size x img_size (bicubic, antialiased:
+    vit.data.augment.EVAL_RESIZE), scaled to [0, 1] and normalised by mean and std. Our checkpoints
+    and exports carry their data's, so predictions see validation's pixels."""
+
+    img_size: int
+    crop_pct: float
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    @classmethod
+    def of(cls, datamodule: Any) -> Preprocess | None:
+        """An image datamodule's evaluation settings; None for data without them (text)."""
+        size, crop, mean, std = (
+            getattr(datamodule, name, None) for name in ("img_size", "eval_crop_pct", "mean", "std")
+        )
+        if any(value is None for value in (size, crop, mean, std)):
+            return None
+        return cls.from_dict({"img_size": size, "crop_pct": crop, "mean": mean, "std": std})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Preprocess:
+        floats = lambda v: tuple(float(x) for x in v)  # noqa: E731
+        return cls(int(values["img_size"]), float(values["crop_pct"]), floats(values["mean"]), floats(values["std"]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"img_size": self.img_size, "crop_pct": self.crop_pct, "mean": list(self.mean), "std": list(self.std)}
+
+    def __call__(self, images: list[np.ndarray]) -> torch.Tensor:
+        """RGB uint8 images (H, W, 3), any sizes, as one batch of model inputs (B, 3, S, S):
+        vit.data.transforms.eval_transform with these settings."""
+        from vit.data.transforms import eval_transform  # vit.data loads Lightning: only where images are read
+
+        transform = eval_transform(self.img_size, self.crop_pct, self.mean, self.std)
+        return torch.stack([transform(image=image)["image"] for image in images])
+
+
 def read_lightning_checkpoint(path: str | Path) -> dict:
     """A checkpoint written by our LightningModules, loaded without unpickling objects."""
     path = Path(path)
@@ -118,7 +158,8 @@ def _model_weights(checkpoint: dict, path: Path, use_ema: bool) -> dict[str, tor
 def load_checkpoint(path: str | Path, use_ema: bool = False) -> tuple[nn.Module, dict]:
     """Our `.ckpt` (or a `.safetensors` from `export_safetensors`) as its model, in eval mode, and the
     run's metadata (`model_name`, `model_kwargs`, and what the task stored: an image classifier's
-    `class_names` in label order when its data named them, a GPT's `vocab`).
+    `class_names` in label order when its data named them and its data's evaluation settings as
+    `preprocess` (`Preprocess.to_dict`), a GPT's `vocab`).
 
     `use_ema=True` loads the exponential-moving-average weights, when the run kept them.
     """
@@ -144,17 +185,25 @@ def load_model(
       file differs from that name's defaults); the class count follows the file's head, and the
       weights are adapted as `load_pretrained` does.
     """
+    return load_model_and_meta(source, model_name, use_ema, **model_kwargs)[0]
+
+
+def load_model_and_meta(
+    source: str | Path, model_name: str | None = None, use_ema: bool = False, **model_kwargs: Any
+) -> tuple[nn.Module, dict[str, Any]]:
+    """`load_model`'s model, and the run's metadata where the source is our `.ckpt` or `.safetensors`
+    (`load_checkpoint`'s: class names, preprocessing); {} for the other sources."""
     text = str(source)
     if text.startswith("timm:"):
         model = create_model(model_name or text.removeprefix("timm:"), **model_kwargs)
         load_pretrained(model, text)
-        return model.eval()
+        return model.eval(), {}
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if model_name is None:
         try:
-            return load_checkpoint(path, use_ema)[0]
+            return load_checkpoint(path, use_ema)
         except UnreadableCheckpointError:
             raise
         except ValueError as e:
@@ -165,7 +214,7 @@ def load_model(
         model_kwargs.setdefault("num_classes", state_dict[head].shape[0])
     model = create_model(model_name, **model_kwargs)
     load_pretrained(model, path, use_ema=use_ema)
-    return model.eval()
+    return model.eval(), {}
 
 
 def export_safetensors(ckpt_path: str | Path, out_path: str | Path, use_ema: bool = False) -> Path:
@@ -179,6 +228,8 @@ def export_safetensors(ckpt_path: str | Path, out_path: str | Path, use_ema: boo
     metadata = {"vit_model_name": meta["model_name"], "vit_model_kwargs": json.dumps(meta["model_kwargs"])}
     if meta.get("class_names") is not None:
         metadata["vit_class_names"] = json.dumps(meta["class_names"])
+    if meta.get("preprocess") is not None:
+        metadata["vit_preprocess"] = json.dumps(meta["preprocess"])
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors that share memory (tied weights); store each once, contiguous.
@@ -200,6 +251,8 @@ def _safetensors_model_meta(path: Path) -> dict[str, Any]:
     meta: dict[str, Any] = {"model_name": metadata["vit_model_name"], "model_kwargs": kwargs}
     if "vit_class_names" in metadata:
         meta["class_names"] = json.loads(metadata["vit_class_names"])
+    if "vit_preprocess" in metadata:
+        meta["preprocess"] = json.loads(metadata["vit_preprocess"])
     return meta
 
 

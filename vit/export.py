@@ -12,6 +12,11 @@ with `dynamic_img_size=True`; at the training size the resampling is an identity
 `Resize` with `antialias=1`, which needs opset 18 or later. `posemb="sincos2d"` and `"rope"` are
 computed in closed form for every grid.
 
+The file's metadata_props say how to feed it: the input's channels and size multiple, and, where
+the export was given them, the evaluation preprocessing (`vit.eval_img_size`, `vit.eval_crop_pct`,
+`vit.eval_interpolation`, `vit.mean`, `vit.std`) and `vit.class_names` (JSON), so a bare onnxruntime
+session can prepare images and name its predictions (docs/export.md).
+
 `OnnxClassifier` runs an exported file with onnxruntime and refuses, with the reason, images that do
 not fit it; `max_abs_diff` compares it with the PyTorch model on a batch. `scripts/export.py` does
 both for any weights `vit.checkpoint.load_model` reads.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -33,6 +39,8 @@ import torch
 import torchvision
 from torch import nn
 
+from vit.checkpoint import Preprocess
+from vit.data.augment import EVAL_RESIZE
 from vit.resnet import CifarResNet
 from vit.vision_transformer import VisionTransformer
 
@@ -89,6 +97,25 @@ class ImageSpec:
             )
 
 
+def preprocess_metadata(preprocess: Preprocess) -> dict[str, str]:
+    """The evaluation preprocessing as metadata_props: plain numbers, comma-separated."""
+    return {
+        "vit.eval_img_size": str(preprocess.img_size),
+        "vit.eval_crop_pct": repr(preprocess.crop_pct),
+        "vit.eval_interpolation": EVAL_RESIZE,
+        "vit.mean": ",".join(map(repr, preprocess.mean)),
+        "vit.std": ",".join(map(repr, preprocess.std)),
+    }
+
+
+def preprocess_from_metadata(props: dict[str, str]) -> Preprocess | None:
+    if "vit.eval_img_size" not in props:
+        return None
+    floats = lambda text: [float(v) for v in text.split(",")]  # noqa: E731
+    values = {"img_size": props["vit.eval_img_size"], "crop_pct": props["vit.eval_crop_pct"]}
+    return Preprocess.from_dict({**values, "mean": floats(props["vit.mean"]), "std": floats(props["vit.std"])})
+
+
 def image_spec(model: nn.Module, img_size: int | tuple[int, int] | None = None, dynamic: bool = True) -> ImageSpec:
     """The inputs `model` takes; `img_size` defaults to the ViT's own, 32 for CIFAR ResNets, else 224."""
     if isinstance(model, VisionTransformer):
@@ -123,14 +150,20 @@ def export_onnx(
     img_size: int | tuple[int, int] | None = None,
     dynamic: bool = True,
     opset: int = OPSET,
+    preprocess: Preprocess | None = None,
+    class_names: list[str] | None = None,
 ) -> Path:
     """Write `model` (in eval mode, float32, on the CPU) as an ONNX file taking `images` (B, C, H, W)
     and giving `logits` (B, classes).
 
     `dynamic=True`: batch, height and width are free (height and width multiples of a ViT's patch
     size). `dynamic=False`: the graph takes `img_size` (default: the model's) and any batch.
+    `preprocess` and `class_names` (a checkpoint's: `vit.checkpoint.load_checkpoint`) go into the
+    file's metadata, for whoever runs it to prepare images and name the classes.
     """
     spec = image_spec(model, img_size, dynamic)
+    if preprocess is not None:  # the graph must take the images the preprocessing makes
+        spec.check((1, spec.in_chans, preprocess.img_size, preprocess.img_size))
     if isinstance(model, VisionTransformer) and model.config.num_experts > 1:
         raise ValueError(
             "a mixture-of-experts ViT cannot be exported: its routing loops over experts with data-dependent "
@@ -166,7 +199,12 @@ def export_onnx(
             )  # fmt: skip
         except Exception as e:  # the exporter wraps torch.export's and the translator's errors
             raise RuntimeError(f"ONNX export of {type(model).__name__} failed: {e}") from e
-    program.model.metadata_props.update(spec.metadata())
+    metadata = spec.metadata()
+    if preprocess is not None:
+        metadata.update(preprocess_metadata(preprocess))
+    if class_names is not None:
+        metadata["vit.class_names"] = json.dumps(list(class_names))
+    program.model.metadata_props.update(metadata)
     return _save_atomically(program, Path(path))
 
 
@@ -190,7 +228,10 @@ def _save_atomically(program: Any, path: Path) -> Path:
 
 
 class OnnxClassifier:
-    """An exported file run by onnxruntime on the CPU: images (B, C, H, W) -> logits, as numpy."""
+    """An exported file run by onnxruntime on the CPU: images (B, C, H, W) -> logits, as numpy.
+
+    `preprocess` and `class_names` are what the file's metadata says (None where it does not);
+    `prepare` turns RGB images into the inputs its preprocessing describes."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         import onnxruntime as ort
@@ -198,9 +239,28 @@ class OnnxClassifier:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"ONNX file {path} does not exist")
-        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime's errors (InvalidProtobuf, ...) derive from Exception alone
+            raise ValueError(f"onnxruntime cannot load {path}: {e}") from e
         self.input_name = self.session.get_inputs()[0].name
-        self.spec = ImageSpec.from_metadata(self.session.get_modelmeta().custom_metadata_map)
+        props = self.session.get_modelmeta().custom_metadata_map
+        self.path = path
+        self.spec = ImageSpec.from_metadata(props)
+        self.preprocess = preprocess_from_metadata(props)
+        self.class_names: list[str] | None = (
+            json.loads(props["vit.class_names"]) if "vit.class_names" in props else None
+        )
+
+    def prepare(self, images: list[np.ndarray]) -> np.ndarray:
+        """RGB uint8 images (H, W, 3), any sizes, as the file's inputs: float32 (B, 3, S, S), prepared
+        as evaluation prepares them (vit.data.transforms.eval_transform with the file's settings)."""
+        if self.preprocess is None:
+            raise ValueError(
+                f"{self.path} does not say how to prepare images (no vit.eval_img_size in its metadata): "
+                "export it from a checkpoint of ours with vit-export, or normalise the images yourself"
+            )
+        return self.preprocess(images).numpy()
 
     def __call__(self, images: torch.Tensor | np.ndarray) -> np.ndarray:
         images = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)

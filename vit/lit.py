@@ -20,7 +20,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
 
 from vit import lightning_compat as compat
-from vit.checkpoint import HEAD_NAMES, is_head, load_model, load_pretrained
+from vit.checkpoint import HEAD_NAMES, Preprocess, is_head, load_model, load_pretrained
 from vit.data.images import MISSING, same_class_names
 from vit.fault_tolerance import CheckpointConflictError
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
@@ -515,3 +515,6 @@ class ImageClassifier(TrainingTask):
         names = getattr(datamodule, "class_names", None)
         if names is not None and len(names) == self.hparams.num_classes:
             checkpoint["vit"]["class_names"] = list(names)
+        preprocess = Preprocess.of(datamodule)  # what vit-predict and the ONNX export feed the model
+        if preprocess is not None:
+            checkpoint["vit"]["preprocess"] = preprocess.to_dict()

@@ -42,6 +42,25 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def image_files(paths: list[str]) -> list[Path]:
+    """A command's IMAGES: files as given, folders searched recursively for images (sorted), in the
+    order given. A path that does not exist, or a folder without images, is an error naming it."""
+    from vit.data.images import IMAGE_EXTENSIONS  # vit.data loads Lightning: only for the commands that read images
+
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+            if not found:
+                raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {p}")
+            files += found
+        elif p.is_file() or p.is_symlink():  # a broken link is read, and reported, as a corrupt image
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"image {p} does not exist")
+    return files
+
+
 def image_copy_parser(doc: str, target_help: str, max_side: int | None) -> argparse.ArgumentParser:
     """The options of the commands that write a copy of an image folder (resize_folder,
     convert_streaming): SOURCE TARGET, the size cap, JPEG quality, workers, skipping corrupt files."""

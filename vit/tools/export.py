@@ -10,12 +10,16 @@ timm:<name>, or a timm-format state dict with --model NAME. After writing the fi
 it on a batch at each --check_sizes size (default: the export size and 1.5 times it) and the script
 prints the largest |logit difference| against the PyTorch model; it exits 1 when one exceeds --atol.
 The images are random unless --images gives files (resized, centre-cropped and normalised as in
-evaluation). Installed (`pip install -e .`), the same command is `vit-export`.
+evaluation). The file's metadata carries the checkpoint's class names and evaluation preprocessing
+(size, crop, mean, std; --crop_pct, --mean and --std replace the checkpoint's or, for other sources,
+give it), which vit-predict and a bare onnxruntime session read. Installed (`pip install -e .`),
+the same command is `vit-export`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vit.checkpoint import load_model
+from vit.checkpoint import Preprocess, load_model_and_meta
 from vit.data.images import read_rgb
-from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
+from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from vit.export import OPSET, OnnxClassifier, export_onnx, image_spec, max_abs_diff
 
 
@@ -35,11 +39,23 @@ def default_out(source: str) -> Path:
     return Path(source).with_suffix(".onnx")
 
 
-def check_batch(args: argparse.Namespace, size: int, in_chans: int) -> torch.Tensor:
+def file_preprocess(args: argparse.Namespace, meta: dict, size: int) -> Preprocess | None:
+    """What the file's metadata says of preprocessing: the checkpoint's, with the options given
+    replacing its values; for a source without it, the options given at the export size; else nothing."""
+    given = {"crop_pct": args.crop_pct, "mean": args.mean, "std": args.std}
+    given = {name: value for name, value in given.items() if value is not None}
+    saved = meta.get("preprocess")
+    if saved is None and not given:
+        return None
+    defaults = {"img_size": size, "crop_pct": 1.0, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
+    return Preprocess.from_dict({**(saved or defaults), **given})
+
+
+def check_batch(args: argparse.Namespace, size: int, in_chans: int, preprocess: Preprocess | None) -> torch.Tensor:
     if not args.images:
         return torch.randn(args.batch_size, in_chans, size, size, generator=torch.Generator().manual_seed(size))
-    transform = eval_transform(size, args.crop_pct, tuple(args.mean), tuple(args.std))
-    return torch.stack([transform(image=read_rgb(path))["image"] for path in args.images])
+    preprocess = preprocess or Preprocess(size, 1.0, IMAGENET_MEAN, IMAGENET_STD)
+    return dataclasses.replace(preprocess, img_size=size)([read_rgb(path) for path in args.images])
 
 
 def main(argv: list[str] | None = None) -> dict[int, float]:
@@ -55,16 +71,20 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     parser.add_argument("--check_sizes", type=int, nargs="+", help="sizes to compare at (default: export size, 1.5x)")
     parser.add_argument("--batch_size", type=int, default=2, help="random images per check")
     parser.add_argument("--images", nargs="+", help="image files to check on instead of random images")
-    parser.add_argument("--crop_pct", type=float, default=1.0)
-    parser.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN)
-    parser.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD)
+    parser.add_argument("--crop_pct", type=float, help="eval centre crop (default: the checkpoint's, else 1.0)")
+    parser.add_argument("--mean", type=float, nargs=3, help="default: the checkpoint's, else ImageNet's")
+    parser.add_argument("--std", type=float, nargs=3, help="default: the checkpoint's, else ImageNet's")
     parser.add_argument("--atol", type=float, default=1e-4, help="largest |logit difference| accepted")
     args = parser.parse_args(argv)
 
-    model = load_model(args.source, args.model, use_ema=args.ema, **args.model_kwargs)
+    model, meta = load_model_and_meta(args.source, args.model, use_ema=args.ema, **args.model_kwargs)
     spec = image_spec(model, args.img_size, dynamic=not args.static)
-    out = export_onnx(model, args.out or default_out(args.source), args.img_size, not args.static, args.opset)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, opset {args.opset})")
+    preprocess, class_names = file_preprocess(args, meta, spec.img_size[0]), meta.get("class_names")
+    out = args.out or default_out(args.source)
+    out = export_onnx(model, out, args.img_size, not args.static, args.opset, preprocess, class_names)
+    carried = [f"{preprocess.img_size} px preprocessing"] if preprocess else []
+    carried += [f"{len(class_names)} class names"] if class_names else []
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, opset {args.opset}{''.join(f', {c}' for c in carried)})")
 
     size = spec.img_size[0]
     step = max(spec.multiple)
@@ -72,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     onnx_model = OnnxClassifier(out)
     diffs = {}
     for check_size in sizes:
-        images = check_batch(args, check_size, spec.in_chans)
+        images = check_batch(args, check_size, spec.in_chans, preprocess)
         diffs[check_size] = max_abs_diff(model, onnx_model, images)
         shape = f"{len(images)}x{spec.in_chans}x{check_size}x{check_size}"
         print(f"{shape}: max |onnxruntime - torch| = {diffs[check_size]:.2e}")

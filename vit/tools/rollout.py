@@ -41,10 +41,10 @@ from tqdm import tqdm
 
 from vit.checkpoint import load_checkpoint, load_model
 from vit.data.augment import center_crop_box
-from vit.data.images import IMAGE_EXTENSIONS, ImageArrays, ImageFiles, read_rgb
+from vit.data.images import ImageArrays, ImageFiles, read_rgb
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
 from vit.rollout import METHODS, check_vit, contact_sheet, render_panel, rollout_maps
-from vit.tools.args import positive_int
+from vit.tools.args import image_files, positive_int
 from vit.vision_transformer import VisionTransformer
 
 METHOD_NAMES = {
@@ -100,17 +100,7 @@ def load_vit(source: str, model_name: str | None = None) -> tuple[VisionTransfor
 
 def items_from_paths(paths: list[str]) -> list[Item]:
     """Image files and folders (searched recursively, sorted), in the order given."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
-            if not found:
-                raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {p}")
-            files += found
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"image {p} does not exist")
+    files = image_files(paths)
     return [Item(f.stem, lambda f=f: read_rgb(f), folder=Path(os.path.abspath(f)).parent.name) for f in files]
 
 

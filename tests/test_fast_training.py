@@ -17,7 +17,7 @@ from vit.data import DigitsDataModule, ImageFiles
 from vit.data.augment import Augment, batch_augment, normalize
 from vit.data.datamodules import ImageFolderDataModule, holdout_indices
 from vit.data.images import CorruptImageError, ImageArrays, Sample
-from vit.data.memory import BatchSampler, TensorImages, _available_memory, to_tensor_images
+from vit.data.memory import ResumableBatchSampler, TensorImages, _available_memory, to_tensor_images
 from vit.data.transforms import train_transform
 from vit.layers import whiten_patch_embed_
 from vit.lit import ImageClassifier
@@ -94,20 +94,20 @@ def test_normalize_matches_albumentations():
 # -- batches, splits and the decode cache -------------------------------------------------------
 
 
-def test_batch_sampler_orders_by_seed_and_epoch_shards_ranks_and_resumes():
+def test_the_batch_sampler_orders_by_seed_and_epoch_shards_ranks_and_resumes_at_an_image():
     dataset = TensorImages(_images(n=20), torch.arange(20))
-    sampler = BatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
+    sampler = ResumableBatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
     sampler.set_epoch(1)
     first = list(sampler)
     assert len(first) == len(sampler) == 5
     assert sorted(torch.cat([b for b, _ in first]).tolist()) == list(range(20))
-    again = BatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
+    again = ResumableBatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
     again.set_epoch(1)
     assert [(b.tolist(), s) for b, s in again] == [(b.tolist(), s) for b, s in first]
     sampler.set_epoch(2)
     assert [b.tolist() for b, _ in sampler] != [b.tolist() for b, _ in first]
 
-    shards = [BatchSampler(dataset, 4, shuffle=True, seed=3, num_replicas=2, rank=r) for r in (0, 1)]
+    shards = [ResumableBatchSampler(dataset, 4, shuffle=True, seed=3, num_replicas=2, rank=r) for r in (0, 1)]
     for s in shards:
         s.set_epoch(1)
     seen = [torch.cat([b for b, _ in s]).tolist() for s in shards]
@@ -115,11 +115,11 @@ def test_batch_sampler_orders_by_seed_and_epoch_shards_ranks_and_resumes():
     assert [seed for _, seed in shards[0]] != [seed for _, seed in shards[1]]  # ranks augment differently
 
     sampler.set_epoch(1)
-    sampler.resume_epoch, sampler.resume_position = 1, 3  # in batches
+    sampler.resume_epoch, sampler.resume_position = 1, 12  # in images, as every sampler counts: batch 3 on
     assert [b.tolist() for b, _ in sampler] == [b.tolist() for b, _ in first[3:]]
     assert len(list(sampler)) == 5  # the next pass is whole again
 
-    ragged = BatchSampler(dataset, batch_size=6, shuffle=True, drop_last=True)
+    ragged = ResumableBatchSampler(dataset, batch_size=6, shuffle=True, drop_last=True)
     assert len(ragged) == len(list(ragged)) == 3  # 20 = 3 x 6 + 2: the ragged batch is dropped
 
 
@@ -129,7 +129,7 @@ def test_a_loaded_batch_carries_its_augmentation_seed_as_a_host_number():
     from torch.utils.data import DataLoader
 
     dataset = TensorImages(_images(n=8), torch.arange(8))
-    sampler = BatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
+    sampler = ResumableBatchSampler(dataset, batch_size=4, shuffle=True, seed=3)
     loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=1)
     for (_, labels, seed), (indices, expected) in zip(loader, list(sampler), strict=True):
         assert type(seed) is int and seed == expected and labels.tolist() == indices.tolist()

@@ -303,16 +303,16 @@ def test_the_images_of_an_epoch_are_each_seen_once_across_a_change_of_batch_size
     """The samplers' order depends on (seed, epoch) alone, each process takes every W-th image:
     whatever the batch size and process count before and after, nothing is skipped and less than
     one global batch is seen twice."""
-    from vit.data.memory import BatchSampler
+    from vit.data.memory import ResumableBatchSampler
     from vit.data.sampling import carry_position
 
     dataset = torch.utils.data.TensorDataset(torch.arange(48))
     (b, w), (b2, w2) = before, after
 
     def batches(batch_size: int, world: int, rank: int, start: int = 0) -> list[list[int]]:
-        sampler = BatchSampler(dataset, batch_size, shuffle=True, seed=3, num_replicas=world, rank=rank)
+        sampler = ResumableBatchSampler(dataset, batch_size, shuffle=True, seed=3, num_replicas=world, rank=rank)
         sampler.set_epoch(1)
-        sampler.resume_epoch, sampler.resume_position = 1, start
+        sampler.resume_epoch, sampler.resume_position = 1, start * batch_size
         return [batch.tolist() for batch, _ in sampler]
 
     done = 2  # batches each process finished before the stop

@@ -30,7 +30,7 @@ from vit.data.images import (
     scan_image_folder,
     scan_tiny_imagenet,
 )
-from vit.data.memory import BatchSampler, TensorImages, to_tensor_images
+from vit.data.memory import ResumableBatchSampler, TensorImages, to_tensor_images
 from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.prefetch import PreparedLoader
 from vit.data.sampling import ChunkedSampler, ResumableSampler, resumable_loader
@@ -250,7 +250,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
             self.train_set = self._encoded(self.train_set, train=True)
         if self.in_memory:  # whole batches gathered from one tensor, in this process
             self.train_set = self._in_memory(self.train_set, train=True)
-            sampler = BatchSampler(self.train_set, self.batch_size, shuffle=True, seed=seed, drop_last=True)
+            sampler = ResumableBatchSampler(self.train_set, self.batch_size, shuffle=True, seed=seed, drop_last=True)
             return resumable_loader(self.train_set, sampler, self.trainer, batch_size=None, pin_memory=self.pin_memory)
         sampler = self.train_sampler(self.train_set, seed)
         loader = resumable_loader(
@@ -285,7 +285,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
 
     def _eval_loader(self, dataset: Dataset) -> DataLoader:
         if self.in_memory:
-            sampler = BatchSampler(dataset, self.batch_size, shuffle=False)
+            sampler = ResumableBatchSampler(dataset, self.batch_size, shuffle=False)
             return DataLoader(dataset, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
         if isinstance(dataset, ImageFiles):  # a corrupt file is left out, not replaced by an image scored twice
             dataset.substitute = False

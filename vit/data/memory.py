@@ -58,13 +58,14 @@ class TensorImages(Dataset):
         return self.images[item], self.labels[item]
 
 
-class BatchSampler(ResumableSampler):
+class ResumableBatchSampler(ResumableSampler):
     """Whole batches of indices (a tensor each) of the ResumableSampler's order: shuffled by
     (seed, epoch), shared among the processes as DistributedSampler shares it (Lightning keeps it
     under DDP and calls `set_epoch`).
 
     With `shuffle`, each batch comes with its augmentation seed (vit.seeds: Purpose.BATCH).
-    `resume_epoch` / `resume_position` (in batches) start an epoch part-way, as ResumableLoader sets them.
+    `resume_epoch` / `resume_position` start an epoch part-way, counted in images as every
+    ResumableSampler counts (ResumableLoader sets them): at the batch that holds that image.
     """
 
     def __init__(
@@ -91,7 +92,7 @@ class BatchSampler(ResumableSampler):
         return full + (1 if rest and not (self.drop_batch and full >= 1) else 0)
 
     def __iter__(self) -> Iterator:
-        start = self.begin_epoch()
+        start = self.begin_epoch() // self.batch_size
         batches = self._batches()
         for b in range(start, len(batches)):
             if not self.shuffle:

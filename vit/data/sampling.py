@@ -116,14 +116,20 @@ class ResumableLoader(PreparedLoader):
             self.load_state_dict(self.state_dict())
         sampler = self.sampler  # without batches_done, a resumed epoch's count starts at the batches it skips
         resumed = sampler.resume_position if sampler.epoch == sampler.resume_epoch else 0
-        self._handed_out = resumed // (self.batch_size or 1)
+        self._handed_out = resumed // self.images_per_batch
         for batch in super().__iter__():
             self._handed_out += 1
             yield batch
 
+    @property
+    def images_per_batch(self) -> int:
+        """The loader's batch size, or its batch sampler's (in-memory batches)."""
+        return self.batch_size or getattr(self.sampler, "batch_size", 1)
+
     def state_dict(self) -> dict[str, int]:
+        """Where the epoch is, in images (every sampler's count)."""
         done = self.batches_done() if self.batches_done is not None else getattr(self, "_handed_out", 0)
-        return {"epoch": self.sampler.epoch, "position": done * (self.batch_size or 1), "seed": self.sampler.seed}
+        return {"epoch": self.sampler.epoch, "position": done * self.images_per_batch, "seed": self.sampler.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.resume_epoch = state["epoch"]

@@ -1,11 +1,13 @@
-"""timm's EVA family (`timm.models.eva`): EVA, EVA-02, DINOv3, Perception Encoder, Naver's RoPE-ViT
-and timm's SBB RoPE ViTs, built on the same VisionTransformer and Block, with timm's parameter names.
+"""timm's EVA family (`timm.models.eva`): EVA, EVA-02, DINOv3, Perception Encoder, Naver's RoPE-ViT,
+timm's SBB RoPE ViTs and Meta's Sapiens2, built on the same VisionTransformer and Block, with timm's
+parameter names.
 
 What differs from a ViT is in the Block's options (q and v biases without a key bias, unfused q/k/v,
-the attention's and the MLP's inner norms, EVA's SwiGLU layouts, `gamma_1`/`gamma_2` LayerScale,
-interleaved rotary pairs: vit.layers.BlockConfig) and here: the rotary tables, computed once per
-forward and given to every block (timm's `RotaryEmbeddingCat`, `RotaryEmbeddingDinoV3`,
-`RotaryEmbeddingMixed`: vit.position), the attention-pool head over every token, timm's Eva init.
+the attention's and the MLP's inner norms, EVA's SwiGLU layouts, `gamma_1`/`gamma_2` LayerScale or
+`gamma_1` alone, grouped-query attention per block, interleaved rotary pairs: vit.layers.BlockConfig)
+and here: the rotary tables, computed once per forward and given to every block (timm's
+`RotaryEmbeddingCat`, `RotaryEmbeddingDinoV3` with its train-time rescaling, `RotaryEmbeddingMixed`:
+vit.position), the attention-pool head over every token, timm's Eva init.
 timm's names are read from its model functions at import, as vit.vision_transformer does for ViTs.
 """
 
@@ -50,6 +52,9 @@ class EvaConfig(ViTConfig):
     rope_grid_offset: float = 0.0
     rope_grid_indexing: str = "ij"  # "xy": the first rotary half turns with the column
     ref_feat_shape: tuple[int, int] | None = None  # "cat": coordinates rescaled to span this grid
+    # "dinov3" in train mode: each forward scales the coordinates by one factor drawn log-uniform in
+    # [1/R, R] (timm's rope_rescale_coords, DINOv3's and Sapiens2's augmentation); eval: never.
+    rope_rescale_coords: float | None = None
     attn_pool_num_heads: int | None = None  # global_pool="map": the head's heads; None: num_heads
     attn_pool_mlp_ratio: float | None = None  # and its MLP ratio; None: mlp_ratio
     head_init_scale: float = 0.001  # the head starts at this fraction of timm's init
@@ -66,6 +71,13 @@ class EvaConfig(ViTConfig):
             raise ValueError(f"rope_grid_indexing must be 'ij' or 'xy', got {self.rope_grid_indexing!r}")
         if self.use_rot_pos_emb and self.rope_type == "mixed" and self.rope_rotate_half:
             raise ValueError("rope_type='mixed' pairs channels 2j, 2j+1: it needs rope_rotate_half=False")
+        if self.use_rot_pos_emb and self.rope_type == "mixed" and self.num_kv_heads is not None:
+            raise ValueError("rope_type='mixed' turns every query head its own way: no num_kv_heads")
+        if self.rope_rescale_coords is not None and (
+            self.rope_type != "dinov3" or not math.isfinite(self.rope_rescale_coords) or self.rope_rescale_coords < 1
+        ):
+            raise ValueError(f"rope_rescale_coords is a factor >= 1 of rope_type='dinov3', got "
+                             f"{self.rope_rescale_coords!r} with {self.rope_type!r}")  # fmt: skip
 
 
 class Eva(VisionTransformer):
@@ -116,8 +128,13 @@ class Eva(VisionTransformer):
             cos, sin = self.rope(grid, c.rope_grid_indexing)
             return [keep_rope((cos[i], sin[i]), kept, images.device) for i in range(len(cos))]
         if c.rope_type == "dinov3":
+            scale = None
+            if self.training and c.rope_rescale_coords is not None:
+                # timm's draw, call for call on the CPU generator, so a seeded training step is timm's
+                bound = math.log(c.rope_rescale_coords)
+                scale = torch.empty(1, dtype=torch.float32).uniform_(-bound, bound).exp()
             tables = rope_2d_dinov3(
-                grid, head_dim, c.rope_temperature, c.rope_grid_offset, c.rope_grid_indexing, c.rope_rotate_half
+                grid, head_dim, c.rope_temperature, c.rope_grid_offset, c.rope_grid_indexing, c.rope_rotate_half, scale
             )  # fmt: skip
         else:
             tables = rope_2d(
@@ -145,11 +162,8 @@ def _init_linears(module: nn.Module) -> None:
 _RENAMED = {"num_reg_tokens": "reg_tokens", "use_pre_transformer_norm": "pre_norm"}
 # timm's Eva kwargs we have no equal for, when set away from timm's default, and why.
 _REFUSED = {
-    "num_kv_heads": (None, "grouped-query attention (num_kv_heads)"),
-    "attn_only_layer_scale": (False, "LayerScale on the attention branch only"),
-    "rope_shift_coords": (None, "train-time RoPE coordinate augmentation"),
-    "rope_jitter_coords": (None, "train-time RoPE coordinate augmentation"),
-    "rope_rescale_coords": (None, "train-time RoPE coordinate augmentation"),
+    "rope_shift_coords": (None, "train-time RoPE coordinate shift"),
+    "rope_jitter_coords": (None, "train-time RoPE per-axis coordinate scaling"),
     "rope_mrope_section": (None, "multimodal RoPE (mrope)"),
 }
 

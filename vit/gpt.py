@@ -38,6 +38,8 @@ class GPTConfig(BlockConfig):
         super().__post_init__()
         if self.posemb not in ("learn", "sincos", "rope"):
             raise ValueError(f"posemb must be 'learn', 'sincos' or 'rope', got {self.posemb!r}")
+        if isinstance(self.num_kv_heads, tuple):  # the GPT's blocks are built alike, without their numbers
+            raise ValueError("a GPT's num_kv_heads is one count for every block")
         self.attn_drop_rate = self.attn_drop_rate or self.dropout
         self.proj_drop_rate = self.proj_drop_rate or self.dropout
 

@@ -399,7 +399,7 @@ class _AttentionBase(nn.Module):
         # registration order is the initialisation order, so the same seed gives the same weights.
         for name, module in in_proj.items():
             setattr(self, name, module)
-        self.num_heads = num_heads
+        self.num_heads = self.num_kv_heads = num_heads  # Attention's num_kv_heads may be fewer
         self.head_dim = dim // num_heads // (2 if diff else 1)  # of q and k; diff: v's heads are twice as wide
         self.scale = self.head_dim**-0.5
         self.fused_attn = True
@@ -490,10 +490,16 @@ class _AttentionBase(nn.Module):
         q and k normed and rotated, the first `num_queries` tokens querying, keys and values cached.
         The arguments are Attention.forward's."""
         B, N = qkv.shape[:2]
-        # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
-        # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
-        # views but makes the backward copy the whole qkv gradient once more.)
-        q, k, v = qkv.reshape(B, N, 3, -1, self.head_dim).unbind(2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups == 1:
+            # Split on the "3" axis of (B, N, 3, heads, head_dim): in the backward, the stacked q/k/v
+            # gradients then land in qkv's own layout. (permute(2, 0, 3, 1, 4).unbind(0) gives the same
+            # views but makes the backward copy the whole qkv gradient once more.)
+            q, k, v = qkv.reshape(B, N, 3, -1, self.head_dim).unbind(2)
+        else:
+            kv_dim = self.num_kv_heads * self.head_dim  # grouped-query attention: k and v are narrower than q
+            parts = qkv.split([qkv.shape[-1] - 2 * kv_dim, kv_dim, kv_dim], dim=-1)
+            q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in parts)
         if self.diff:  # v: one head of twice the width per pair of q/k half-heads
             v = v.reshape(B, N, self.num_heads, 2 * self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, N, head_dim) each
@@ -511,6 +517,10 @@ class _AttentionBase(nn.Module):
                 attn_mask = attn_mask[..., :num_queries, :]  # the queries' rows
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
+        if groups > 1:
+            # Grouped-query attention: query head h reads key/value head h // groups (timm's
+            # repeat_interleave); expanded last, so norm, rotation and the cache keep the fewer heads.
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return self.attention(q, k, v, attn_mask, self.causal, return_attn)
 
     def inner_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -548,6 +558,8 @@ class Attention(_AttentionBase):
     ignores), the q and v biases then being `q_bias`, `v_bias` beside a bias-free `qkv`.
     `scale_norm` normalises the heads' output before `proj` (`norm`; EVA-CLIP's inner LayerNorm).
     `rope_half=False` takes rotary tables of interleaved pairs (EVA's; vit.position.rope_table).
+    `num_kv_heads` < num_heads is grouped-query attention (timm's AttentionRope, Sapiens2): `k_proj`
+    and `v_proj` give num_kv_heads heads, each read by num_heads // num_kv_heads query heads in a row.
     `diff=True`: differential attention (see _AttentionBase), `depth` the block's number.
 
     `rel_pos_type` adds learned relative positions to the scores, for tokens on a `grid` after
@@ -578,14 +590,22 @@ class Attention(_AttentionBase):
         grid: tuple[int, int] | None = None,
         num_prefix_tokens: int = 0,
         rel_pos_dim: int = 128,
+        num_kv_heads: int | None = None,
     ) -> None:
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads or (num_kv_heads != num_heads and (qkv_fused or diff)):
+            raise ValueError(f"num_kv_heads {num_kv_heads} must divide num_heads {num_heads}; fewer than num_heads "
+                             "needs qkv_fused=False and no diff")  # fmt: skip
+        kv_dim = dim // num_heads * num_kv_heads
         if qkv_fused:
             proj = {"qkv": nn.Linear(dim, dim * 3, bias=qkv_bias and k_bias)}
         else:
-            proj = {name: nn.Linear(dim, dim, bias=qkv_bias and (name != "k_proj" or k_bias)) for name in QKV_NAMES}
+            widths = {"q_proj": dim, "k_proj": kv_dim, "v_proj": kv_dim}
+            proj = {n: nn.Linear(dim, widths[n], bias=qkv_bias and (n != "k_proj" or k_bias)) for n in QKV_NAMES}
         super().__init__(
             dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, proj_bias, diff=diff, depth=depth, **proj
         )  # fmt: skip
+        self.num_kv_heads = num_kv_heads
         self.causal = causal
         self.rope_half = rope_half
         separate = qkv_fused and qkv_bias and not k_bias
@@ -1032,6 +1052,10 @@ class BlockConfig:
     scale_mlp: bool = False  # a norm on the MLP's hidden layer before fc2 (`mlp.norm`, EVA-02 B/L)
     swiglu_align_to: int = 0  # mlp "swiglu_split": hidden width rounded up to a multiple of this
     layer_scale: str = "ls"  # LayerScale as "ls" modules (ls1.gamma: timm's ViT) or "gamma" (gamma_1: EVA)
+    attn_only_layer_scale: bool = False  # LayerScale on the attention branch only (timm's name; Sapiens2)
+    # Grouped-query attention (timm's name; needs qkv_fused=False): this many key/value heads, or one
+    # count per block (a ViT's; Sapiens2 keeps full heads in its first and last blocks); None: num_heads.
+    num_kv_heads: int | tuple[int, ...] | None = None
     rope_rotate_half: bool = True  # rotary pairs j, j + head_dim/2; False: 2j, 2j + 1 (EVA, timm's default)
     proj_bias: bool = True  # False: no bias in attn.proj nor in the MLP's linears (timm's name; AIMv2)
     post_norm: bool = False  # x = x + norm1(attn(x)), x = x + norm2(mlp(x)); init_values: the norms' init
@@ -1050,6 +1074,17 @@ class BlockConfig:
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if isinstance(self.num_kv_heads, list):  # from a YAML or JSON config
+            self.num_kv_heads = tuple(self.num_kv_heads)
+        kv_heads = self.num_kv_heads if isinstance(self.num_kv_heads, tuple) else (self.num_kv_heads,)
+        if any(h is not None and self.num_heads % h for h in kv_heads):
+            raise ValueError(f"num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}")
+        grouped = any(h not in (None, self.num_heads) for h in kv_heads)
+        if grouped and (self.qkv_fused or self.block_fn != "block" or self.attn_layer != "attn"):
+            raise ValueError("num_kv_heads (grouped-query attention) needs qkv_fused=False, block_fn='block' and "
+                             "attn_layer='attn'")  # fmt: skip
+        if self.attn_only_layer_scale and (self.block_fn != "block" or self.post_norm):
+            raise ValueError("attn_only_layer_scale is an option of block_fn='block' without post_norm")
         if self.block_fn not in BLOCK_FNS:
             raise ValueError(f"unknown block_fn {self.block_fn!r}; expected one of {BLOCK_FNS}")
         if self.attn_layer not in ("attn", "diff"):
@@ -1081,14 +1116,15 @@ def _attention(
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 0,
 ) -> Attention:
-    """The self-attention layer of a BlockConfig; `depth`: the block's number (differential attention);
-    `grid`, `num_prefix_tokens`: the tokens it sees (relative positions)."""
+    """The self-attention layer of a BlockConfig; `depth`: the block's number (differential attention,
+    per-block num_kv_heads); `grid`, `num_prefix_tokens`: the tokens it sees (relative positions)."""
+    kv_heads = c.num_kv_heads[depth] if isinstance(c.num_kv_heads, tuple) else c.num_kv_heads
     return Attention(
         c.embed_dim, num_heads=c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate,
         proj_drop=c.proj_drop_rate, qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps, causal=causal,
         qkv_fused=c.qkv_fused, k_bias=c.k_bias, scale_norm=c.scale_attn_inner, rope_half=c.rope_rotate_half,
         proj_bias=c.proj_bias, diff=c.attn_layer == "diff", depth=depth, rel_pos_type=c.rel_pos_type, grid=grid,
-        num_prefix_tokens=num_prefix_tokens, rel_pos_dim=c.rel_pos_dim,
+        num_prefix_tokens=num_prefix_tokens, rel_pos_dim=c.rel_pos_dim, num_kv_heads=kv_heads,
     )  # fmt: skip
 
 
@@ -1113,7 +1149,7 @@ class Block(nn.Module):
     With layer_scale="gamma" the LayerScale vectors are the block's own `gamma_1`, `gamma_2`
     (timm's EVA names) and ls1, ls2 stay identities. `post_norm=True` is timm's ResPostBlock,
     x = x + drop_path(norm1(attn(x))), x = x + drop_path(norm2(mlp(x))), with init_values the norms'
-    initial scale instead of a LayerScale.
+    initial scale instead of a LayerScale. `attn_only_layer_scale`: ls2 / gamma_2 stay off (Sapiens2).
 
     `grid` (rows, columns) is the patch grid of the tokens after `num_prefix_tokens`, which relative
     positions and windows need. `window_size` > 0 (SAM's, ViTDet's): the attention runs within each
@@ -1149,8 +1185,9 @@ class Block(nn.Module):
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = make_norm(c.norm, dim, c.norm_eps)
         self.mlp = _mlp(c)
-        self.ls2 = LayerScale(dim, c.init_values) if ls_modules else nn.Identity()
-        self.gamma_2 = nn.Parameter(torch.full((dim,), float(c.init_values))) if gammas else None
+        mlp_ls = not c.attn_only_layer_scale
+        self.ls2 = LayerScale(dim, c.init_values) if ls_modules and mlp_ls else nn.Identity()
+        self.gamma_2 = nn.Parameter(torch.full((dim,), float(c.init_values))) if gammas and mlp_ls else None
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         if c.post_norm and c.init_values is not None:
             with torch.no_grad():

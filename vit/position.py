@@ -136,12 +136,16 @@ def rope_2d_dinov3(
     offset: float = 0.0,
     indexing: str = "ij",
     rotate_half: bool = True,
+    coord_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DINOv3's 2-D RoPE (timm's `RotaryEmbeddingDinoV3`): angles 2 pi x / period for coordinates x
-    normalised to [-1, 1] whatever the grid size, periods temperature^(i / (head_dim/4))."""
+    normalised to [-1, 1] whatever the grid size, periods temperature^(i / (head_dim/4)).
+    `coord_scale` multiplies the coordinates (timm's train-time `rescale_coords` draw, see vit.eva)."""
     if head_dim % 4:
         raise ValueError(f"2-D RoPE needs a head_dim divisible by 4, got {head_dim}")
     coords = grid_coords(grid, offset, indexing, centered=True)
+    if coord_scale is not None:
+        coords = coords * coord_scale
     periods = temperature ** (2.0 * torch.arange(head_dim // 4, dtype=torch.float32) / (head_dim // 2))
     angles = (2 * math.pi * coords[:, :, None] / periods).flatten(1)  # timm's order of operations
     return rope_table(angles, rotate_half)

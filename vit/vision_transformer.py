@@ -109,6 +109,8 @@ class ViTConfig(BlockConfig):
             raise ValueError("posemb='rope' with attn_layer='diff' is not supported: rotary tables are per full head")
         if self.global_pool not in GLOBAL_POOLS:
             raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {self.global_pool!r}")
+        if isinstance(self.num_kv_heads, tuple) and len(self.num_kv_heads) != self.depth:
+            raise ValueError(f"num_kv_heads {self.num_kv_heads} needs one count per block (depth {self.depth})")
         if (self.rel_pos_type or self.window_size) and (self.patch_drop_rate or self.dynamic_img_size):
             raise ValueError("relative positions and windows are for the built grid: no patch_drop_rate nor "
                              "dynamic_img_size")  # fmt: skip

@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vit import lightning_compat as compat
-from vit.data.augment import Augment, batch_augment, draw_rand_augment, normalize, rand_augment, resize_batch
-from vit.data.device import DEVICE_CROPS, DeviceSteps, EncodedFiles, collate_encoded
+from vit.data.augment import Augment
+from vit.data.device import DEVICE_CROPS, EncodedFiles
 from vit.data.images import (
     ImageArrays,
     ImageFiles,
@@ -30,15 +30,14 @@ from vit.data.images import (
     scan_image_folder,
     scan_tiny_imagenet,
 )
-from vit.data.memory import ResumableBatchSampler, TensorImages, to_tensor_images
 from vit.data.mixup import Mixup, MixupCutmix
+from vit.data.pipelines import FromFiles, InMemory, PerSample, Pipeline
 from vit.data.prefetch import PreparedLoader
-from vit.data.sampling import ChunkedSampler, ResumableSampler, resumable_loader
+from vit.data.sampling import ChunkedSampler, ResumableSampler
 from vit.data.streaming import StreamingImages
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
 from vit.options import number, require, set_option_groups, whole
-from vit.schedule import stepwise, training_progress
-from vit.seeds import Purpose, RunSeed, seed_for, step_seed
+from vit.seeds import Purpose, RunSeed, step_seed
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +166,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         require(data_process in (None, False) or device_decode, "data.data_process", data_process,
                 "false or null unless --data.device_decode true (it runs the decoding and augmenting)")  # fmt: skip
         self._data_process = data_process
+        self.pipeline: Pipeline = InMemory() if in_memory else FromFiles() if device_decode else PerSample()
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -193,20 +193,8 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
 
     def describe_transforms(self) -> tuple[str, str]:
         """One line each for what training and evaluation do to an image (logged at setup)."""
-        size, augment, padding = self.img_size, self.augment, self.augment.crop_padding
-        device = ["decode on the training device"] if self.device_decode else []
-        if self.device_decode and self.worker_decode:
-            device = [f"decode on the training device ({self.worker_decode:.0%} of the JPEGs in the loader workers)"]
-        if self.in_memory:  # decoded once at the eval geometry, then augmented in batches
-            train = [f"decode once at {size} (shorter side, centre crop)"]
-            train += [f"pad {padding} + random crop {size}"] if augment.crop == "pad_crop" else []
-        elif augment.crop == "rrc":
-            low, high = augment.crop_scale
-            train = [*device, f"random resized crop {size} (scale {low:g}-{high:g})"]
-        elif augment.crop == "pad_crop":
-            train = [f"resize {size}x{size}, pad {padding} + random crop {size}"]
-        else:
-            train = [*device, f"resize {size}x{size}"]
+        size, augment = self.img_size, self.augment
+        train, evaluation = self.pipeline.describe(self)
         train += ["flip"] if augment.hflip else []
         ops, magnitude = augment.randaugment
         train += [f"RandAugment {ops} ops at magnitude {magnitude:g}"] if ops > 0 else []
@@ -221,114 +209,52 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
             train.append(f"{mixing} {share}")
         if self.train_sizes:
             train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.train_sizes))
-        evaluation = f"centre crop {self.eval_crop_pct:g} of the shorter side, resize to {size} (bicubic), normalise"
-        if self.device_decode:
-            evaluation = f"decode on the training device, {evaluation}"
+        evaluation += f"centre crop {self.eval_crop_pct:g} of the shorter side, resize to {size} (bicubic), normalise"
         return ", ".join(train), evaluation
 
-    def _in_memory(self, dataset: Dataset, train: bool) -> Dataset:
-        """in_memory: the split decoded into a TensorImages, on first use (a tuning run never
-        decodes the test set)."""
-        if not self.in_memory or isinstance(dataset, TensorImages):
-            return dataset
-        cache = self.cache_dir
-        if cache is None and self.trainer is not None:
-            cache = Path(self.trainer.default_root_dir) / "cache"
-        return to_tensor_images(dataset, self.img_size, 1.0 if train else self.eval_crop_pct, cache)
-
-    def _encoded(self, dataset: Dataset, train: bool) -> EncodedFiles:
-        """device_decode: the split's files as bytes with each image's crop parameters."""
-        if isinstance(dataset, EncodedFiles):
-            return dataset
-        if not isinstance(dataset, ImageFiles):
-            raise ValueError(f"device_decode reads image files; {type(self).__name__} holds decoded arrays")
-        return EncodedFiles(dataset, train, self.augment, self.eval_crop_pct, self.skip_corrupt, self.worker_decode)
-
     def train_dataloader(self) -> DataLoader:
-        seed = self.seed
-        if self.device_decode:
-            self.train_set = self._encoded(self.train_set, train=True)
-        if self.in_memory:  # whole batches gathered from one tensor, in this process
-            self.train_set = self._in_memory(self.train_set, train=True)
-            sampler = ResumableBatchSampler(self.train_set, self.batch_size, shuffle=True, seed=seed, drop_last=True)
-            return resumable_loader(self.train_set, sampler, self.trainer, batch_size=None, pin_memory=self.pin_memory)
-        sampler = self.train_sampler(self.train_set, seed)
-        loader = resumable_loader(
-            self.train_set,
-            sampler,
-            self.trainer,
-            batch_size=self.batch_size,
-            drop_last=len(sampler) > self.batch_size,  # no ragged last batch (BatchNorm, Mixup)
-            **self._loader_options(self.train_set),
-        )
-        self._loaders.add(loader)
-        return loader
+        return self._kept(self.pipeline.train_loader(self, self.train_set))
 
     def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
         """The training order: a permutation by (seed, epoch), shared among the processes."""
         return ResumableSampler(dataset, shuffle=True, seed=seed)
 
     def val_dataloader(self) -> DataLoader:
-        self.val_set = self._in_memory(self.val_set, train=False)
-        if self.device_decode:
-            self.val_set = self._encoded(self.val_set, train=False)
-        return self._eval_loader(self.val_set)
+        return self._kept(self.pipeline.eval_loader(self, self.val_set))
 
     def test_dataloader(self) -> DataLoader:
-        self.test_set = self._in_memory(self.test_set, train=False)
-        if self.device_decode:
-            self.test_set = self._encoded(self.test_set, train=False)
-        return self._eval_loader(self.test_set)
+        return self._kept(self.pipeline.eval_loader(self, self.test_set))
 
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
-    def _eval_loader(self, dataset: Dataset) -> DataLoader:
-        if self.in_memory:
-            sampler = ResumableBatchSampler(dataset, self.batch_size, shuffle=False)
-            return DataLoader(dataset, batch_size=None, sampler=sampler, pin_memory=self.pin_memory)
-        if isinstance(dataset, ImageFiles):  # a corrupt file is left out, not replaced by an image scored twice
-            dataset.substitute = False
-        loader = PreparedLoader(dataset, batch_size=self.batch_size, shuffle=False, **self._loader_options(dataset))
-        self._loaders.add(loader)
+    def _kept(self, loader: DataLoader) -> DataLoader:
+        if isinstance(loader, PreparedLoader):
+            self._loaders.add(loader)
         return loader
 
     def teardown(self, stage: str) -> None:
         for loader in list(self._loaders):
             loader.close()
 
-    def _loader_options(self, dataset: Dataset) -> dict[str, Any]:
-        options: dict[str, Any] = dict(
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.persistent_workers and self.num_workers > 0,
-        )
-        if isinstance(dataset, EncodedFiles):  # bytes from the workers, decoded on the device (ahead of the step)
-            steps = DeviceSteps(dataset, self.img_size, self.mean, self.std)
-            options.update(collate_fn=collate_encoded, prepare=steps.stages, device=self._device,
-                           ahead=self.device_prefetch, process=self.data_process)  # fmt: skip
-        return options
-
     @property
     def data_process(self) -> bool:
         """Whether device_decode's work runs in a data process: as given, else on a GPU."""
         if self._data_process is not None:
             return self._data_process
-        return self.device_decode and self._device().type == "cuda"
+        return self.device_decode and self.training_device().type == "cuda"
 
-    def _device(self) -> torch.device:
+    def training_device(self) -> torch.device:
         """Where the model runs: the trainer's device; outside a run, the GPU if there is one."""
         if self.trainer is not None:
             return self.trainer.strategy.root_device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """On the device: in-memory batches augmented (training) and normalised (encoded files
-        arrive decoded and normalised: vit.data.device.DeviceSteps); then Mixup/CutMix,
-        training batches only. All randomness is a function of (seed, step, rank) or (seed, epoch,
-        index), so resumed runs augment and mix exactly like uninterrupted ones."""
-        if self.in_memory:
-            batch = self._augment_in_memory(batch)
+        """On the device: the pipeline's step (in memory: augmented and normalised), then
+        Mixup/CutMix, training batches only. All randomness is a function of (seed, step, rank) or
+        (seed, epoch, index) (vit.seeds), so resumed runs augment and mix as uninterrupted ones."""
+        batch = self.pipeline.on_device(self, batch)
         trainer = self.trainer
         if trainer is None or not trainer.training or not self.mixup.enabled:
             return batch
@@ -337,27 +263,9 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         rng = np.random.default_rng(step_seed(self.seed, Purpose.MIXUP, trainer, batch_idx))
         return MixupCutmix(self.num_classes, self.mixup)(x, y, rng)
 
-    def _augment_in_memory(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(batch) == 2:  # evaluation: uint8 at img_size, normalise only
-            return normalize(batch[0], self.mean, self.std), batch[1]
-        x, y, seed = batch  # training, with the batch's augmentation seed
-        generator = torch.Generator(device=x.device).manual_seed(seed)
-        augment = self.augment
-        padding = augment.crop_padding if augment.crop == "pad_crop" else 0
-        x = batch_augment(x, generator, padding, augment.hflip)
-        if augment.randaugment_ops > 0:  # before cutout, as RandAugment precedes random erasing in timm
-            rng = np.random.default_rng(seed_for(seed, Purpose.BATCH_RANDAUGMENT))  # keyed by the batch's seed
-            x = rand_augment(x, torch.from_numpy(draw_rand_augment(rng, *augment.randaugment, count=len(x))))
-        x = batch_augment(x, generator, cutout=augment.cutout)  # the generator's draws in the order of one call
-        x = normalize(x, self.mean, self.std)
-        return resize_batch(x, self.train_size()), y
-
     def train_size(self) -> int:
-        """The training image size at this point of the run (train_sizes), else img_size."""
-        if not self.train_sizes or self.trainer is None:
-            return self.img_size
-        progress = training_progress(self.trainer)
-        return int(stepwise(self.train_sizes, progress))
+        """The training image size at this point of the run (train_sizes, in memory), else img_size."""
+        return self.pipeline.train_size(self) if isinstance(self.pipeline, InMemory) else self.img_size
 
 
 def check_loader_options(

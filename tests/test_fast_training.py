@@ -387,7 +387,7 @@ def test_warmup_cosine_by_progress():
     assert warmup_cosine(1.0, 0.1, 0.01) == pytest.approx(0.01)
 
 
-def test_wall_clock_budget_stops_the_run_and_the_lr_ends_on_time(tmp_path):
+def test_wall_clock_budget_stops_the_run_says_so_and_the_lr_ends_on_time(tmp_path, caplog):
     budget = WallClockBudget(minutes=6 / 60)  # warmup 1.2 s: a slow first step still leaves steps near the peak
     lrs, expected = [], []
 
@@ -398,8 +398,11 @@ def test_wall_clock_budget_stops_the_run_and_the_lr_ends_on_time(tmp_path):
 
     module = ImageClassifier(num_classes=10, optimizer={"lr": 1e-3}, schedule={"warmup_fraction": 0.2})
     trainer = quiet_trainer(tmp_path, max_epochs=10_000, limit_val_batches=0, callbacks=[budget, Spy()])
-    trainer.fit(module, DigitsDataModule(batch_size=32, num_workers=0))  # no loader process to start
+    with caplog.at_level("INFO", logger="vit"):
+        trainer.fit(module, DigitsDataModule(batch_size=32, num_workers=0))  # no loader process to start
     assert 6.0 <= budget.elapsed() < 7.5 and trainer.current_epoch < 10_000
+    said = f"budget of 0.1 minutes ended after step {trainer.global_step} (epoch {trainer.current_epoch - 1}): training"
+    assert caplog.text.count(said) == 1  # the epoch it stopped in, which the trainer then counts done
     assert max(lrs) > 0.9e-3 and lrs[-1] < 0.05e-3  # warmed up to the peak, decayed to ~0 at the end
     # each step's lr is the schedule at the fraction of the budget (by the clock, not by steps) that
     # was used when the scheduler stepped, at the end of the step before the previous one

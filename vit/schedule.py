@@ -54,8 +54,13 @@ class WallClockBudget(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._sync(trainer)
-        if self._progress >= 1.0:
+        if self._progress >= 1.0 and not trainer.should_stop:
             trainer.should_stop = True
+            if trainer.is_global_zero:  # else the run seems to end early for no reason
+                log.info(
+                    f"The run's budget of {self.seconds / 60:g} minutes ended after step {trainer.global_step} "
+                    f"(epoch {trainer.current_epoch}): training stops there."
+                )
 
     def _sync(self, trainer: L.Trainer) -> None:
         self._progress = min(1.0, float(trainer.strategy.broadcast(self.elapsed() / self.seconds)))

@@ -136,7 +136,8 @@ def test_the_data_process_ends_with_the_training_process_and_outlives_its_signal
     when to stop. Killed outright, it leaves no data process behind."""
     script = tmp_path / "train.py"
     script.write_text(
-        "import os, sys, time\n"
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # pytest-xdist's workers ignore it
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "from tests.test_data_process import _module\n"
         "from pathlib import Path\n"

@@ -67,8 +67,8 @@ SCRIPTS = _project_scripts()
 
 def test_the_installed_commands():
     assert sorted(SCRIPTS) == [
-        "vit-bench", "vit-convert-streaming", "vit-export", "vit-resize-folder", "vit-rollout", "vit-sample",
-        "vit-train",
+        "vit-bench", "vit-convert-streaming", "vit-export", "vit-predict", "vit-resize-folder", "vit-rollout",
+        "vit-sample", "vit-train",
     ]  # fmt: skip
 
 

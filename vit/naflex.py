@@ -240,7 +240,7 @@ class NaFlexVit(VisionTransformer):
     def init_weights(self) -> None:
         """timm's NaFlexVit init: trunc-normal(0.02) Linear weights, zero biases; with fix_init each block's
         attn.proj and mlp.fc2 divided by sqrt(2 x its number); the embedding's own (NaFlexEmbeds)."""
-        if "embeds" not in self._modules:  # called by VisionTransformer.__init__; __init__ calls it once built
+        if getattr(self, "embeds", None) is None:  # called by VisionTransformer.__init__; __init__ calls it once built
             return
         for m in self.modules():
             if isinstance(m, nn.Linear):

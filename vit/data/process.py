@@ -86,6 +86,7 @@ class DataProcess:
 
     def close(self) -> None:
         """Stops the child (it finishes the batch in hand); the next epoch starts another."""
+        self.slots = None  # the child's buffers are let go before it ends (CUDA IPC: it owns their memory)
         if self._process is not None:
             _stop(self._process, self.orders)
             self._process = None

@@ -201,6 +201,9 @@ def test_a_recipe_fed_by_the_data_process_resumes_mid_epoch_to_the_weights_of_on
     resumed = main(_recipe(data, tmp_path / "run", "--data.data_process", "true", "--ckpt_path", "last"))
     straight = main(_recipe(data, tmp_path / "straight", "--data.data_process", "false"))
     assert resumed.datamodule.data_process and not straight.datamodule.data_process
+    lines = [run.datamodule.describe_transforms()[0] for run in (resumed, straight)]
+    assert lines[0].startswith("decode on the training device from a data process (50% of the JPEGs in the loader")
+    assert lines[1].startswith("decode on the training device (50% of the JPEGs in the loader workers)")
     assert resumed.trainer.global_step == straight.trainer.global_step == 12
     assert_bit_identical(weights(resumed), weights(straight))
     assert all(loader._data_process is None for loader in resumed.datamodule._loaders)  # ended at teardown

@@ -108,7 +108,7 @@ class FromFiles(PerSample):
         )  # fmt: skip
 
     def describe(self, data: ImageDataModule) -> tuple[list[str], str]:
-        where = "decode on the training device"
+        where = "decode on the training device" + (" from a data process" if data.data_process else "")
         if data.worker_decode:
             where += f" ({data.worker_decode:.0%} of the JPEGs in the loader workers)"
         crop, _ = super().describe(data)

@@ -429,13 +429,19 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values and len(values) == len(rows) else None
 
 
+# One colour a model on every panel, whatever the panel holds; fp32 dashed beside bf16 solid.
+MODEL_COLOURS = {"ResNet-20": "tab:blue", "ViT": "tab:orange", "ViT + conv stem (hybrid)": "tab:green"}
+
+
 def _draw(ax, mine: dict[str, dict[float, dict]], annotate: bool) -> None:
     """One line per model (its newest runs), budgets on x, test top-1 on y, in plain words."""
     for f, by in mine.items():
         xs = sorted(by)
         ys = [100 * by[x]["top1"] for x in xs]
         params = "/".join(dict.fromkeys(f"{by[x]['params'] / 1e6:.2f}M" for x in xs))
-        (line,) = ax.plot(xs, ys, marker="o", label=f"{f}, {params} parameters")
+        model = f.split(" (bf16)")[0].split(" (fp32)")[0]
+        style = {"color": MODEL_COLOURS.get(model), "linestyle": "--" if "(fp32)" in f else "-"}
+        (line,) = ax.plot(xs, ys, marker="o", label=f"{f}, {params} parameters", **style)
         if annotate:
             for x, y in zip(xs, ys, strict=True):
                 ax.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 7), ha="center",
@@ -490,14 +496,20 @@ def plot(final: list[dict], path: Path, number: dict[str, int]) -> list[str]:
     machines = sorted(dict.fromkeys(r["machine"] for r in final), key=number.__getitem__)
     cols = min(2, len(machines))
     nrows = -(-len(machines) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.2 * nrows), squeeze=False)
+    # One y scale: the panels compare machines; the parameter counts are each run's model, as in the tables.
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.2 * nrows + 0.6), squeeze=False, sharey=True)
     titles = []
     for ax, where in zip(axes.flat, machines, strict=False):
         _draw(ax, newest(final, where), annotate=False)
         titles.append(f"machine {number[where]}: {cpu_of(where)}")
         ax.set_title(titles[-1], fontsize=10)
+        ax.yaxis.set_tick_params(labelleft=True)
     for ax in axes.flat[len(machines) :]:
         ax.axis("off")
+    untested = [str(n) for m, n in number.items() if m not in machines]
+    note = f"; machines {', '.join(untested)} ran tuning runs only" if untested else ""
+    fig.suptitle(f"CIFAR-10 test top-1 in a fixed training time, each machine numbered as in budget.md{note}",
+                 fontsize=12)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -123,6 +123,7 @@ def test_the_page_prints_each_label_once_and_the_panels_none(tmp_path):
     page = (out / "index.html").read_text()
     sections = _sections(page)
     assert len(sections) == 2
+    assert ["<b>cat/0006</b>" in sections[0], "<b>dog/0006</b>" in sections[1]] == [True, True]  # not 0006 twice
     for section in sections:
         for method in methods:
             assert section.count(export.METHOD_NAMES[method]) == 1

@@ -65,6 +65,11 @@ class Item:
     label: int | None = None
     folder: str | None = None
 
+    @property
+    def title(self) -> str:
+        """What the gallery calls it: folder/name, as two classes' folders may hold files of one name."""
+        return f"{self.folder}/{self.name}" if self.folder else self.name
+
 
 @dataclass
 class Entry:
@@ -220,7 +225,7 @@ def export(args: argparse.Namespace) -> Path:
                 panel_size = panel.size
                 np.save(out / f"{file_stem}.npy", maps[method][j].astype(np.float32))
                 files.append((method, file_stem))
-            entries.append(Entry(item.name, predictions, true, files))
+            entries.append(Entry(item.title, predictions, true, files))
             lines = [f"{name}: {prob:.2f}" for name, prob in predictions]
             sheet_rows.append((view, [maps[method][j] for method in args.method], lines + _true_line(true)))
             progress.update()

@@ -387,4 +387,21 @@ def load_pretrained(model: nn.Module, source: str | Path, use_ema: bool = False)
     adapted, report = adapt_state_dict(state_dict, model)
     model.load_state_dict(adapted, strict=True)
     report.log(str(source))
+    rotary = _rotary_positions(model)
+    if rotary:
+        log.info("%s: %s", source, rotary)
     return report
+
+
+def _rotary_positions(model: nn.Module) -> str | None:
+    """What a model with rotary position embeddings needs at a new grid: nothing, as its tables are
+    computed for the input's grid at every forward; said so the load report's silence is not a question."""
+    config = getattr(model, "config", None)
+    if not isinstance(model, VisionTransformer) or not (
+        getattr(config, "use_rot_pos_emb", False) or getattr(config, "posemb", None) == "rope"
+    ):
+        return None
+    h, w = model.patch_embed.grid_size
+    tables = f"the rotary tables follow the patch grid ({h}x{w}), computed at every forward"
+    # EVA-02 keeps a learned pos_embed beside its rotary one (resampled above); DINOv3 has none.
+    return tables if "pos_embed" in model.state_dict() else f"no pos_embed to resample: {tables}"

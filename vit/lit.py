@@ -81,7 +81,8 @@ class FineTune:
         layer_decay: layer-wise lr decay for ViTs (e.g. 0.75: BEiT, MAE); head_lr: the head's own
             lr (also scaled by the batch size with optimizer.lr_base_batch_size).
         freeze_backbone: train only the head (a linear probe); freeze_blocks: freeze the patch and
-            position embeddings and the first K blocks. Frozen parts run in eval mode.
+            position embeddings, the CLS and register tokens and the first K blocks. Frozen parts run
+            in eval mode.
     """
 
     init_from: str | None = None
@@ -347,7 +348,7 @@ class ImageClassifier(TrainingTask):
             frozen = [self.model.patch_embed, *self.model.blocks[: options.freeze_blocks]]
             for module in frozen:
                 module.requires_grad_(False)
-            for name in ("cls_token", "pos_embed"):
+            for name in ("cls_token", "reg_token", "pos_embed"):  # registers: DINOv3, timm's reg ViTs
                 if getattr(self.model, name, None) is not None:
                     getattr(self.model, name).requires_grad_(False)
 

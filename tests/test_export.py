@@ -182,3 +182,30 @@ def test_the_script_names_a_file_that_is_no_checkpoint_and_never_leaves_a_partia
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     assert out.read_bytes() == b"the previous export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nano.onnx", "notes.pth", "w.pth"]
+
+
+def test_offline_a_timm_name_fails_in_one_line_that_says_how_to_export_a_downloaded_file(monkeypatch, tmp_path, capsys):
+    """The advice used to name --model.finetune.init_from, a training option this script does not
+    have; it names the hub repository of the default tag and the script's own form for a file."""
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+
+    from vit.tools.export import cli
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the hub reads HF_HUB_OFFLINE at import
+    monkeypatch.setattr("sys.argv", ["export.py", "timm:vit_tiny_patch16_224", "--out", str(tmp_path / "t.onnx")])
+    with pytest.raises(SystemExit) as stop:
+        cli()
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and len(err.strip().splitlines()) == 1 and "init_from" not in err
+    assert err.startswith("error: could not get timm's pretrained weights for 'vit_tiny_patch16_224' (")
+    assert "https://huggingface.co/timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k elsewhere" in err
+    assert err.rstrip().endswith(
+        "export the file: scripts/export.py /path/to/model.safetensors --model vit_tiny_patch16_224"
+    )
+    assert not (tmp_path / "t.onnx").exists()
+
+    # The advised form, with a timm-format model.safetensors (a small model, to stay quick).
+    save_file(create_model("vit_nano_patch4_16", num_classes=5).state_dict(), str(tmp_path / "model.safetensors"))
+    diffs = export_main([str(tmp_path / "model.safetensors"), "--model", "vit_nano_patch4_16"])
+    assert max(diffs.values()) < 1e-4 and (tmp_path / "model.onnx").is_file()

@@ -88,6 +88,19 @@ def test_cpu_debug_run_measures_every_single_device_check(tmp_path, capsys):
     assert "| nano_patch4_16 fit, eager | ok |" in capsys.readouterr().out
 
 
+def test_the_cpu_debug_path_defaults_to_small_batches_and_a_small_resnet():
+    """The documented quick form (`--device cpu --steps 3 --model vit_nano_patch4_16`) ran past 300 s
+    on a GPU-sized ResNet-50 fit (128 images of 224 px a step); on the CPU the defaults are small."""
+    from vit.tools.gpu_check import parse_args
+
+    cpu = parse_args(["--device", "cpu", "--steps", "3", "--model", "vit_nano_patch4_16"])
+    assert (cpu.resnet, cpu.resnet_img_size, cpu.batch) == ("resnet18", 32, 8)
+    gpu = parse_args([])
+    assert (gpu.resnet, gpu.resnet_img_size, gpu.batch) == ("resnet50", 224, 128)
+    given = parse_args(["--device", "cpu", "--resnet", "resnet50", "--resnet-img-size", "64", "--batch", "2"])
+    assert (given.resnet, given.resnet_img_size, given.batch) == ("resnet50", 64, 2)
+
+
 def test_checks_option_runs_only_the_named_checks(tmp_path):
     out = tmp_path / "rows.json"
     assert main([*CPU_DEBUG, "--checks", "flash,fit", "--json", str(out)]) == 0

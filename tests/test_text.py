@@ -155,6 +155,32 @@ def test_bad_text_input_gives_clear_errors(tmp_path):
         TextDataModule(str(binary)).setup()
 
 
+def test_a_failed_download_is_one_try_that_names_the_url_the_file_and_data_path(tmp_path, monkeypatch):
+    """Offline, Tiny Shakespeare's download raised urllib's URLError with no word of --data.path."""
+    import socket
+    import urllib.error
+
+    from vit.data.text import TINY_SHAKESPEARE_URL
+
+    calls = []
+
+    def offline(url, timeout=None):
+        calls.append((url, timeout))
+        raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
+
+    monkeypatch.setattr("urllib.request.urlopen", offline)
+    data = TextDataModule(download_dir=str(tmp_path / "data"))
+    with pytest.raises(OSError) as e:
+        data.prepare_data()
+    assert str(e.value) == (
+        "could not download Tiny Shakespeare (<urlopen error [Errno -2] Name or service not known>): fetch "
+        f"{TINY_SHAKESPEARE_URL} elsewhere and pass the file with --data.path /path/to/input.txt "
+        f"(or put it at {tmp_path / 'data' / 'tinyshakespeare.txt'})"
+    )
+    assert calls == [(TINY_SHAKESPEARE_URL, 30)]  # one try, and a stalled network gives up after 30 s
+    assert list((tmp_path / "data").iterdir()) == []  # nothing a later run would take for the text
+
+
 # -- model ----------------------------------------------------------------------------------------
 
 

@@ -536,6 +536,12 @@ def main(args: list[str] | None = None) -> Any:
     ) as e:
         print(f"\nerror: {_message(e)}", file=sys.stderr)
         sys.exit(1)
+    except OSError as e:
+        if not _raised_by_us(e):  # a library's or the system's: its traceback is the evidence
+            raise
+        # Data that is not there (a CIFAR root, a failed download): our message already says what to do.
+        print(f"\nerror: {e}", file=sys.stderr)
+        sys.exit(1)
     except ValueError as e:
         option = _option_error(e)
         if option is not None:  # a value an option does not take, found when it was set
@@ -561,6 +567,17 @@ def _message(e: BaseException) -> str:
         last = text.strip().splitlines()[-1]
         text = last.split(": ", 1)[1] if ": " in last else last
     return text
+
+
+def _raised_by_us(e: BaseException) -> bool:
+    """Whether `e` is an OSError a line of the vit package raised with its own message: no errno, as
+    `raise FileNotFoundError("...")` has and a bare `open()` of a missing file has not."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or not str(e) or getattr(e, "errno", None) is not None:
+        return False
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(Path(__file__).resolve().parent)
 
 
 def _option_error(e: BaseException | None) -> OptionError | None:

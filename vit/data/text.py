@@ -153,7 +153,17 @@ class TextDataModule(RunSeed, L.LightningDataModule):
         if self.path is None and not self.text_path.is_file():
             self.text_path.parent.mkdir(parents=True, exist_ok=True)
             print(f"Downloading Tiny Shakespeare to {self.text_path}")
-            urllib.request.urlretrieve(TINY_SHAKESPEARE_URL, self.text_path)
+            partial = self.text_path.with_name(self.text_path.name + ".part")  # never read a broken download as text
+            try:  # one try with a timeout: a cut network fails in seconds, and the way out is a local file
+                with urllib.request.urlopen(TINY_SHAKESPEARE_URL, timeout=30) as response:
+                    partial.write_bytes(response.read())
+            except OSError as e:  # URLError, a timeout, a full disk
+                partial.unlink(missing_ok=True)
+                raise OSError(
+                    f"could not download Tiny Shakespeare ({e}): fetch {TINY_SHAKESPEARE_URL} elsewhere "
+                    f"and pass the file with --data.path /path/to/input.txt (or put it at {self.text_path})"
+                ) from e
+            partial.replace(self.text_path)
 
     def setup(self, stage: str | None = None) -> None:
         self.take_run_seed()  # a resume then restores the checkpoint's (RunSeed)

@@ -6,7 +6,8 @@
     python scripts/export.py timm:vit_base_patch16_224 --atol 1e-3
 
 The source is anything vit.checkpoint.load_model reads: our .ckpt, an exported .safetensors,
-timm:<name>, or a timm-format state dict with --model NAME. After writing the file, onnxruntime runs
+timm:<name> (downloaded; offline, fetch its model.safetensors elsewhere and give that file with
+--model <name>), or a timm-format state dict with --model NAME. After writing the file, onnxruntime runs
 it on a batch at each --check_sizes size (default: the export size and 1.5 times it) and the script
 prints the largest |logit difference| against the PyTorch model; it exits 1 when one exceeds --atol.
 The images are random unless --images gives files (resized, centre-cropped and normalised as in
@@ -58,6 +59,33 @@ def check_batch(args: argparse.Namespace, size: int, in_chans: int, preprocess: 
     return dataclasses.replace(preprocess, img_size=size)([read_rgb(path) for path in args.images])
 
 
+def load_source(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
+    try:
+        return load_model_and_meta(args.source, args.model, use_ema=args.ema, **args.model_kwargs)
+    except RuntimeError as e:
+        # vit.checkpoint's advice for a failed timm download names the training option; this script takes a path.
+        if not (args.source.startswith("timm:") and str(e).startswith("could not get timm's pretrained weights")):
+            raise
+        name = args.source.removeprefix("timm:")
+        raise RuntimeError(timm_download_advice(name, args.model or name.split(".")[0], e.__cause__)) from e
+
+
+def timm_download_advice(name: str, architecture: str, cause: BaseException | None) -> str:
+    """One line: why timm's weights for `name` could not be had, and how to export a downloaded file instead."""
+    import timm
+
+    try:  # the hub repository carries the default tag (vit_base_patch16_224 -> ...augreg2_in21k_ft_in1k)
+        repo = timm.models.get_pretrained_cfg(name).hf_hub_id or f"timm/{name}"
+    except (AttributeError, RuntimeError):  # an unknown name or tag
+        repo = f"timm/{name}"
+    why = " ".join(f"{type(cause).__name__}: {cause}".split()) if cause is not None else "no reason given"
+    return (
+        f"could not get timm's pretrained weights for {name!r} ({why}). Offline, download model.safetensors from "
+        f"https://huggingface.co/{repo} elsewhere and export the file: "
+        f"scripts/export.py /path/to/model.safetensors --model {architecture}"
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[int, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help=".ckpt, .safetensors, timm:<name>, or a timm-format file with --model")
@@ -77,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     parser.add_argument("--atol", type=float, default=1e-4, help="largest |logit difference| accepted")
     args = parser.parse_args(argv)
 
-    model, meta = load_model_and_meta(args.source, args.model, use_ema=args.ema, **args.model_kwargs)
+    model, meta = load_source(args)
     spec = image_spec(model, args.img_size, dynamic=not args.static)
     preprocess, class_names = file_preprocess(args, meta, spec.img_size[0]), meta.get("class_names")
     out = args.out or default_out(args.source)

@@ -12,8 +12,9 @@ ran, img/s, peak memory, model FLOPs utilisation against the GPU's dense bf16 pe
 anything failed. Without a CUDA GPU it says so and exits 0.
 
 `--device cpu` runs the same code on the CPU in float32 (a debug path: `--steps 3 --model
-vit_nano_patch4_16`); the tests use it, so the table, the FLOP count and the MFU arithmetic are
-checked without a GPU.
+vit_nano_patch4_16`, under a minute), with batches of 8 and a ResNet-18 at 32 px unless --batch,
+--resnet and --resnet-img-size say otherwise; the tests use it, so the table, the FLOP count and the
+MFU arithmetic are checked without a GPU.
 
 MFU = (training FLOPs per image x images per second) / (peak FLOP/s x GPUs), with training FLOPs
 = 3 x the forward's (the backward is twice the forward; recomputation by activation checkpointing is
@@ -223,10 +224,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="cpu: the float32 debug path")
     p.add_argument("--model", default="vit_small_patch16_224")
-    p.add_argument("--resnet", default="resnet50")
-    p.add_argument("--resnet-img-size", type=int, default=224)
+    p.add_argument(
+        "--resnet", help="the channels-last ResNet fit's model (default resnet50; resnet18 with --device cpu)"
+    )
+    p.add_argument("--resnet-img-size", type=int, help="its image size (default 224; 32 with --device cpu)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per fit (timed after the first 10)")
-    p.add_argument("--batch", type=int, default=128, help="images per device and step")
+    p.add_argument("--batch", type=int, help="images per device and step (default 128; 8 with --device cpu)")
     p.add_argument("--processes", type=int, default=None, help="for the sharded and DDP fits (default: every GPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per device (default: the GPU table)")
     p.add_argument("--compile-on-cpu", action="store_true", help="also run the torch.compile fit with --device cpu")
@@ -250,6 +253,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write the rows here (a worker: its row)")
     p.add_argument("--worker", choices=("sharded", "ddp"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    # The CPU is a debug path: a GPU-sized ResNet-50 fit (128 images of 224 px a step) takes minutes there.
+    cpu = args.device == "cpu"
+    defaults = {
+        "resnet": "resnet18" if cpu else "resnet50",
+        "resnet_img_size": 32 if cpu else 224,
+        "batch": 8 if cpu else 128,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     args.data_recipes = [c.strip() for c in args.data_recipes.split(",") if c.strip()]
     args.data_variants = [v.strip() for v in args.data_variants.split(",") if v.strip()]

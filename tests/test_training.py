@@ -543,3 +543,17 @@ def test_throughput_counts_the_training_images_over_the_training_time_alone(tmp_
     assert 0 < throughput.seconds < wall - 1.2
     assert throughput.images_per_second == pytest.approx(throughput.images / throughput.seconds)
     assert float(trainer.callback_metrics["train/img_per_s"]) > throughput.images / (wall - 1.2)
+
+
+@pytest.mark.parametrize(("given", "every"), [("null", 1), ("4", 4)])
+def test_a_short_run_draws_its_loss_curve_unless_the_cadence_is_given(tmp_path, given, every):
+    """20 steps: Lightning's default (every 50) would log no training loss at all; without a given
+    log_every_n_steps a run logs about 50 points of it, here every step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cli = fit("configs/default.yaml", tmp_path, "--trainer.max_steps", "20", "--trainer.limit_val_batches", "1",
+              "--trainer.log_every_n_steps", given)  # fmt: skip
+    assert cli.trainer.log_every_n_steps == every
+    events = EventAccumulator(str(Path(cli.trainer.logger.log_dir))).Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == list(range(every - 1, 20, every))

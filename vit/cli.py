@@ -7,6 +7,7 @@ import difflib
 import importlib
 import inspect
 import logging
+import math
 import pkgutil
 import re
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from vit.data.images import CorruptImageError
@@ -274,6 +275,17 @@ class StepsProgressBar(TQDMProgressBar):
         super().on_train_end(trainer, pl_module)
 
 
+class LogCadence(Callback):
+    """For a run whose `log_every_n_steps` was not given: about 50 points of each training curve,
+    one every `batches // 50` (at least 1, at most Lightning's 50), so a short run draws its loss
+    curve in TensorBoard rather than nothing until step 50."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        batches = trainer.estimated_stepping_batches * trainer.accumulate_grad_batches
+        if math.isfinite(batches):
+            trainer.log_every_n_steps = min(50, max(1, int(batches) // 50))
+
+
 class TrainCLI(LightningCLI):
     """`checkpoint:` configures the ModelCheckpoint every run has: the best (by `monitor`) and the
     last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes.
@@ -343,9 +355,12 @@ class TrainCLI(LightningCLI):
         config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {})
         callbacks = config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        extra: list[Callback] = [] if config.get("log_every_n_steps") else [LogCadence()]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             every = config.get("log_every_n_steps") or 50  # Lightning's default
-            kwargs.setdefault("callbacks", [*callbacks, StepsProgressBar(refresh_rate=every)])
+            extra.append(StepsProgressBar(refresh_rate=every))
+        if extra:
+            kwargs.setdefault("callbacks", [*callbacks, *extra])
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:

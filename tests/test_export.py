@@ -209,3 +209,47 @@ def test_offline_a_timm_name_fails_in_one_line_that_says_how_to_export_a_downloa
     save_file(create_model("vit_nano_patch4_16", num_classes=5).state_dict(), str(tmp_path / "model.safetensors"))
     diffs = export_main([str(tmp_path / "model.safetensors"), "--model", "vit_nano_patch4_16"])
     assert max(diffs.values()) < 1e-4 and (tmp_path / "model.onnx").is_file()
+
+
+TINY = dict(depth=2, embed_dim=64, num_heads=2, num_classes=5)
+
+
+@pytest.mark.parametrize(
+    "name, patch, sizes",
+    [
+        ("eva02_tiny_patch14_224", 14, (56, 84)),  # rotary positions and a learned table
+        ("vit_7b_patch16_dinov3", 16, (64, 96)),  # rotary positions, registers
+        ("naflexvit_base_patch16_gap", 16, (64, 96)),  # its own 16x16 table, resampled to each grid
+    ],
+)
+def test_each_dynamic_family_exports_once_and_gives_our_logits_at_two_sizes(tmp_path, name, patch, sizes):
+    torch.manual_seed(0)
+    model = create_model(name, img_size=sizes[0], **TINY).eval()
+    onnx_model = OnnxClassifier(export_onnx(model, tmp_path / f"{name}.onnx"))
+    assert onnx_model.spec.dynamic and onnx_model.spec.multiple == (patch, patch)
+    for batch, size in zip((1, 3), sizes, strict=True):
+        assert max_abs_diff(model, onnx_model, torch.randn(batch, 3, size, size)) < 1e-4, size
+    assert max_abs_diff(model, onnx_model, torch.randn(2, 3, sizes[0], sizes[1])) < 1e-4  # not square
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("samvit_base_patch16_224", {"window_size": 4}),  # 4x4 windows: the 6x6 grid of 96 px is padded to 8x8
+        ("vit_relpos_base_patch16_224", {}),  # an MLP over patch offsets, a bias per pair of patches
+    ],
+)
+def test_each_fixed_grid_family_exports_at_its_own_size_and_refuses_a_dynamic_one(tmp_path, name, kwargs):
+    """SAM's and relpos's relative positions and windows are built for one patch grid: one export per size."""
+    torch.manual_seed(0)
+    for size in (64, 96):
+        model = create_model(name, img_size=size, **TINY, **kwargs).eval()
+        with pytest.raises(ValueError, match=f"built for its {size // 16}x{size // 16} patch grid only: export it "):
+            export_onnx(model, tmp_path / "dynamic.onnx")
+        onnx_model = OnnxClassifier(export_onnx(model, tmp_path / f"{name}_{size}.onnx", dynamic=False))
+        assert onnx_model.spec.img_size == (size, size) and not onnx_model.spec.dynamic
+        for batch in (1, 3):
+            assert max_abs_diff(model, onnx_model, torch.randn(batch, 3, size, size)) < 1e-4, (size, batch)
+        with pytest.raises(ValueError, match=f"fixed image size {size}x{size}"):
+            onnx_model(torch.randn(1, 3, size + 16, size + 16))
+    assert not (tmp_path / "dynamic.onnx").exists()

@@ -10,7 +10,9 @@ run time, as `dynamic_img_size=True` does (bicubic, antialiased: timm's `resampl
 so the exported model gives the PyTorch model's logits at any size, as if that model had been built
 with `dynamic_img_size=True`; at the training size the resampling is an identity. In ONNX this is a
 `Resize` with `antialias=1`, which needs opset 18 or later. `posemb="sincos2d"` and `"rope"` are
-computed in closed form for every grid.
+computed in closed form for every grid. NaFlexViT resamples its own tables (`embeds`) to each grid, as
+timm's does. SAM and the relative-position ViTs are built for one patch grid (their relative positions
+and windows), so they export with `dynamic=False` only, at their img_size (the batch stays free).
 
 The file's metadata_props say how to feed it: the input's channels and size multiple, and, where
 the export was given them, the evaluation preprocessing (`vit.eval_img_size`, `vit.eval_crop_pct`,
@@ -38,9 +40,12 @@ import numpy as np
 import torch
 import torchvision
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vit.checkpoint import Preprocess
 from vit.data.augment import EVAL_RESIZE
+from vit.layers import _pair
+from vit.naflex import NaFlexVit
 from vit.resnet import CifarResNet
 from vit.vision_transformer import VisionTransformer
 
@@ -118,7 +123,10 @@ def preprocess_from_metadata(props: dict[str, str]) -> Preprocess | None:
 
 def image_spec(model: nn.Module, img_size: int | tuple[int, int] | None = None, dynamic: bool = True) -> ImageSpec:
     """The inputs `model` takes; `img_size` defaults to the ViT's own, 32 for CIFAR ResNets, else 224."""
-    if isinstance(model, VisionTransformer):
+    if isinstance(model, NaFlexVit):  # its embedding replaces patch_embed; with dynamic_img_pad any size is padded
+        embeds, in_chans = model.embeds, model.config.in_chans
+        multiple, default = (1, 1) if embeds.dynamic_img_pad else embeds.patch_size, _pair(model.config.img_size)
+    elif isinstance(model, VisionTransformer):
         multiple, in_chans, default = model.patch_embed.patch_size, model.config.in_chans, model.patch_embed.img_size
     elif isinstance(model, (CifarResNet, torchvision.models.ResNet)):
         multiple, in_chans = (1, 1), model.conv1.in_channels
@@ -134,14 +142,32 @@ def image_spec(model: nn.Module, img_size: int | tuple[int, int] | None = None, 
     return spec
 
 
+def _fixed_grid(model: nn.Module) -> bool:
+    """Whether the model takes one patch grid only: relative positions and windows are built for img_size's
+    (SAM, the relative-position ViTs; VisionTransformer._embed refuses other grids)."""
+    return isinstance(model, VisionTransformer) and bool(model.config.rel_pos_type or model.config.window_size)
+
+
 def _dynamic_vit(model: VisionTransformer) -> VisionTransformer:
     """A copy of the ViT that resamples its learned position embedding to any grid (same weights)."""
-    if model.config.posemb != "learn" or model.config.dynamic_img_size:
+    if model.config.posemb != "learn" or model.config.dynamic_img_size or _fixed_grid(model):
         return model
     log.info("export: the learned position embedding is resampled to the input's grid (dynamic_img_size=True)")
     model = copy.copy(model)  # shares the modules and weights; only the config differs
     model.config = dataclasses.replace(model.config, dynamic_img_size=True)
     return model
+
+
+def _naflex_trace_size(model: NaFlexVit, size: tuple[int, int], multiple: tuple[int, int]) -> tuple[int, int]:
+    """A size whose patch rows and columns both differ from the lengths of NaFlex's position tables, which
+    have their own grid (pos_embed_grid_size): on theirs the tables are used as stored, a branch the trace
+    would bake in."""
+    embeds = model.embeds
+    tables = [t for t in (embeds.pos_embed, embeds.pos_embed_y, embeds.pos_embed_x) if t is not None]
+    lengths = {n for t in tables for n in t.shape[1:-1]}
+    while set(embeds.dynamic_feat_size(size)) & lengths:
+        size = (size[0] + multiple[0], size[1] + multiple[1])
+    return size
 
 
 def export_onnx(
@@ -169,10 +195,19 @@ def export_onnx(
             "a mixture-of-experts ViT cannot be exported: its routing loops over experts with data-dependent "
             "token counts (vit.layers MoE.forward), which torch.export cannot trace"
         )
+    if dynamic and _fixed_grid(model):
+        grid = model.patch_embed.grid_size
+        raise ValueError(
+            f"{type(model).__name__}'s relative positions and windows are built for its {grid[0]}x{grid[1]} patch "
+            "grid only: export it with dynamic=False (scripts/export.py --static), at its img_size"
+        )
     model = copy.deepcopy(model).float().cpu().eval()
     size = spec.img_size
     if isinstance(model, VisionTransformer) and dynamic:
-        if model.config.posemb == "learn" and opset < OPSET:
+        naflex_resize = (
+            isinstance(model, NaFlexVit) and model.embeds.pos_embed is not None and model.embeds.interp["antialias"]
+        )
+        if (model.config.posemb == "learn" or naflex_resize) and opset < OPSET:
             raise ValueError(
                 f"opset {opset} has no antialiased Resize, which the ViT's position-embedding resampling needs; "
                 f"use opset >= {OPSET}, or dynamic=False"
@@ -181,6 +216,8 @@ def export_onnx(
         # Trace on a grid other than img_size's: on that grid the model returns its stored position
         # embedding without resampling, a Python branch the trace would bake in for every size.
         size = (spec.img_size[0] + spec.multiple[0], spec.img_size[1] + spec.multiple[1])
+        if isinstance(model, NaFlexVit):
+            size = _naflex_trace_size(model, size, spec.multiple)
     images = torch.randn(2, spec.in_chans, *size)  # batch 2: a batch of 1 would be specialised to 1
     batch = torch.export.Dim("batch", min=1, max=65536)
     shapes = {0: batch}
@@ -189,7 +226,9 @@ def export_onnx(
         shapes[3] = torch.export.Dim("width", min=1, max=MAX_SIZE // spec.multiple[1]) * spec.multiple[1]
         if spec.multiple == (1, 1):  # Dim * 1 is not a derived dimension: use the plain ones
             shapes[2], shapes[3] = (torch.export.Dim(n, min=1, max=MAX_SIZE) for n in ("height", "width"))
-    with warnings.catch_warnings():
+    # SDPA's math kernel: with a mask, the CPU's fused kernel is traced with an output layout its ONNX
+    # decomposition (math) does not keep, and the view after it fails (SAM's, relpos's biases).
+    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
         for category in (UserWarning, DeprecationWarning, FutureWarning):  # the tracer's notes on torch internals
             warnings.simplefilter("ignore", category)
         try:

@@ -189,11 +189,17 @@ def matmul_peak(bench: Bench) -> dict[str, Any]:
 # --------------------------------------------------------------------------- sections
 
 
-def timm_twin(model: vit.VisionTransformer) -> nn.Module:
-    """timm's VisionTransformer in the same configuration, with the same weights."""
+def timm_twin(model: vit.VisionTransformer, name: str | None = None) -> nn.Module:
+    """timm's model in the same configuration, with the same weights: timm's own builder of `name`
+    where timm has that name (every family: EVA, NaFlexViT, ...), else its VisionTransformer built
+    from our config."""
+    import timm
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
-    theirs = TimmViT(**timm_kwargs(model.config))
+    if name is not None and timm.is_model(name):
+        theirs = timm.create_model(name, pretrained=False, num_classes=model.num_classes)
+    else:
+        theirs = TimmViT(**timm_kwargs(model.config))
     theirs.load_state_dict(model.state_dict())
     return theirs
 
@@ -246,9 +252,13 @@ def section_vit(bench: Bench) -> Section:
     rows = []
     for name, batch, train_batch in vit_cases(bench):
         torch.manual_seed(0)
-        ours = vit.create_model(name).to(bench.device)
-        theirs = timm_twin(ours).to(bench.device)
-        img = ours.patch_embed.img_size
+        ours = vit.create_model(name)
+        if not ours.num_classes:  # a backbone without a head (DINOv3): time it with ImageNet's
+            ours = vit.create_model(name, num_classes=1000)
+        ours = ours.to(bench.device)
+        theirs = timm_twin(ours, name).to(bench.device)
+        size = ours.config.img_size
+        img = (size, size) if isinstance(size, int) else tuple(size)
         x = torch.randn(2, 3, *img, device=bench.device)
         with torch.inference_mode():
             max_diff = (ours.eval()(x) - theirs.eval()(x)).abs().max().item()
@@ -267,7 +277,7 @@ def section_vit(bench: Bench) -> Section:
             "model": name,
             "params": sum(p.numel() for p in ours.parameters()),
             "img_size": img[0],
-            "tokens": ours.patch_embed.num_patches + ours.num_prefix_tokens,
+            "tokens": math.prod(ours.patch_grid(x)) + ours.num_prefix_tokens,
             "infer_batch": batch,
             "train_batch": train_batch,
             "timm_fused_attn": bool(getattr(theirs.blocks[0].attn, "fused_attn", False)),
@@ -316,10 +326,10 @@ def section_vit(bench: Bench) -> Section:
         for r in rows
     ]
     notes = [
-        "Same configuration and weights (timm's `VisionTransformer` built from our config, our state dict "
-        "loaded strictly; logits agree to the `max_abs_logit_diff` in the JSON). Training step = forward, "
-        "cross-entropy, backward, AdamW step (`fused=True`). img/s: median (min-max) over the repetitions; ours/timm: "
-        "median (min-max) of the per-repetition ratios.",
+        "Same configuration and weights (timm's model of the same name, or its `VisionTransformer` built from "
+        "our config, our state dict loaded strictly; logits agree to the `max_abs_logit_diff` in the JSON). "
+        "Training step = forward, cross-entropy, backward, AdamW step (`fused=True`). img/s: median (min-max) "
+        "over the repetitions; ours/timm: median (min-max) of the per-repetition ratios.",
         f"GFLOP/s = counted FLOPs per image (torch's FlopCounterMode; training = forward + backward) x img/s; "
         f"utilisation is against {bench.matmul_gflops:.0f} GFLOP/s, the best rate of a large matmul timed in this run. "
         "Ours counts fewer FLOPs than timm (the last block computes the CLS token only; see the JSON).",

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -231,3 +232,42 @@ def test_the_data_process_reads_streaming_chunks_as_the_training_process_does(tm
     for (x, y), (x2, y2) in zip(expected, got, strict=True):
         assert torch.equal(x, x2) and torch.equal(y, y2)
     loaders[1].close()
+
+
+def test_buffers_whose_copies_are_still_queued_are_waited_for_only_when_the_child_has_none_left():
+    """On a GPU the copy out of a buffer is queued, and the buffer goes back when its event says the
+    copy is done. With every buffer's copy still queued the child could write nothing: the training
+    process then waits for the oldest copy, and only then."""
+
+    class Queued:  # a CUDA event whose copy never finishes on its own
+        synchronized = 0
+
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            Queued.synchronized += 1
+
+    class OnADevice(DataProcess):
+        def _copied(self) -> Queued:
+            return Queued()
+
+    def stage(batch, device):
+        return (batch.float(),)
+
+    process = OnADevice(partial(PreparedLoader, torch.arange(24), batch_size=4, prepare=stage), torch.device("cpu"),
+                        ring=3, batch_size=4)  # fmt: skip
+
+    def deadlocked(*_):
+        raise TimeoutError("the training process and the data process wait for each other")
+
+    before = signal.signal(signal.SIGALRM, deadlocked)
+    signal.alarm(60)  # a deadlock fails the test instead of hanging it
+    try:
+        batches = [batch[0].tolist() for batch, _ in process.epoch({})]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+        process.close()
+    assert batches == [[float(i) for i in range(k, k + 4)] for k in range(0, 24, 4)]
+    assert Queued.synchronized == 6 - 3 + 1  # from the 4th batch on, one wait each: never with a buffer free

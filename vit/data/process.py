@@ -101,13 +101,14 @@ class DataProcess:
         while True:
             message = self._next_message()
             kind, sent_for = message[0], message[1]
+            if kind == "ring":  # sent once, with whichever epoch made the first batch
+                self.slots = message[2]
+                continue
             if sent_for != token:  # a batch of an epoch left early: its buffer goes back
                 if kind == "batch":
                     self.free.put(message[2])
                 continue
-            if kind == "ring":
-                self.slots = message[2]
-            elif kind == "batch":
+            if kind == "batch":
                 _, _, slot, count, times = message
                 yield self._take(slot, count), times
             elif kind == "end":
@@ -120,20 +121,38 @@ class DataProcess:
         goes back to the child once the copy is done (at once on the CPU)."""
         assert self.slots is not None
         batch = tuple(buffer[:count].clone() for buffer in self.slots[slot])
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        self._pending.append((slot, event))
-        while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
-            self.free.put(self._pending.popleft()[0])
+        self._pending.append((slot, self._copied()))
+        self._release()
         return batch
+
+    def _copied(self) -> Any:
+        """An event marking the end of the copies just queued (None on the CPU, where they are done)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _release(self, wait: bool = False) -> None:
+        """Hand back the buffers whose copies are done; with `wait`, the oldest one in any case,
+        waiting for its copy (the child holds no buffer to write the next batch into)."""
+        while self._pending:
+            slot, event = self._pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            self._pending.popleft()
+            self.free.put(slot)
+            wait = False
 
     def _next_message(self) -> tuple[Any, ...]:
         assert self._process is not None
+        self._release(wait=len(self._pending) >= self.ring)
         while True:
             with contextlib.suppress(queue.Empty):
                 return self.ready.get(timeout=POLL)
+            self._release()  # copies done since: the child may be waiting for a buffer
             if not self._process.is_alive():
                 code = self._process.exitcode
                 self._process = None

@@ -1,8 +1,10 @@
 """LightningDataModules: the offline digits default, CIFAR-10/100, ImageNet-style folders (as files or
 as streaming chunks), Tiny-ImageNet.
 
-They share `ImageDataModule`, which owns the loader settings, the augmentation options and
-Mixup/CutMix; a subclass only says where its images and labels come from.
+They share `ImageDataModule`, which owns the loader settings, the augmentation options, the run's
+seed and Mixup/CutMix, and hands its splits to one pipeline (vit.data.pipelines: per sample, in
+memory, or decoded on the device) for their loaders; a subclass only says where its images and
+labels come from.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def read_header(data: bytes) -> tuple[int, int, bool]:
 
 class EncodedFiles(ImageFiles):
     """The images of `source` (image files, or another ImageFiles' `read_bytes`: streaming shards)
-    as (image, label, augmentation parameters), indexed by (index, sample seed) as the
+    as (image, label, Augmentation), indexed by (index, sample seed) as the
     ResumableSampler yields them (by index alone in evaluation): a baseline JPEG as its bytes (uint8 (N,)),
     for the device to decode; any other image decoded here (uint8 (3, H, W)). Corrupt files are
     handled as ImageFiles handles them (`substitute` in training, a stand-in that is not scored in

@@ -442,3 +442,29 @@ def test_the_tools_import_each_other_one_way():
 
     assert "data_check" in graph["gpu_check"] and "fit_timing" in graph["data_check"]  # real edges are seen
     assert [m for m in graph if reaches(m, m, set())] == []
+
+
+WORKER_EXITS = [(0, True, True), (-6, True, True), (-6, False, False), (1, True, False)]  # (code, row written, ok)
+
+
+@pytest.mark.parametrize(("code", "writes", "ok"), WORKER_EXITS)
+def test_a_distributed_worker_aborting_after_its_row_keeps_the_row_and_says_so(monkeypatch, code, writes, ok):
+    """A SIGABRT at exit after the fit (torch's process-group teardown) is not a failed fit; any
+    other exit code, or an abort before the row is written, is."""
+    import argparse
+
+    from vit.tools import gpu_check
+
+    def run(command, **kwargs):
+        if writes:
+            Path(command[command.index("--json") + 1]).write_text(json.dumps({"check": "sharded", "ok": True}))
+        return subprocess.CompletedProcess(command, code, "", "terminate called without an active exception")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    args = argparse.Namespace(device="cpu", processes=2, model="m", steps=3, batch=8, timeout=10)
+    if not ok:
+        with pytest.raises(RuntimeError, match=f"worker exited {code}: terminate called"):
+            gpu_check.run_worker(args, "sharded", None)
+        return
+    row = gpu_check.run_worker(args, "sharded", None)
+    assert row.ok and row.note.endswith("aborted at exit, after the fit (process-group teardown)") == (code == -6)

@@ -343,7 +343,7 @@ def augment_decoded(batch: DecodedBatch, size: int, train: bool = True) -> tuple
 def decode_and_augment(
     batch: EncodedBatch, device: torch.device | str, size: int, files: ImageFiles
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """decode_encoded, then augment_decoded: the two stages a PreparedLoader may run in two threads."""
+    """decode_encoded, then augment_decoded, in one call (DeviceSteps runs them as two stages and normalises)."""
     return augment_decoded(decode_encoded(batch, device, files), size, files.train)
 
 

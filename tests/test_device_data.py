@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from scipy import stats
 
+import vit.data.device as device_module
 from tests.conftest import ROOT, SHARED, write_image_folder
 from tests.test_fault_tolerance import QUIET, assert_bit_identical, signal_at, weights
 from vit.cli import main
@@ -194,8 +195,6 @@ def test_the_cuda_decoder_runs_only_after_the_callers_stream_is_drained(tmp_path
     stream (pytorch/vision#9606): decode_batch drains the caller's stream before it decodes the
     batch in one call, and after a call the decoder refuses waits for the work it left queued
     before decoding each file alone. The GPU check measures the race itself (vit.tools.data_check)."""
-    import vit.data.device as device_module
-
     calls = []
 
     class Stream:
@@ -373,34 +372,76 @@ def test_a_jpeg_is_truncated_when_no_end_marker_follows_its_scan_as_pil_says(tmp
             read_rgb(cut)
 
 
+def test_a_jpeg_the_device_decoder_refuses_but_the_per_sample_decoder_reads_trains_on_its_pixels(tmp_path, monkeypatch):
+    """Whether a file is corrupt is the per-sample path's decision on every path: a JPEG that
+    decode_jpeg refuses (nvjpeg is stricter than libjpeg about some encoders' files) but PIL reads
+    is decoded by PIL where the batch is decoded, neither skipped nor counted."""
+    paths = [tmp_path / f"{i}.jpg" for i in range(3)]
+    for i, path in enumerate(paths):
+        synthetic_photo(np.random.default_rng(i), 40, 32).save(path, quality=90)
+    refused = torch.frombuffer(bytearray(paths[1].read_bytes()), dtype=torch.uint8)
+    libjpeg = device_module.decode_jpeg
+
+    def strict_decoder(data, mode, device):  # one file, or a batch that fails whole if any file fails
+        if any(torch.equal(d, refused) for d in ([data] if isinstance(data, torch.Tensor) else data)):
+            raise RuntimeError("decode_jpeg: a file it does not take")
+        return libjpeg(data, mode=mode, device=device)
+
+    monkeypatch.setattr(device_module, "decode_jpeg", strict_decoder)
+    files = EncodedFiles([Sample(str(p), i) for i, p in enumerate(paths)], train=True, skip_corrupt=True)
+    decoded = decode_encoded(collate_encoded([files[(i, i)] for i in range(3)]), "cpu", files)
+    assert files.num_skipped == 0 and decoded.labels.tolist() == [0, 1, 2]
+    for image, path in zip(decoded.images, paths, strict=True):
+        assert torch.equal(image, torch.tensor(read_rgb(path)).permute(2, 0, 1))
+
+
 def test_a_file_the_training_process_cannot_decode_is_named_or_skipped_as_the_workers_skip_one(tmp_path, caplog):
     """A JPEG whose header is sound but whose scan is not passes the worker and fails in the batch
-    decoder: named; with skip_corrupt the batch keeps its size, the next image that decoded taking
-    its place in training (label and augmentation too) and a stand-in left out of the scores in
-    evaluation, as the per-sample path scores it."""
-    folder = tmp_path / "photos"
+    decoder: named; with skip_corrupt the batch keeps its size and the file is replaced as a loader
+    worker replaces a file it refuses itself (the next readable file, with the crop, flip and
+    RandAugment ops its sample seed draws for that file's size), and in evaluation given a stand-in
+    left out of the scores, as the per-sample path scores it."""
+    folder, refused_by_worker = tmp_path / "photos", tmp_path / "cut"
     folder.mkdir()
+    refused_by_worker.mkdir()
     paths = [folder / f"{i}.jpg" for i in range(4)]
     for i, path in enumerate(paths):
-        synthetic_photo(np.random.default_rng(i), 64, 48).save(path, quality=90)
+        synthetic_photo(np.random.default_rng(i), 64 + 8 * i, 48).save(path, quality=90)
+        (refused_by_worker / path.name).write_bytes(path.read_bytes())
     jpeg = paths[1].read_bytes()
     paths[1].write_bytes(jpeg[:300] + bytes(len(jpeg) - 302) + jpeg[-2:])  # the scan zeroed
+    (refused_by_worker / "1.jpg").write_bytes(jpeg[:500])  # cut short: the worker's header check refuses it
     samples = [Sample(str(p), 10 + i) for i, p in enumerate(paths)]
     strict = EncodedFiles(samples, train=True, augment=Augment(randaugment_ops=2))
     with pytest.raises(CorruptImageError, match=f"cannot decode image {paths[1]}: "):
         decode_encoded(collate_encoded([strict[(i, i)] for i in range(4)]), "cpu", strict)
 
     files = EncodedFiles(samples, train=True, augment=Augment(randaugment_ops=2), skip_corrupt=True)
-    batch = collate_encoded([files[(i, i)] for i in range(4)])
+    batch = collate_encoded([files[(i, 100 + i)] for i in range(4)])
     with caplog.at_level("WARNING", logger="vit"):
         decoded = decode_encoded(batch, "cpu", files)
     assert f"skipped cannot decode image {paths[1]}" in caplog.text and files.num_skipped == 1
-    assert decoded.labels.tolist() == [10, 12, 12, 13]
-    assert torch.equal(decoded.images[1], decoded.images[2])
-    for took, source in zip(decoded.augmentation, batch.augmentation, strict=True):
-        torch.testing.assert_close(took[1], source[2], rtol=0, atol=0, equal_nan=True)
+    assert (
+        decoded.labels.tolist()
+        == [10, 12, 12, 13]
+        == [ImageFiles(samples, skip_corrupt=True).load(i)[1] for i in range(4)]
+    )
+    worker_samples = [Sample(str(refused_by_worker / p.name), 10 + i) for i, p in enumerate(paths)]
+    worker = EncodedFiles(worker_samples, train=True, augment=Augment(randaugment_ops=2), skip_corrupt=True)
+    stands_in = collate_encoded([worker[(i, 100 + i)] for i in range(4)])
+    for took, expected in zip(decoded.augmentation, stands_in.augmentation, strict=True):
+        torch.testing.assert_close(took, expected, rtol=0, atol=0, equal_nan=True)
+    assert decoded.augmentation.index.tolist() == [0, 2, 2, 3] and decoded.augmentation.seed.tolist() == [
+        100,
+        101,
+        102,
+        103,
+    ]
+    assert not torch.equal(decoded.augmentation.box[1], decoded.augmentation.box[2])  # its own seed's crop
+    assert torch.equal(decoded.images[1], torch.tensor(read_rgb(paths[2])).permute(2, 0, 1))
     x, y = augment_decoded(decoded, 32)
-    assert x.shape == (4, 3, 32, 32) and torch.equal(x[1], x[2]) and y.tolist() == [10, 12, 12, 13]
+    assert x.shape == (4, 3, 32, 32) and y.tolist() == [10, 12, 12, 13]
+    torch.testing.assert_close(x, augment_decoded(decode_encoded(stands_in, "cpu", worker), 32)[0], rtol=0, atol=0)
 
     evaluation = EncodedFiles(samples, train=False, skip_corrupt=True)
     decoded = decode_encoded(collate_encoded([evaluation[i] for i in range(4)]), "cpu", evaluation)

@@ -102,6 +102,7 @@ class Augmentation(NamedTuple):
     flip: torch.Tensor  # bool (B,): mirrored left to right after the crop
     rand_augment: torch.Tensor  # float64 (B, RA_COLUMNS): each op's strength (NaN: not applied), Sharpen's lightness
     index: torch.Tensor  # int64 (B,): the image's position in its dataset, to name its file
+    seed: torch.Tensor  # int64 (B,): the sample seed it was drawn from (-1: none), to draw a substitute's alike
 
     @classmethod
     def stack(cls, rows: Sequence[Augmentation]) -> Augmentation:

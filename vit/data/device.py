@@ -15,11 +15,11 @@ shared-memory block a batch, where a tensor per file cost more than the decoding
 node, 10 workers delivered 3,000 img/s as a list of tensors, 13,700 as one). Files that are not
 baseline JPEGs (PNG and other formats; progressive or CMYK JPEGs: read_header) are decoded in the
 worker by the per-sample path's decoder (PIL), in parallel, not in the training process; the JPEGs
-`decode_jpeg` still refuses are decoded in the training process, on the CPU, by
-`torchvision.io.decode_image` and counted in the log. A file nothing decodes raises
-CorruptImageError naming it. With `skip_corrupt` a file that cannot be read or decoded is replaced
-(training: by the next readable file in the worker, by the next image of its batch that decoded
-in the training process) or left out of the scores (evaluation), as in the per-sample path.
+`decode_jpeg` still refuses are decoded by that decoder too, where the batch is decoded, and
+counted in the log, so a file is refused here exactly when the per-sample path refuses it. A
+refused file raises CorruptImageError naming it. With `skip_corrupt` it is replaced as the
+per-sample path replaces it (training: by the next readable file, with the sample seed's crop,
+flip and RandAugment ops) or left out of the scores (evaluation).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from vit.data.augment import (
     EVAL_RESIZE,
@@ -184,7 +184,21 @@ class EncodedFiles(ImageFiles):
             box = random_resized_crop_box(rng, height, width, augment.crop_scale) if augment.crop == "rrc" else whole
             flip = augment.hflip and rng.random() < 0.5
             ra = draw_rand_augment(rng, *augment.randaugment)[0]
-        return Augmentation(torch.tensor(box), torch.tensor(flip), torch.from_numpy(ra), torch.tensor(index))
+        return Augmentation(
+            torch.tensor(box), torch.tensor(flip), torch.from_numpy(ra), torch.tensor(index),
+            torch.tensor(-1 if seed is None else int(seed)),
+        )  # fmt: skip
+
+    def substitute_for(self, position: int, seed: int) -> tuple[torch.Tensor, int, Augmentation]:
+        """What stands in, in training, for sample `position` when it turns out not to decode after
+        the worker took it: the next file the per-sample path's decoder reads (ImageFiles.first_readable
+        from `position` + 1), drawn from the same sample seed, as the per-sample path substitutes."""
+        found = self.first_readable((position + 1) % len(self.samples), self.source.read_image)
+        assert found is not None  # training substitutes: first_readable raises when nothing decodes
+        taken, pixels = found
+        image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        drawn = self._draw(None if seed < 0 else seed, image.shape[1], image.shape[2], taken)
+        return image, self.samples[taken].label, drawn
 
 
 class EncodedBatch(NamedTuple):
@@ -235,8 +249,8 @@ def collate_encoded(batch: Sequence[tuple[torch.Tensor, int, Augmentation]]) -> 
 def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
     """RGB uint8 (3, H, W) images on `device` from encoded files (uint8 (N,)) and images already
     decoded (uint8 (3, H, W), moved there): JPEGs in one `decode_jpeg` call there, other files (and
-    JPEGs it refuses) by `decode_image` on the CPU. Files neither decodes raise UndecodableError
-    with their positions in `data` and the images that did decode."""
+    JPEGs it refuses) on the CPU by the per-sample path's decoder (vit.data.images.decode_rgb).
+    Files neither decodes raise UndecodableError with their positions in `data` and the reasons."""
     device = torch.device(device)
     images: list[torch.Tensor | None] = [d.to(device, non_blocking=True) if d.dim() == 3 else None for d in data]
     jpegs = [i for i, d in enumerate(data) if d.dim() == 1 and d.numpy()[:3].tobytes() == JPEG_MAGIC]  # CPU bytes
@@ -253,13 +267,15 @@ def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> li
             images[i] = image
     others = [i for i, image in enumerate(images) if image is None]
     failures = {}
-    for i in others:
+    for i in others:  # the per-sample path's decoder: what it reads, every path reads
         try:
-            images[i] = decode_image(data[i], mode=ImageReadMode.RGB).to(device, non_blocking=True)
-        except RuntimeError as e:
+            pixels = decode_rgb(data[i].numpy().tobytes())
+        except CorruptImageError as e:
             failures[i] = str(e)
+            continue
+        images[i] = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))).to(device, non_blocking=True)
     if others:
-        log.debug("decoded %d of %d images on the CPU (not JPEGs the device decoder takes)", len(others), len(data))
+        log.debug("decoded %d of %d images on the CPU (JPEGs the device decoder refused)", len(others), len(data))
     if failures:
         raise UndecodableError(failures, images)
     return images  # type: ignore[return-value]
@@ -297,12 +313,13 @@ class DecodedBatch(NamedTuple):
     augmentation: Augmentation
 
 
-def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: ImageFiles) -> DecodedBatch:
+def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: EncodedFiles) -> DecodedBatch:
     """A collated batch (on the CPU) of `files`' samples decoded on `device`. A file that does not
-    decode here raises CorruptImageError naming it; with `files.skip_corrupt` it is logged and
-    counted, and then, as the loader workers do, replaced (training: by the next image of the batch
-    that decoded, its label and augmentation with it) or given a stand-in left out of the scores
-    (evaluation: label MISSING), so the batch keeps its size."""
+    decode here (nor by the per-sample path's decoder, decode_batch) raises CorruptImageError naming
+    it; with `files.skip_corrupt` it is logged and counted, and then replaced as the per-sample path
+    replaces it (training: the next readable file, drawn from the same sample seed,
+    EncodedFiles.substitute_for) or given a stand-in left out of the scores (evaluation: label
+    MISSING), so the batch keeps its size."""
     try:
         return DecodedBatch(decode_batch(batch.images(device), device), batch.labels, batch.augmentation)
     except UndecodableError as e:
@@ -313,19 +330,15 @@ def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: Image
         if not files.skip_corrupt:
             raise error
         files.skipped(error)
-    decoded = [i for i, image in enumerate(images) if image is not None]
-    for position in failures:
-        if not files.substitute:
+        if files.substitute:
+            image, labels[position], row = files.substitute_for(int(drawn.index[position]), int(drawn.seed[position]))
+            images[position] = image.to(device, non_blocking=True)
+            for field, value in zip(drawn, row, strict=True):
+                field[position] = value
+        else:
             images[position] = torch.zeros(3, 1, 1, dtype=torch.uint8, device=device)
             labels[position] = MISSING
             drawn.box[position], drawn.flip[position] = torch.tensor([0, 0, 1, 1]), False  # the whole 1x1 stand-in
-            continue
-        if not decoded:
-            raise CorruptImageError(f"none of the {len(images)} images of a batch could be decoded (skip_corrupt)")
-        source = next((i for i in decoded if i > position), decoded[0])  # the next one that decoded, cyclically
-        images[position], labels[position] = images[source], labels[source]
-        for field in drawn:
-            field[position] = field[source]
     return DecodedBatch(images, labels, drawn)  # type: ignore[arg-type]
 
 

@@ -17,6 +17,7 @@ from vit import create_model  # noqa: E402
 from vit.checkpoint import Preprocess  # noqa: E402
 from vit.data.transforms import eval_transform  # noqa: E402
 from vit.export import ImageSpec, OnnxClassifier, export_onnx, max_abs_diff  # noqa: E402
+from vit.naflex import pack  # noqa: E402
 from vit.tools.export import main as export_main  # noqa: E402
 
 
@@ -211,6 +212,55 @@ def test_offline_a_timm_name_fails_in_one_line_that_says_how_to_export_a_downloa
     assert max(diffs.values()) < 1e-4 and (tmp_path / "model.onnx").is_file()
 
 
+def test_with_the_network_cut_the_hubs_error_class_brings_the_same_one_line_advice(monkeypatch, tmp_path, capsys):
+    """Without the hub's offline switch: name resolution fails as on a machine without a network, the
+    hub raises LocalEntryNotFoundError (an OSError) over socket's error, and that class, not its
+    wording, makes the failure a download failure. A timm error of another kind keeps its own message."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from vit.checkpoint import PretrainedDownloadError, read_weights
+    from vit.tools.export import cli
+
+    def no_network(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # the hub retries with back-off
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    with pytest.raises(PretrainedDownloadError) as error:
+        read_weights("timm:vit_tiny_patch16_224")
+    assert error.value.name == "vit_tiny_patch16_224" and isinstance(error.value.__cause__, LocalEntryNotFoundError)
+    assert any(isinstance(e, socket.gaierror) for e in _chain(error.value))  # the network, not the offline switch
+
+    monkeypatch.setattr("sys.argv", ["export.py", "timm:vit_tiny_patch16_224", "--out", str(tmp_path / "t.onnx")])
+    with pytest.raises(SystemExit) as stop:
+        cli()
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 1 and len(err.splitlines()) == 1
+    assert err.startswith("error: could not get timm's pretrained weights for 'vit_tiny_patch16_224' (")
+    assert err.endswith("export the file: scripts/export.py /path/to/model.safetensors --model vit_tiny_patch16_224")
+
+    argv = ["export.py", "timm:vit_tiny_patch16_224.nosuchtag", "--model", "vit_tiny_patch16_224"]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit):
+        cli()
+    assert capsys.readouterr().err.strip() == "error: Invalid pretrained tag (nosuchtag) for vit_tiny_patch16_224."
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """An exception and every cause and context beneath it."""
+    found = []
+    while error is not None:
+        found.append(error)
+        error = error.__cause__ or error.__context__
+    return found
+
+
 TINY = dict(depth=2, embed_dim=64, num_heads=2, num_classes=5)
 
 
@@ -232,24 +282,119 @@ def test_each_dynamic_family_exports_once_and_gives_our_logits_at_two_sizes(tmp_
     assert max_abs_diff(model, onnx_model, torch.randn(2, 3, sizes[0], sizes[1])) < 1e-4  # not square
 
 
+def _perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """Every parameter moved off its init: SAM's positions start at zero and relpos's LayerScale at 1e-6,
+    which would leave the resampled tables out of the logits."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
 @pytest.mark.parametrize(
     "name, kwargs",
     [
         ("samvit_base_patch16_224", {"window_size": 4}),  # 4x4 windows: the 6x6 grid of 96 px is padded to 8x8
         ("vit_relpos_base_patch16_224", {}),  # an MLP over patch offsets, a bias per pair of patches
+        ("vit_srelpos_small_patch16_224", {"rel_pos_type": "mlp_swin"}),  # one shared bias, Swin-V2's offsets
     ],
 )
-def test_each_fixed_grid_family_exports_at_its_own_size_and_refuses_a_dynamic_one(tmp_path, name, kwargs):
-    """SAM's and relpos's relative positions and windows are built for one patch grid: one export per size."""
+def test_sam_and_relpos_export_once_and_give_the_dynamic_models_logits_at_two_sizes(tmp_path, name, kwargs):
+    """Windows and relative positions are laid on the input's grid in the graph: one file, built at 64 px,
+    gives at 64, 96 and 64x112 px the logits of the same weights built with dynamic_img_size=True (SAM's
+    tables and positions resampled, relpos's offsets through its MLP), 1.1e-6 apart at most here."""
     torch.manual_seed(0)
-    for size in (64, 96):
-        model = create_model(name, img_size=size, **TINY, **kwargs).eval()
-        with pytest.raises(ValueError, match=f"built for its {size // 16}x{size // 16} patch grid only: export it "):
-            export_onnx(model, tmp_path / "dynamic.onnx")
-        onnx_model = OnnxClassifier(export_onnx(model, tmp_path / f"{name}_{size}.onnx", dynamic=False))
-        assert onnx_model.spec.img_size == (size, size) and not onnx_model.spec.dynamic
-        for batch in (1, 3):
-            assert max_abs_diff(model, onnx_model, torch.randn(batch, 3, size, size)) < 1e-4, (size, batch)
-        with pytest.raises(ValueError, match=f"fixed image size {size}x{size}"):
-            onnx_model(torch.randn(1, 3, size + 16, size + 16))
+    model = _perturbed(create_model(name, img_size=64, **TINY, **kwargs))
+    onnx_model = OnnxClassifier(export_onnx(model, tmp_path / f"{name}.onnx"))
+    assert onnx_model.spec.dynamic and onnx_model.spec.multiple == (16, 16)
+    reference = create_model(name, img_size=64, **TINY, **kwargs, dynamic_img_size=True).eval()
+    reference.load_state_dict(model.state_dict())
+    for batch, size in ((1, (64, 64)), (3, (96, 96)), (2, (64, 112))):
+        images = torch.randn(batch, 3, *size)
+        with torch.no_grad():
+            expected = reference(images)
+        torch.testing.assert_close(torch.from_numpy(onnx_model(images)), expected, atol=1e-4, rtol=0)
+        assert expected.abs().max() > 0.1, size  # real numbers, not LayerScale's zeros
+
+
+def test_a_relative_position_bias_table_exports_with_its_own_grid_only(tmp_path):
+    """rel_pos_type="bias" (no timm name) learns one bias per offset of the built grid: a dynamic export
+    is refused before tracing, a static one gives our logits."""
+    model = _perturbed(create_model("vit_relpos_base_patch16_224", img_size=32, rel_pos_type="bias", **TINY))
+    with pytest.raises(ValueError, match=r"bias table .* holds its 2x2 patch grid's offsets only: export it with"):
+        export_onnx(model, tmp_path / "dynamic.onnx")
+    with pytest.raises(ValueError, match="rel_pos_type='bias' is a table of the built grid's offsets"):
+        create_model("vit_relpos_base_patch16_224", rel_pos_type="bias", dynamic_img_size=True)
+    onnx_model = OnnxClassifier(export_onnx(model, tmp_path / "static.onnx", dynamic=False))
+    assert max_abs_diff(model, onnx_model, torch.randn(3, 3, 32, 32)) < 1e-4
+    with pytest.raises(ValueError, match="fixed image size 32x32"):
+        onnx_model(torch.randn(1, 3, 48, 48))
     assert not (tmp_path / "dynamic.onnx").exists()
+
+
+NAFLEX = dict(TINY, img_size=64)  # 4x4 patches of 16 at the export size; the positions' own 16x16 table
+
+
+@pytest.fixture(scope="module")
+def naflex_sequences(tmp_path_factory):
+    """naflexvit_base_patch16_gap's patch-sequence form, exported by the script from a timm-format file,
+    its sequences 24 patches long for OnnxClassifier: (model, path, the script's differences)."""
+    torch.manual_seed(0)
+    model = _perturbed(create_model("naflexvit_base_patch16_gap", **NAFLEX))
+    folder = tmp_path_factory.mktemp("naflex")
+    torch.save(model.state_dict(), folder / "w.pth")
+    model_args = ["--model", "naflexvit_base_patch16_gap", "--model_kwargs", json.dumps(NAFLEX)]
+    diffs = export_main([str(folder / "w.pth"), *model_args, "--out", str(folder / "n.onnx"), "--input", "patches",
+                         "--max_patches", "24"])  # fmt: skip
+    return model, folder / "n.onnx", diffs
+
+
+def test_one_patch_sequence_file_takes_any_length_and_aspect_ratio_with_padding(naflex_sequences):
+    """Sequences of 20 and 40 patches, images of 5 aspect ratios (3x5, 4x4, 2x6, 6x3, 1x1 patches), the
+    padding filled with noise that must not matter: the file gives our logits, 7e-7 apart at most here."""
+    import onnxruntime as ort
+
+    model, path, diffs = naflex_sequences
+    assert list(diffs) == [64, 96] and max(diffs.values()) < 1e-4  # the script's own check
+    graph = onnx.load(str(path)).graph
+    names = [i.name for i in graph.input]
+    assert names == ["patches", "patch_coord", "patch_valid"]
+    assert all(d.dim_param for i in graph.input for d in i.type.tensor_type.shape.dim[:2])  # batch, length free
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for sizes, length in (([(48, 80), (64, 64)], 20), ([(32, 96), (96, 48), (16, 16)], 40)):
+        batch = pack([torch.randn(3, h, w) for h, w in sizes], length=length)
+        padding = ~batch["patch_valid"]
+        assert padding.any(dim=1).all()  # every image has padding after it
+        batch["patches"][padding] = torch.randn(int(padding.sum()), 768)
+        (logits,) = session.run(None, {n: batch[n].numpy() for n in names})
+        with torch.no_grad():
+            expected = model(batch)
+        torch.testing.assert_close(torch.from_numpy(logits), expected, atol=1e-4, rtol=0)
+        assert expected.abs().max() > 0.1
+
+
+def test_onnx_classifier_packs_images_into_the_files_sequences_and_says_what_does_not_fit(
+    naflex_sequences, vit_onnx, tmp_path
+):
+    """The metadata says the input is patches of 16x16 in sequences of 24: OnnxClassifier packs a 64x64
+    batch (16 patches, 8 of padding) and gives the image model's logits; a 96x96 image (36 patches) is
+    refused naming vit.max_patches; a file with these inputs but without the metadata, naming vit.input."""
+    model, path, _ = naflex_sequences
+    onnx_model = OnnxClassifier(path)
+    props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert {k: props[k] for k in ("vit.input", "vit.patch_size", "vit.max_patches")} == {
+        "vit.input": "patches", "vit.patch_size": "16,16", "vit.max_patches": "24",
+    }  # fmt: skip
+    images = torch.randn(3, 3, 64, 64)
+    assert max_abs_diff(model, onnx_model, images) < 1e-4
+    with pytest.raises(ValueError, match=r"36 patches of 16x16, more than .* \(vit.max_patches = 24\)"):
+        onnx_model(torch.randn(1, 3, 96, 96))
+    with pytest.raises(ValueError, match="not patch sequences"):
+        vit_onnx[1](pack([images[0]]))  # an image file
+    bare = onnx.load(str(path))
+    del bare.metadata_props[:]
+    onnx.save(bare, str(tmp_path / "bare.onnx"))
+    with pytest.raises(ValueError, match=r"patches, patch_coord, patch_valid, and its metadata has no vit\.input="):
+        OnnxClassifier(tmp_path / "bare.onnx")
+    with pytest.raises(ValueError, match="inputs='patches' exports a NaFlexViT's patch-sequence form"):
+        export_onnx(create_model("vit_nano_patch4_16"), tmp_path / "x.onnx", inputs="patches")

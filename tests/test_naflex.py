@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 
 import vit
 from tests.conftest import timm_and_ours
-from vit.naflex import NaFlexEmbeds, pack, patchify
+from vit.naflex import NaFlexEmbeds, interpolation_weights, pack, patchify
 
 NAFLEX_NAMES = timm.list_models(module="naflexvit")
 SMALL = dict(depth=2, embed_dim=64, num_heads=2, num_classes=5)
@@ -104,6 +105,51 @@ def test_positions_are_timms_resampling_of_the_tables():
     square = torch.nn.functional.interpolate(table.permute(0, 3, 1, 2), size=(6, 6), mode="bicubic", antialias=True)
     expected = square[:, :, :2, :6].flatten(2).transpose(1, 2)
     torch.testing.assert_close(embeds.positions((2, 6), torch.float32), expected)
+
+
+@pytest.mark.parametrize("name", NAFLEX_NAMES)
+def test_per_token_positions_are_the_per_grid_resampling(name):
+    """token_positions (the exported graph's, tensor operations only) gives each token of a padded batch
+    the position the per-grid resampling gives it: each name's tables (16x16, radio's 128x128,
+    factorized; and a 6x9 one) and resampling (bicubic or bilinear, antialiased or not, corners aligned
+    or not, aspect-preserving), grids of 3x5, 8x8, 6x9, 1x1 and 2x6 patches, tokens past a grid.
+    Unit-variance tables: the two differ by float32's rounding of the sample points (up to 7e-5 on
+    radio's, as far as F.interpolate is from exact)."""
+    batch = pack([torch.randn(3, h, w) for h, w in [(48, 80), (128, 128), (96, 144), (16, 16), (32, 96)]], length=70)
+    for grid in (None, (6, 9)):  # the names' own; one a grid of the batch takes as stored
+        config = vit.model_config(name, embed_dim=8, num_heads=2, **({"pos_embed_grid_size": grid} if grid else {}))
+        embeds = NaFlexEmbeds(config)
+        for table in (embeds.pos_embed, embeds.pos_embed_y, embeds.pos_embed_x):
+            if table is not None:
+                torch.nn.init.normal_(table)
+        with torch.no_grad():
+            expected = embeds._sequence_positions(batch["patch_coord"], torch.zeros(5, 70, 8))
+            got = embeds.token_positions(batch["patch_coord"], 70, torch.float32)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        assert expected[0, :15].abs().min() > 0 and expected[0, 15:].abs().max() == 0  # 3x5 positions, then none
+
+
+def test_interpolation_weights_reproduce_f_interpolate():
+    """Each output entry of F.interpolate as weights over the input: every mode, aligned or not,
+    antialiased or not, 1 to 24 entries resampled to 1 to 39 (float32, values of unit variance)."""
+    torch.manual_seed(0)
+    for in_len, out_len in [(1, 5), (3, 1), (3, 10), (16, 5), (16, 16), (16, 39), (24, 7)]:
+        table = torch.randn(in_len, 4)
+        for mode, align_corners, antialias in [
+            ("linear", False, False), ("linear", True, False), ("bilinear", False, True), ("bilinear", True, False),
+            ("bicubic", False, True), ("bicubic", False, False), ("bicubic", True, True),
+        ]:  # fmt: skip
+            if mode == "linear":
+                expected = F.interpolate(table.T[None], out_len, mode=mode, align_corners=align_corners)[0].T
+            else:  # two columns: PyTorch's antialiased kernels mishandle an axis of one
+                grid = table.T[None, :, :, None].expand(-1, -1, -1, 2)
+                expected = F.interpolate(grid, (out_len, 2), mode=mode, align_corners=align_corners,
+                                         antialias=antialias)[0, :, :, 0].T  # fmt: skip
+            index, length = torch.arange(out_len), torch.tensor(out_len)
+            weights = interpolation_weights(index, length, in_len, mode, align_corners, antialias)
+            torch.testing.assert_close(weights @ table, expected, atol=5e-5, rtol=0)
+    with pytest.raises(ValueError, match="mode='nearest' have no per-token form"):
+        interpolation_weights(torch.arange(2), torch.tensor(2), 4, "nearest", False, False)
 
 
 def test_patchify_is_row_major_over_patches_and_row_column_channel_within_and_pack_pads_after():

@@ -31,6 +31,7 @@ CASES = [
     ("augment.cutout", "-2", "a whole number of at least 0"),
     ("mixup.prob", "2", "a probability from 0 to 1"),
     ("mixup.cutmix_alpha", "-1", "a Beta parameter of at least 0"),
+    ("naflex.max_patches", "0", "a whole number of at least 1"),
     ("val_fraction", "1", "the share of the digits held out, in \\(0, 1\\)"),
     ("batch_size", "abc", "a whole number"),  # the wrong type: jsonargparse's, in one line
     ("augment.hflip", "maybe", "true or false"),

@@ -1,17 +1,24 @@
 """Prediction (`trainer.predict`, `scripts/train.py predict`) and a run's EMA weights as the
-checkpoint readers and the exports give them."""
+checkpoint readers, the exports and `vit-predict --ema` give them."""
 
 from __future__ import annotations
 
+import copy
+import sys
+
 import lightning as L
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from tests.conftest import quiet_trainer
-from vit.checkpoint import export_safetensors, load_checkpoint, load_model
+from vit.checkpoint import Preprocess, export_safetensors, load_checkpoint, load_model
 from vit.data import DigitsDataModule
+from vit.data.images import read_rgb
 from vit.lit import ImageClassifier
+from vit.tools import predict
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +59,40 @@ def test_the_ema_weights_load_and_export_apart_from_the_trained_ones(trained, tm
         exported = load_file(str(export_safetensors(ckpt, tmp_path / f"ema{use_ema}.safetensors", use_ema=use_ema)))
         assert all(torch.equal(exported[name], expected[name]) for name in raw)
         assert all(torch.equal(load_model(ckpt, use_ema=use_ema).state_dict()[n], expected[n]) for n in raw)
+
+
+def test_vit_predict_ema_gives_the_averaged_weights_softmax_and_names_a_file_without_them(
+    trained, tmp_path, capsys, monkeypatch
+):
+    """`vit-predict --ema`: the EMA model's softmax on validation's pixels, not the trained weights';
+    a checkpoint whose run kept no average, and an export (one set of weights), are refused by name."""
+    module, data, trainer = trained
+    ckpt = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(ckpt)
+    photo = tmp_path / "digit.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 14, 3), dtype=np.uint8)).save(photo)
+    pixels = Preprocess.of(data)([read_rgb(photo)])  # what the run's validation fed the model
+    assert load_checkpoint(ckpt)[1]["preprocess"] == Preprocess.of(data).to_dict()
+    with torch.no_grad():
+        ema_probs = copy.deepcopy(module.ema.module).cpu().eval()(pixels).softmax(-1)[0]
+        raw_probs = copy.deepcopy(module.model).cpu().eval()(pixels).softmax(-1)[0]
+    assert (ema_probs - raw_probs).abs().max() > 1e-3  # decay 0.5: the two models differ on this image
+
+    for argv, expected in ((["--ema"], ema_probs), ([], raw_probs)):
+        (prediction,) = predict.main([str(ckpt), str(photo), "--top-k", "10", "--device", "cpu", *argv])
+        got = {int(name): prob for name, prob in prediction.top}  # the digits' classes are named 0-9
+        torch.testing.assert_close(torch.tensor([got[c] for c in range(10)]), expected, atol=1e-5, rtol=0)
+
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ema.")}
+    torch.save(checkpoint, tmp_path / "no_ema.ckpt")
+    weights = export_safetensors(ckpt, tmp_path / "model.safetensors", use_ema=True)
+    for path, message in (
+        (tmp_path / "no_ema.ckpt", f"error: {tmp_path / 'no_ema.ckpt'} has no EMA weights"),
+        (weights, f"error: --ema: {weights} holds one set of weights; give the run's .ckpt"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["vit-predict", str(path), str(photo), "--ema"])
+        with pytest.raises(SystemExit) as stop:
+            predict.cli()
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and err.startswith(message) and err.count("\n") == 1, err

@@ -4,6 +4,7 @@ formulas, the export script and the TensorBoard callback."""
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 
@@ -14,13 +15,15 @@ import torch
 from PIL import Image
 
 from vit import create_model, set_fused_attn
-from vit.checkpoint import load_model, load_pretrained
+from vit.checkpoint import Preprocess, RecordedScore, load_model, load_pretrained, recorded_score
+from vit.data.images import read_rgb
 from vit.data.transforms import eval_transform
 from vit.rollout import (
     METHODS,
     attention_rollout,
     box_scores,
     centre_gaussian,
+    colorize,
     contact_sheet,
     discard_lowest,
     gradcam,
@@ -378,6 +381,37 @@ def test_contact_sheet_puts_each_map_overlay_in_its_column():
         contact_sheet([(image, [hot_right], [])], ["a", "b"])
 
 
+def test_the_sheet_is_headed_by_the_model_its_accuracy_and_the_colour_scale():
+    """Header lines above everything else, then a bar of the maps' colour map from its low end (left)
+    to its high end (right), labelled low and high."""
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    image[..., 1] = 255  # green: its overlays never hold the colour map's pure ends
+    rows = [(image, [np.eye(4)], ["cat 0.9"])]
+    header = ["vit_nano_patch4_16 (0.8M params)", "val/acc1 87.5%"]
+    plain = np.asarray(contact_sheet(rows, ["attention rollout"], 96))
+    headed = np.asarray(contact_sheet(rows, ["attention rollout"], 96, header))
+    other = np.asarray(contact_sheet(rows, ["attention rollout"], 96, [header[0], "val/acc1 12.5%"]))
+    extra = headed.shape[0] - plain.shape[0]  # two lines of text
+    assert extra > 0 and extra % 2 == 0 and headed.shape[1] == plain.shape[1] == 2 * 96
+    np.testing.assert_array_equal(headed[extra:], plain)  # the header is added above, nothing else moves
+    assert (headed[2:extra] < 100).any()  # drawn in black
+    first = extra // 2 + 2
+    np.testing.assert_array_equal(headed[:first], other[:first])  # the model's line is the same
+    assert not np.array_equal(headed[first:extra], other[first:extra])  # the accuracy's is not
+
+    low, high = [0, 0, 128], [128, 0, 0]  # jet's ends: dark blue, dark red
+    assert colorize(np.array([0.0, 1.0])).tolist() == [low, high]
+    ys, xs = np.nonzero((headed == low).all(-1))
+    ys_high, xs_high = np.nonzero((headed == high).all(-1))
+    left, right = xs.min(), xs_high.max()
+    assert (xs == left).all() and (xs_high == right).all() and ys.tolist() == ys_high.tolist()
+    assert extra < ys.min() and ys.max() < plain.shape[0] - 96 and right - left > 96  # above the rows, wide
+    bar = headed[ys.min() : ys.max() + 1, left : right + 1]
+    np.testing.assert_array_equal(bar, np.broadcast_to(colorize(np.linspace(0, 1, right - left + 1)), bar.shape))
+    band = headed[ys.min() : ys.max() + 1]
+    assert (band[:, :left] < 100).any() and (band[:, right + 1 :] < 100).any()  # "low" and "high" beside it
+
+
 # -- export script and TensorBoard callback -----------------------------------------------------
 
 
@@ -387,6 +421,52 @@ def _our_checkpoint(path: Path, name: str = "vit_nano_patch4_16", **kwargs) -> P
     state_dict = {f"model.{k}": v for k, v in model.state_dict().items()}
     torch.save({"vit": {"model_name": name, "model_kwargs": kwargs}, "state_dict": state_dict}, path)
     return path
+
+
+def _scored_checkpoint(path: Path, best: str, score: float) -> Path:
+    """Our checkpoint with the state RunCheckpoint saves: its monitor, the best-k files and their scores."""
+    _our_checkpoint(path, num_classes=3)
+    checkpoint = torch.load(path, weights_only=True)
+    best_path = f"/elsewhere/run/checkpoints/{best}"  # the run folder was moved: files are found by name
+    checkpoint["callbacks"] = {
+        "RunCheckpoint{'monitor': 'val/acc1', 'mode': 'max'}": {
+            "monitor": "val/acc1",
+            "best_model_score": torch.tensor(score),
+            "best_model_path": best_path,
+            "best_k_models": {best_path: torch.tensor(score)},
+        }
+    }
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_the_gallery_states_the_accuracy_the_checkpoint_records_and_only_that(tmp_path):
+    best = _scored_checkpoint(tmp_path / "best-epoch003-step40.ckpt", "best-epoch003-step40.ckpt", 0.875)
+    last = _scored_checkpoint(tmp_path / "last.ckpt", "best-epoch003-step40.ckpt", 0.875)
+    bare = _our_checkpoint(tmp_path / "bare.ckpt", num_classes=3)
+    assert recorded_score(best) == RecordedScore("val/acc1", 0.875, True, "best-epoch003-step40.ckpt")
+    assert recorded_score(last) == RecordedScore("val/acc1", 0.875, False, "best-epoch003-step40.ckpt")
+    assert recorded_score(bare) is None
+    assert export.params_text(5_400_000) == "5.4M" and export.params_text(21_345) == "0.021M"
+
+    image = tmp_path / "images" / "a.png"
+    image.parent.mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(image)
+    cases = [
+        (best, [], "val/acc1 87.5%"),  # the score of these very weights
+        (last, [], "val/acc1 not recorded for these weights (the run's best: 87.5%, best-epoch003-step40.ckpt)"),
+        (bare, [], "accuracy not recorded"),
+        (bare, ["--accuracy", "75.7% test top-1"], "75.7% test top-1"),
+    ]
+    for i, (ckpt, option, accuracy) in enumerate(cases):
+        argv = ["--checkpoint", str(ckpt), str(image.parent), "--sheet-size", "48", "--out", str(tmp_path / f"o{i}")]
+        out = export.main([*argv, *option])
+        header = ["vit_nano_patch4_16 (0.8M params)", accuracy]  # 802,307 parameters
+        assert sum(p.numel() for p in load_model(ckpt).parameters()) == 802_307
+        gallery = np.asarray(Image.open(out / "gallery.png").convert("RGB"))
+        expected = np.asarray(contact_sheet([], ["attention rollout"], 48, header))  # the header, bar and titles
+        np.testing.assert_array_equal(gallery[: expected.shape[0]], expected)
+        assert " &middot; ".join(map(html.escape, header)) in (out / "index.html").read_text()
 
 
 def test_export_writes_png_npy_and_gallery_for_a_tiny_model(tmp_path):
@@ -409,6 +489,35 @@ def test_export_writes_png_npy_and_gallery_for_a_tiny_model(tmp_path):
     model = load_model(ckpt)
     x = eval_transform(16)(image=np.asarray(Image.open(images / "wide.png")))["image"][None]
     np.testing.assert_allclose(np.load(out / "00001_wide.npy"), attention_rollout(model, x)[0][0].numpy(), rtol=1e-5)
+
+
+def test_export_sees_the_pixels_vit_predict_sees_by_the_checkpoints_preprocessing(tmp_path):
+    """A run trained at 24 px on its own mean, std and crop records them; rollout prepares an image
+    exactly as vit-predict does (not at the defaults), and its map is the rollout of that tensor."""
+    from vit.tools import predict
+
+    settings = {"img_size": 24, "crop_pct": 0.75, "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]}
+    ckpt = _our_checkpoint(tmp_path / "run.ckpt", num_classes=3, img_size=24)
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["vit"]["preprocess"] = settings
+    torch.save(checkpoint, ckpt)
+    photo = tmp_path / "photos" / "photo.png"
+    photo.parent.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(photo)
+
+    model, meta = export.load_vit(str(ckpt))
+    seen = export.eval_preprocess(model, meta)([read_rgb(photo)])
+    by_predict = predict.load_classifier(ckpt, "cpu").preprocess([read_rgb(photo)])
+    assert seen.shape == (1, 3, 24, 24) and torch.equal(seen, by_predict)
+    assert not torch.allclose(seen, Preprocess.assumed(24)([read_rgb(photo)]), atol=0.1)  # the defaults differ
+    out = export.main(["--checkpoint", str(ckpt), str(photo.parent), "--out", str(tmp_path / "out")])
+    saved = np.load(out / "00000_photo.npy")
+    np.testing.assert_allclose(saved, attention_rollout(model, seen)[0][0].numpy(), rtol=1e-5)
+
+    # An option replaces its own value only; the other recorded values stay.
+    given = {"crop_pct": 1.0, "mean": None, "std": None}
+    assert export.eval_preprocess(model, meta, given) == Preprocess(24, 1.0, (0.5,) * 3, (0.25,) * 3)
 
 
 def test_export_of_a_dataset_split_from_a_config(tmp_path):

@@ -146,7 +146,7 @@ def test_dynamic_img_size_resamples_the_position_embedding_as_timm_does():
 )
 def test_timm_kwargs_build_timms_model_with_our_names_and_logits(kwargs):
     ours = create_model("vit_nano_patch4_16", num_classes=3, **kwargs).eval()
-    theirs = timm.models.vision_transformer.VisionTransformer(**vit.vision_transformer.timm_kwargs(ours.config))
+    theirs = timm.models.vision_transformer.VisionTransformer(**vit.timm_args.timm_kwargs(ours.config))
     theirs.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
@@ -156,10 +156,10 @@ def test_timm_kwargs_build_timms_model_with_our_names_and_logits(kwargs):
 def test_timm_kwargs_refuse_options_timm_builds_differently():
     config = create_model("vit_nano_patch4_16", mlp="swiglu", posemb="sincos2d").config
     with pytest.raises(ValueError, match=re.escape("no equivalent of {'posemb': 'sincos2d', 'mlp': 'swiglu'}")):
-        vit.vision_transformer.timm_kwargs(config)
+        vit.timm_args.timm_kwargs(config)
     config = create_model("vit_nano_patch4_16", block_fn="parallel_things", num_parallel=3).config
     with pytest.raises(ValueError, match=re.escape("{'block_fn': 'parallel_things', 'num_parallel': 3}")):
-        vit.vision_transformer.timm_kwargs(config)
+        vit.timm_args.timm_kwargs(config)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"global_pool": "avg", "class_token": False}])
@@ -227,7 +227,7 @@ TIMM_OPTION_CASES = [
 
 def _timm_twin(ours: torch.nn.Module) -> torch.nn.Module:
     """timm's VisionTransformer built from our config by `timm_kwargs`, with our weights perturbed in."""
-    theirs = timm.models.vision_transformer.VisionTransformer(**vit.vision_transformer.timm_kwargs(ours.config))
+    theirs = timm.models.vision_transformer.VisionTransformer(**vit.timm_args.timm_kwargs(ours.config))
     with torch.no_grad():
         for p in theirs.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -411,7 +411,7 @@ def test_every_timm_hybrid_is_built_with_timms_layout_or_refused_with_the_reason
     # A backbone built by a constructor we do not rebuild is refused, naming the ones we do.
     embed = partial(timm.layers.HybridEmbed, backbone=torch.nn.Identity())
     with pytest.raises(ValueError, match=r"backbone Identity is built by none of timm's constructors.*_resnetv2"):
-        vit.vision_transformer.from_timm_args({"embed_layer": embed})
+        vit.timm_args.from_timm_args({"embed_layer": embed})
 
 
 def _perturb_buffers(model: torch.nn.Module) -> None:

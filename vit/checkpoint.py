@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pickle
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from timm.layers import resample_abs_pos_embed
 from torch import nn
 
 from vit.registry import create_model
-from vit.vision_transformer import VisionTransformer, checkpoint_filter_fn, load_npz
+from vit.timm_args import timm_kwargs
+from vit.vision_transformer import VisionTransformer
+
+if TYPE_CHECKING:
+    from vit.lit import Inputs
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +105,17 @@ def _torch_load(path: Path) -> Any:
 class Preprocess:
     """How evaluation feeds an image classifier (vit.data.transforms.eval_transform): the centred
     square of crop_pct x the shorter side, resized to img_size x img_size (bicubic, antialiased:
-    vit.data.augment.EVAL_RESIZE), scaled to [0, 1] and normalised by mean and std. Our checkpoints
-    and exports carry their data's, so predictions see validation's pixels."""
+    vit.data.augment.EVAL_RESIZE), scaled to [0, 1] and normalised by mean and std. With a patch
+    budget (`max_patches` of `patch_size` px: a run with `data.naflex`), the whole image at its own
+    aspect ratio instead (vit.data.transforms.SequenceEvalTransform), packed as the evaluation loader
+    packs it. Our checkpoints and exports carry their data's, so predictions see validation's pixels."""
 
     img_size: int
     crop_pct: float
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    max_patches: int | None = None
+    patch_size: int | None = None
 
     @classmethod
     def of(cls, datamodule: Any) -> Preprocess | None:
@@ -114,23 +125,52 @@ class Preprocess:
         )
         if any(value is None for value in (size, crop, mean, std)):
             return None
-        return cls.from_dict({"img_size": size, "crop_pct": crop, "mean": mean, "std": std})
+        values = {"img_size": size, "crop_pct": crop, "mean": mean, "std": std}
+        naflex = getattr(datamodule, "naflex", None)
+        if naflex is not None:
+            values |= {"max_patches": naflex.max_patches, "patch_size": naflex.patch_size}
+        return cls.from_dict(values)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Preprocess:
+        """`to_dict`'s values; without max_patches and patch_size, no budget: square images."""
         floats = lambda v: tuple(float(x) for x in v)  # noqa: E731
-        return cls(int(values["img_size"]), float(values["crop_pct"]), floats(values["mean"]), floats(values["std"]))
+        budget = [None if values.get(name) is None else int(values[name]) for name in ("max_patches", "patch_size")]
+        if (budget[0] is None) != (budget[1] is None):
+            raise ValueError(f"a patch budget needs both max_patches and patch_size, got {budget[0]} and {budget[1]}")
+        return cls(
+            int(values["img_size"]), float(values["crop_pct"]), floats(values["mean"]), floats(values["std"]), *budget
+        )
+
+    @classmethod
+    def assumed(cls, img_size: int) -> Preprocess:
+        """What a source that records no settings (timm weights, older checkpoints) is given: the
+        whole image at the model's size, normalised by ImageNet's mean and std."""
+        from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+        return cls(img_size, 1.0, IMAGENET_MEAN, IMAGENET_STD)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"img_size": self.img_size, "crop_pct": self.crop_pct, "mean": list(self.mean), "std": list(self.std)}
+        values = {"img_size": self.img_size, "crop_pct": self.crop_pct, "mean": list(self.mean), "std": list(self.std)}
+        if self.max_patches is not None:
+            values |= {"max_patches": self.max_patches, "patch_size": self.patch_size}
+        return values
 
-    def __call__(self, images: list[np.ndarray]) -> torch.Tensor:
-        """RGB uint8 images (H, W, 3), any sizes, as one batch of model inputs (B, 3, S, S):
-        vit.data.transforms.eval_transform with these settings."""
-        from vit.data.transforms import eval_transform  # vit.data loads Lightning: only where images are read
+    def __call__(self, images: list[np.ndarray]) -> Inputs:
+        """RGB uint8 images (H, W, 3), any sizes, as one batch of model inputs: (B, 3, S, S) by
+        vit.data.transforms.eval_transform with these settings; with a budget, NaFlexVit.forward's dict
+        of patch sequences padded to max_patches, as the evaluation loader makes it."""
+        # vit.data loads Lightning: imported only where images are read
+        from vit.data.naflex import NaFlex, PackSequences
+        from vit.data.transforms import SequenceEvalTransform, eval_transform
 
-        transform = eval_transform(self.img_size, self.crop_pct, self.mean, self.std)
-        return torch.stack([transform(image=image)["image"] for image in images])
+        if self.max_patches is None:
+            transform = eval_transform(self.img_size, self.crop_pct, self.mean, self.std)
+            return torch.stack([transform(image=image)["image"] for image in images])
+        naflex = NaFlex(self.max_patches, self.patch_size)
+        transform = SequenceEvalTransform(naflex, self.mean, self.std)
+        # The evaluation loader's collate_fn, so the padding is validation's too (the labels are unused).
+        return PackSequences(naflex)([(transform(image=image)["image"], 0) for image in images])[0]
 
 
 def read_lightning_checkpoint(path: str | Path) -> dict:
@@ -147,11 +187,47 @@ def read_lightning_checkpoint(path: str | Path) -> dict:
     return checkpoint
 
 
+@dataclass(frozen=True)
+class RecordedScore:
+    """The metric a run's ModelCheckpoint ranks by (`monitor`, e.g. val/acc1), as a checkpoint
+    records it: the score of this file's own weights when the file is one of the run's best-k
+    checkpoints (`own`); otherwise (last.ckpt, whose weights may be newer) the run's best so far,
+    scored by the checkpoint named `best`."""
+
+    monitor: str
+    value: float
+    own: bool
+    best: str
+
+
+def recorded_score(path: str | Path) -> RecordedScore | None:
+    """What our `.ckpt` records of its validation score; None for a file without it (a `.safetensors`
+    export, a state dict, a run without a monitored checkpoint, one saved before any validation)."""
+    path = Path(path)
+    if path.suffix != ".ckpt":
+        return None
+    checkpoint = _torch_load(path)
+    states = checkpoint.get("callbacks", {}).values() if isinstance(checkpoint, dict) else []
+    found = None
+    for state in states:
+        if not isinstance(state, dict) or not state.get("monitor") or state.get("best_model_score") is None:
+            continue
+        # Files are matched by name: a run folder may have been moved since the paths were saved.
+        own = [score for saved, score in state.get("best_k_models", {}).items() if Path(saved).name == path.name]
+        if own:
+            return RecordedScore(state["monitor"], float(own[0]), True, path.name)
+        found = found or RecordedScore(
+            state["monitor"], float(state["best_model_score"]), False, Path(state.get("best_model_path", "")).name
+        )
+    return found
+
+
 def _model_weights(checkpoint: dict, path: Path, use_ema: bool) -> dict[str, torch.Tensor]:
     prefix = "ema.module." if use_ema else "model."
     state_dict = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     if not state_dict:
-        raise ValueError(f"{path} has no {'EMA ' if use_ema else ''}weights (no keys starting with {prefix!r})")
+        kept = ": its run kept no moving average (model.ema_decay was not set)" if use_ema else ""
+        raise ValueError(f"{path} has no {'EMA ' if use_ema else ''}weights (no keys starting with {prefix!r}){kept}")
     return state_dict
 
 
@@ -281,17 +357,57 @@ def read_weights(source: str | Path, model: nn.Module | None = None, use_ema: bo
     return read_state_dict(path)
 
 
+class PretrainedDownloadError(RuntimeError):
+    """timm's pretrained weights for `name` could not be downloaded (offline, the hub unreachable or
+    refusing); the library's error is the cause. The message says how to pass a file to training;
+    a command that takes a file another way catches this class and says its own form."""
+
+    def __init__(self, message: str, name: str = "") -> None:  # message first: unpickling passes it alone
+        super().__init__(message)
+        self.name = name
+
+
 def _timm_pretrained(name: str) -> dict[str, torch.Tensor]:
     import timm
 
     try:
         return timm.create_model(name, pretrained=True).state_dict()
-    except Exception as e:  # offline, unknown tag, hub errors: all need the same advice
-        raise RuntimeError(
+    except OSError as e:  # huggingface_hub's errors (LocalEntryNotFoundError offline, HfHubHTTPError) and urllib's
+        raise PretrainedDownloadError(
             f"could not get timm's pretrained weights for {name!r} ({type(e).__name__}: {e}). Offline, download "
             f"them elsewhere (e.g. https://huggingface.co/timm/{name}, model.safetensors) and pass the file: "
-            "--model.finetune.init_from /path/to/model.safetensors"
+            "--model.finetune.init_from /path/to/model.safetensors",
+            name,
         ) from e
+
+
+def load_npz(path: str | Path, model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """Google's ViT `.npz` (big_vision / the original release) as a timm-layout state dict: read by
+    timm's converter into a timm ViT built to the file's shapes (grid, head, CLS) and the model's
+    width and depth. `checkpoint_filter_fn` then fits it to the model."""
+    import timm
+
+    path = Path(path)
+    with np.load(path, allow_pickle=False) as w:
+        keys = set(w.files)
+        prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in keys), None)
+        if prefix is None:
+            raise ValueError(f"{path} is not a Google ViT checkpoint (no embedding/kernel)")
+        posemb = w.get(f"{prefix}Transformer/posembed_input/pos_embedding", w.get(f"{prefix}pos_embedding"))
+        num_pos = posemb.shape[1]
+        num_classes = w[f"{prefix}head/bias"].shape[0] if f"{prefix}head/bias" in keys else 0
+        patch = w[f"{prefix}embedding/kernel"].shape[0]
+        pool = "map" if f"{prefix}MAPHead_0/probe" in keys else "token" if f"{prefix}cls" in keys else "avg"
+    has_cls = f"{prefix}cls" in keys
+    # A hybrid's embedding kernel spans feature-map cells, each `feature_ratio` pixels wide.
+    patch_px = patch * getattr(model.patch_embed, "feature_ratio", (1, 1))[0]
+    config = replace(
+        model.config, img_size=math.isqrt(num_pos - has_cls) * patch_px, patch_size=patch, num_classes=num_classes,
+        global_pool=pool, class_token=has_cls, fc_norm=False,
+    )  # fmt: skip
+    source = timm.models.vision_transformer.VisionTransformer(**timm_kwargs(config))
+    source.load_pretrained(str(path))
+    return source.state_dict()
 
 
 # -- adapting to a model ---------------------------------------------------------------------
@@ -322,6 +438,74 @@ HEAD_NAMES = ("head", "head_dist", "fc", "linear")
 def is_head(name: str) -> bool:
     """Whether parameter `name` belongs to a classifier head."""
     return name.split(".")[0] in HEAD_NAMES
+
+
+def checkpoint_filter_fn(
+    state_dict: dict[str, torch.Tensor], model: VisionTransformer, log: Callable[[str, str], None] | None = None
+) -> dict[str, torch.Tensor]:
+    """A ViT state dict (ours or timm's) made to fit `model` (timm's function of that name): the
+    position embedding is resampled to the model's grid, the CLS and register tokens and their
+    positions follow the model (kept, dropped, or left at the model's init), and the final norm moves
+    between before pooling (`norm`) and after it (`fc_norm`).
+    `log(kind, what)` hears of each change: "resampled", "reinitialised", "renamed" or "dropped"."""
+    log = log or (lambda kind, what: None)
+    sd, target = dict(state_dict), model.state_dict()
+    source_prefix = ("cls_token" in sd, sd["reg_token"].shape[1] if "reg_token" in sd else 0)
+    for name in ("cls_token", "reg_token"):
+        if name in sd and name in target and sd[name].shape[-1] != target[name].shape[-1]:
+            continue  # another width: not adaptable, the caller reports it
+        if name in sd and (name not in target or sd[name].shape != target[name].shape):
+            del sd[name]  # no such token in the model, or another number of registers
+            log("dropped", name)
+        if name in target and name not in sd:
+            sd[name] = target[name]
+            log("reinitialised", name)
+
+    # Final norm before pooling (norm) or after it (fc_norm, timm's avg pooling): same parameters.
+    for old, new in (("norm", "fc_norm"), ("fc_norm", "norm")):
+        for suffix in ("weight", "bias"):
+            if f"{old}.{suffix}" in sd and f"{old}.{suffix}" not in target and f"{new}.{suffix}" in target:
+                sd[f"{new}.{suffix}"] = sd.pop(f"{old}.{suffix}")
+                log("renamed", f"{old}.{suffix} -> {new}.{suffix}")
+
+    if "pos_embed" in sd and "pos_embed" in target:
+        sd["pos_embed"] = _adapt_pos_embed(sd["pos_embed"], source_prefix, model, log)
+    return sd
+
+
+def _is_square(n: int) -> bool:
+    return n >= 0 and math.isqrt(n) ** 2 == n
+
+
+def _adapt_pos_embed(
+    posemb: torch.Tensor, source_prefix: tuple[bool, int], model: VisionTransformer, log: Callable[[str, str], None]
+) -> torch.Tensor:
+    """Split off the prefix positions (CLS, registers) if the checkpoint has them, resample the patch
+    grid to the model's, and give the model the prefix positions it expects."""
+    has_cls, num_reg = source_prefix
+    if not _is_square(posemb.shape[1] - has_cls - num_reg):  # DeiT III / no_embed_class: patches only
+        has_cls, num_reg = False, 0
+    if not _is_square(posemb.shape[1] - has_cls - num_reg):
+        raise ValueError(f"pos_embed: cannot infer a square patch grid from shape {tuple(posemb.shape)}")
+    cls, reg, grid = posemb.split([int(has_cls), num_reg, posemb.shape[1] - has_cls - num_reg], dim=1)
+    side = math.isqrt(grid.shape[1])
+    new_grid = model.patch_embed.grid_size
+    if (side, side) != new_grid:
+        grid = resample_abs_pos_embed(grid, list(new_grid), [side, side], num_prefix_tokens=0)
+        log("resampled", f"pos_embed (grid {side}x{side} -> {new_grid[0]}x{new_grid[1]})")
+    want_cls = model.cls_token is not None and model.num_pos_prefix > 0
+    want_reg = model.num_reg_tokens if model.num_pos_prefix > 0 else 0
+    parts = []
+    for what, have, want in (("CLS", cls, int(want_cls)), ("registers", reg, want_reg)):
+        if have.shape[1] == want:
+            parts.append(have)
+        elif want:  # the checkpoint has no (or other) positions for these tokens
+            parts.append(grid.new_zeros(1, want, grid.shape[2]))
+            had = f"has {have.shape[1]}, the model {want}" if have.shape[1] else f"has no {what} position"
+            log("reinitialised", f"pos_embed[{what}] (zeros: the checkpoint {had})")
+        else:
+            log("dropped", f"pos_embed[{what}]")
+    return torch.cat([*parts, grid], dim=1)
 
 
 def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict, LoadReport]:

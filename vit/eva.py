@@ -8,7 +8,7 @@ the attention's and the MLP's inner norms, EVA's SwiGLU layouts, `gamma_1`/`gamm
 and here: the rotary tables, computed once per forward and given to every block (timm's
 `RotaryEmbeddingCat`, `RotaryEmbeddingDinoV3` with its train-time rescaling, `RotaryEmbeddingMixed`:
 vit.position), the attention-pool head over every token, timm's Eva init.
-timm's names are read from its model functions at import, as vit.vision_transformer does for ViTs.
+timm's names are read from its model functions at import, as vit.timm_args does for ViTs.
 """
 
 from __future__ import annotations
@@ -23,13 +23,8 @@ from torch import nn
 from vit.layers import AttentionPoolLatent
 from vit.position import MixedRope, rope_2d, rope_2d_dinov3
 from vit.registry import register_timm_names
-from vit.vision_transformer import (
-    Rope,
-    VisionTransformer,
-    ViTConfig,
-    keep_rope,
-    record_timm_builder,
-)
+from vit.timm_args import record_timm_builder
+from vit.vision_transformer import Rope, VisionTransformer, ViTConfig, keep_rope
 
 ROPE_TYPES = ("cat", "dinov3", "mixed")
 
@@ -169,7 +164,7 @@ _REFUSED = {
 
 
 def timm_eva_args(name: str) -> dict:
-    """The kwargs timm's `create_model(name)` builds its Eva with (vit.vision_transformer.record_timm_builder)."""
+    """The kwargs timm's `create_model(name)` builds its Eva with (vit.timm_args.record_timm_builder)."""
     import timm.models.eva as timm_eva
 
     return record_timm_builder(name, timm_eva, "_create_eva")

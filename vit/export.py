@@ -11,13 +11,22 @@ so the exported model gives the PyTorch model's logits at any size, as if that m
 with `dynamic_img_size=True`; at the training size the resampling is an identity. In ONNX this is a
 `Resize` with `antialias=1`, which needs opset 18 or later. `posemb="sincos2d"` and `"rope"` are
 computed in closed form for every grid. NaFlexViT resamples its own tables (`embeds`) to each grid, as
-timm's does. SAM and the relative-position ViTs are built for one patch grid (their relative positions
-and windows), so they export with `dynamic=False` only, at their img_size (the batch stays free).
+timm's does. SAM and the relative-position ViTs lay their windows and relative positions on the input's
+grid, as with `dynamic_img_size=True` (SAM's tables resampled, relpos's MLP evaluated at the grid's
+offsets); only a table of relative-position biases (`rel_pos_type="bias"`, no timm name) holds one grid's
+offsets and exports with `dynamic=False`, at its img_size (the batch stays free).
+
+`inputs="patches"` exports a NaFlexViT's patch-sequence form instead: `patches` (B, N, ph*pw*C),
+`patch_coord` (B, N, 2) and `patch_valid` (B, N), batch and sequence length free (vit.naflex.pack makes
+them), so one file takes images of any aspect ratio in sequences of any length. The positions are
+computed per token (NaFlexEmbeds.token_positions), as the graph cannot loop over each image's grid.
 
 The file's metadata_props say how to feed it: the input's channels and size multiple, and, where
 the export was given them, the evaluation preprocessing (`vit.eval_img_size`, `vit.eval_crop_pct`,
-`vit.eval_interpolation`, `vit.mean`, `vit.std`) and `vit.class_names` (JSON), so a bare onnxruntime
-session can prepare images and name its predictions (docs/export.md).
+`vit.eval_interpolation`, `vit.mean`, `vit.std`; for a run with `data.naflex`, its patch budget
+`vit.eval_max_patches` and `vit.eval_patch_size`) and `vit.class_names` (JSON), so a bare onnxruntime
+session can prepare images and name its predictions (docs/export.md). A patch-sequence file adds
+`vit.input` ("patches"), `vit.patch_size` and `vit.max_patches`, the length OnnxClassifier packs to.
 
 `OnnxClassifier` runs an exported file with onnxruntime and refuses, with the reason, images that do
 not fit it; `max_abs_diff` compares it with the PyTorch model on a batch. `scripts/export.py` does
@@ -45,7 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from vit.checkpoint import Preprocess
 from vit.data.augment import EVAL_RESIZE
 from vit.layers import _pair
-from vit.naflex import NaFlexVit
+from vit.naflex import NaFlexVit, pack
 from vit.resnet import CifarResNet
 from vit.vision_transformer import VisionTransformer
 
@@ -53,6 +62,7 @@ log = logging.getLogger(__name__)
 
 OPSET = 18  # the first opset whose Resize has `antialias` (the ViT's position-embedding resampling)
 MAX_SIZE = 8192  # the largest height or width the exported graph is declared for
+INPUTS = ("images", "patches")  # what an export takes: image batches, or NaFlex's patch sequences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +112,60 @@ class ImageSpec:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceSpec:
+    """A patch-sequence file's input (export_onnx's inputs="patches"): images of `patch_size` multiples
+    packed by vit.naflex.pack into sequences of `max_patches`, the padding after each image's patches."""
+
+    patch_size: tuple[int, int]
+    max_patches: int
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "vit.input": "patches",
+            "vit.patch_size": f"{self.patch_size[0]},{self.patch_size[1]}",
+            "vit.max_patches": str(self.max_patches),
+        }
+
+    @classmethod
+    def from_metadata(cls, props: dict[str, str]) -> SequenceSpec | None:
+        if props.get("vit.input") != "patches":
+            return None
+        return cls(tuple(int(v) for v in props["vit.patch_size"].split(",")), int(props["vit.max_patches"]))
+
+    def check(self, height: int, width: int) -> None:
+        """Raise ValueError, saying why, for an image of more patches than the sequences hold."""
+        (ph, pw), patches = self.patch_size, (height // self.patch_size[0]) * (width // self.patch_size[1])
+        if patches > self.max_patches:
+            raise ValueError(
+                f"a {height}x{width} image is {patches} patches of {ph}x{pw}, more than this file's sequences "
+                f"hold (vit.max_patches = {self.max_patches}); resize the images, or export again with a larger "
+                "max_patches"
+            )
+
+    def pack(self, images: np.ndarray) -> dict[str, np.ndarray]:
+        """Images (B, C, H, W), multiples of the patch size, as the graph's inputs."""
+        self.check(*images.shape[-2:])
+        batch = pack([torch.from_numpy(image) for image in images], self.patch_size, length=self.max_patches)
+        return {name: value.numpy() for name, value in batch.items()}
+
+
 def preprocess_metadata(preprocess: Preprocess) -> dict[str, str]:
-    """The evaluation preprocessing as metadata_props: plain numbers, comma-separated."""
-    return {
+    """The evaluation preprocessing as metadata_props: plain numbers, comma-separated; a patch budget
+    as vit.eval_max_patches and vit.eval_patch_size."""
+    metadata = {
         "vit.eval_img_size": str(preprocess.img_size),
         "vit.eval_crop_pct": repr(preprocess.crop_pct),
         "vit.eval_interpolation": EVAL_RESIZE,
         "vit.mean": ",".join(map(repr, preprocess.mean)),
         "vit.std": ",".join(map(repr, preprocess.std)),
     }
+    if preprocess.max_patches is not None:
+        metadata |= {
+            "vit.eval_max_patches": str(preprocess.max_patches),
+            "vit.eval_patch_size": str(preprocess.patch_size),
+        }
+    return metadata
 
 
 def preprocess_from_metadata(props: dict[str, str]) -> Preprocess | None:
@@ -118,14 +173,28 @@ def preprocess_from_metadata(props: dict[str, str]) -> Preprocess | None:
         return None
     floats = lambda text: [float(v) for v in text.split(",")]  # noqa: E731
     values = {"img_size": props["vit.eval_img_size"], "crop_pct": props["vit.eval_crop_pct"]}
+    values |= {"max_patches": props.get("vit.eval_max_patches"), "patch_size": props.get("vit.eval_patch_size")}
     return Preprocess.from_dict({**values, "mean": floats(props["vit.mean"]), "std": floats(props["vit.std"])})
 
 
-def image_spec(model: nn.Module, img_size: int | tuple[int, int] | None = None, dynamic: bool = True) -> ImageSpec:
-    """The inputs `model` takes; `img_size` defaults to the ViT's own, 32 for CIFAR ResNets, else 224."""
+def image_spec(
+    model: nn.Module, img_size: int | tuple[int, int] | None = None, dynamic: bool = True, inputs: str = "images"
+) -> ImageSpec:
+    """The images `model` takes (`inputs="patches"`: the images a NaFlexViT's patch sequences are packed
+    from, multiples of its patch size); `img_size` defaults to the ViT's own, 32 for CIFAR ResNets, else 224."""
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs must be one of {INPUTS}, got {inputs!r}")
+    if inputs == "patches" and not (isinstance(model, NaFlexVit) and model.embeds.linear):
+        raise ValueError(
+            f"inputs='patches' exports a NaFlexViT's patch-sequence form (embed_proj_type='linear'); "
+            f"{type(model).__name__} takes images only"
+        )
+    if inputs == "patches" and not dynamic:
+        raise ValueError("a patch-sequence export has a free batch and sequence length: dynamic=False is for images")
     if isinstance(model, NaFlexVit):  # its embedding replaces patch_embed; with dynamic_img_pad any size is padded
         embeds, in_chans = model.embeds, model.config.in_chans
-        multiple, default = (1, 1) if embeds.dynamic_img_pad else embeds.patch_size, _pair(model.config.img_size)
+        padded = embeds.dynamic_img_pad and inputs == "images"
+        multiple, default = (1, 1) if padded else embeds.patch_size, _pair(model.config.img_size)
     elif isinstance(model, VisionTransformer):
         multiple, in_chans, default = model.patch_embed.patch_size, model.config.in_chans, model.patch_embed.img_size
     elif isinstance(model, (CifarResNet, torchvision.models.ResNet)):
@@ -143,16 +212,19 @@ def image_spec(model: nn.Module, img_size: int | tuple[int, int] | None = None, 
 
 
 def _fixed_grid(model: nn.Module) -> bool:
-    """Whether the model takes one patch grid only: relative positions and windows are built for img_size's
-    (SAM, the relative-position ViTs; VisionTransformer._embed refuses other grids)."""
-    return isinstance(model, VisionTransformer) and bool(model.config.rel_pos_type or model.config.window_size)
+    """Whether the model takes one patch grid only: a table of relative-position biases holds the built grid's
+    offsets (rel_pos_type="bias"; the config refuses dynamic_img_size with it)."""
+    return isinstance(model, VisionTransformer) and model.config.rel_pos_type == "bias"
 
 
 def _dynamic_vit(model: VisionTransformer) -> VisionTransformer:
-    """A copy of the ViT that resamples its learned position embedding to any grid (same weights)."""
-    if model.config.posemb != "learn" or model.config.dynamic_img_size or _fixed_grid(model):
+    """A copy of the ViT that takes any grid (same weights): its learned position embedding resampled,
+    relative positions and windows laid on the input's grid, as with dynamic_img_size=True."""
+    c = model.config
+    grid_bound = c.posemb == "learn" or c.rel_pos_type or c.window_size
+    if not grid_bound or c.dynamic_img_size or _fixed_grid(model):
         return model
-    log.info("export: the learned position embedding is resampled to the input's grid (dynamic_img_size=True)")
+    log.info("export: positions and windows follow the input's grid (dynamic_img_size=True)")
     model = copy.copy(model)  # shares the modules and weights; only the config differs
     model.config = dataclasses.replace(model.config, dynamic_img_size=True)
     return model
@@ -178,6 +250,8 @@ def export_onnx(
     opset: int = OPSET,
     preprocess: Preprocess | None = None,
     class_names: list[str] | None = None,
+    inputs: str = "images",
+    max_patches: int | None = None,
 ) -> Path:
     """Write `model` (in eval mode, float32, on the CPU) as an ONNX file taking `images` (B, C, H, W)
     and giving `logits` (B, classes).
@@ -186,10 +260,34 @@ def export_onnx(
     size). `dynamic=False`: the graph takes `img_size` (default: the model's) and any batch.
     `preprocess` and `class_names` (a checkpoint's: `vit.checkpoint.load_checkpoint`) go into the
     file's metadata, for whoever runs it to prepare images and name the classes.
+    `inputs="patches"` (a NaFlexViT): the graph takes `patches`, `patch_coord` and `patch_valid`
+    (vit.naflex.pack's batch), batch and sequence length free; `max_patches` (default: img_size's
+    patches) is the length OnnxClassifier packs images to, written into the metadata; a `preprocess`
+    with a patch budget (a run with data.naflex) needs this form and a max_patches of at least its budget.
     """
-    spec = image_spec(model, img_size, dynamic)
-    if preprocess is not None:  # the graph must take the images the preprocessing makes
+    spec = image_spec(model, img_size, dynamic, inputs)
+    sequence = None
+    if max_patches is not None and (inputs != "patches" or max_patches < 1):
+        raise ValueError(f"max_patches ({max_patches}) is a positive sequence length, for inputs='patches' only")
+    if inputs == "patches":
+        max_patches = max_patches or (spec.img_size[0] // spec.multiple[0]) * (spec.img_size[1] // spec.multiple[1])
+        sequence = SequenceSpec(spec.multiple, max_patches)
+    if preprocess is not None and preprocess.max_patches is not None:  # its images: each at its own aspect ratio
+        if sequence is None or (preprocess.patch_size,) * 2 != sequence.patch_size:
+            raise ValueError(
+                f"the preprocessing packs each image into at most {preprocess.max_patches} patches of "
+                f"{preprocess.patch_size} px, which only a patch-sequence export of that patch size takes "
+                "(inputs='patches'); give the square preprocessing (max_patches=None) for an image export"
+            )
+        if preprocess.max_patches > sequence.max_patches:
+            raise ValueError(
+                f"max_patches ({sequence.max_patches}) is shorter than the preprocessing's budget of "
+                f"{preprocess.max_patches} patches an image: give at least {preprocess.max_patches}"
+            )
+    elif preprocess is not None:  # the graph must take the images the preprocessing makes
         spec.check((1, spec.in_chans, preprocess.img_size, preprocess.img_size))
+        if sequence is not None:
+            sequence.check(preprocess.img_size, preprocess.img_size)
     if isinstance(model, VisionTransformer) and model.config.num_experts > 1:
         raise ValueError(
             "a mixture-of-experts ViT cannot be exported: its routing loops over experts with data-dependent "
@@ -198,12 +296,13 @@ def export_onnx(
     if dynamic and _fixed_grid(model):
         grid = model.patch_embed.grid_size
         raise ValueError(
-            f"{type(model).__name__}'s relative positions and windows are built for its {grid[0]}x{grid[1]} patch "
-            "grid only: export it with dynamic=False (scripts/export.py --static), at its img_size"
+            f"{type(model).__name__}'s relative-position bias table (rel_pos_type='bias') holds its "
+            f"{grid[0]}x{grid[1]} patch grid's offsets only: export it with dynamic=False (scripts/export.py "
+            "--static), at its img_size"
         )
     model = copy.deepcopy(model).float().cpu().eval()
     size = spec.img_size
-    if isinstance(model, VisionTransformer) and dynamic:
+    if isinstance(model, VisionTransformer) and dynamic and sequence is None:
         naflex_resize = (
             isinstance(model, NaFlexVit) and model.embeds.pos_embed is not None and model.embeds.interp["antialias"]
         )
@@ -226,6 +325,9 @@ def export_onnx(
         shapes[3] = torch.export.Dim("width", min=1, max=MAX_SIZE // spec.multiple[1]) * spec.multiple[1]
         if spec.multiple == (1, 1):  # Dim * 1 is not a derived dimension: use the plain ones
             shapes[2], shapes[3] = (torch.export.Dim(n, min=1, max=MAX_SIZE) for n in ("height", "width"))
+    example, input_names, all_shapes = (images,), ["images"], (shapes,)
+    if sequence is not None:
+        example, input_names, all_shapes = _sequence_example(spec, batch)
     # SDPA's math kernel: with a mask, the CPU's fused kernel is traced with an output layout its ONNX
     # decomposition (math) does not keep, and the view after it fails (SAM's, relpos's biases).
     with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
@@ -233,18 +335,29 @@ def export_onnx(
             warnings.simplefilter("ignore", category)
         try:
             program = torch.onnx.export(
-                model, (images,), dynamo=True, dynamic_shapes=(shapes,), opset_version=opset,
-                input_names=["images"], output_names=["logits"], verbose=False,
+                model, example, dynamo=True, dynamic_shapes=all_shapes, opset_version=opset,
+                input_names=input_names, output_names=["logits"], verbose=False,
             )  # fmt: skip
         except Exception as e:  # the exporter wraps torch.export's and the translator's errors
             raise RuntimeError(f"ONNX export of {type(model).__name__} failed: {e}") from e
-    metadata = spec.metadata()
+    metadata = spec.metadata() | (sequence.metadata() if sequence is not None else {})
     if preprocess is not None:
         metadata.update(preprocess_metadata(preprocess))
     if class_names is not None:
         metadata["vit.class_names"] = json.dumps(list(class_names))
     program.model.metadata_props.update(metadata)
     return _save_atomically(program, Path(path))
+
+
+def _sequence_example(spec: ImageSpec, batch: torch.export.Dim) -> tuple[tuple, list[str], tuple]:
+    """A patch-sequence batch to trace with, its input names and dynamic shapes: two images of different
+    aspect ratios (2x3 and 1x2 patches), padded to 7 patches, so no grid or length is a special one."""
+    (ph, pw), chans = spec.multiple, spec.in_chans
+    images = [torch.randn(chans, 2 * ph, 3 * pw), torch.randn(chans, ph, 2 * pw)]
+    packed = pack(images, spec.multiple, length=7)
+    names = ["patches", "patch_coord", "patch_valid"]
+    length = torch.export.Dim("patches", min=1, max=(MAX_SIZE // ph) * (MAX_SIZE // pw))
+    return tuple(packed[n] for n in names), names, tuple({0: batch, 1: length} for _ in names)
 
 
 def _save_atomically(program: Any, path: Path) -> Path:
@@ -270,7 +383,9 @@ class OnnxClassifier:
     """An exported file run by onnxruntime on the CPU: images (B, C, H, W) -> logits, as numpy.
 
     `preprocess` and `class_names` are what the file's metadata says (None where it does not);
-    `prepare` turns RGB images into the inputs its preprocessing describes."""
+    `prepare` turns RGB images into the inputs its preprocessing describes. A patch-sequence file
+    (`sequence`, from its metadata) is fed images packed into max_patches-long sequences, or a
+    vit.naflex.pack batch (a dict) as it is."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         import onnxruntime as ort
@@ -286,36 +401,58 @@ class OnnxClassifier:
         props = self.session.get_modelmeta().custom_metadata_map
         self.path = path
         self.spec = ImageSpec.from_metadata(props)
+        self.sequence = SequenceSpec.from_metadata(props)
+        names = [i.name for i in self.session.get_inputs()]
+        if self.sequence is None and len(names) > 1:
+            raise ValueError(
+                f"{path} takes {', '.join(names)}, and its metadata has no vit.input='patches' (with vit.patch_size "
+                "and vit.max_patches) saying how images are packed into them: export it with vit-export --input "
+                "patches, or run it with onnxruntime yourself"
+            )
         self.preprocess = preprocess_from_metadata(props)
         self.class_names: list[str] | None = (
             json.loads(props["vit.class_names"]) if "vit.class_names" in props else None
         )
 
-    def prepare(self, images: list[np.ndarray]) -> np.ndarray:
+    def prepare(self, images: list[np.ndarray]) -> np.ndarray | dict[str, np.ndarray]:
         """RGB uint8 images (H, W, 3), any sizes, as the file's inputs: float32 (B, 3, S, S), prepared
-        as evaluation prepares them (vit.data.transforms.eval_transform with the file's settings)."""
+        as evaluation prepares them (vit.data.transforms.eval_transform with the file's settings); with a
+        patch budget in the metadata, vit.naflex.pack's batch of each image at its own aspect ratio."""
         if self.preprocess is None:
             raise ValueError(
                 f"{self.path} does not say how to prepare images (no vit.eval_img_size in its metadata): "
                 "export it from a checkpoint of ours with vit-export, or normalise the images yourself"
             )
-        return self.preprocess(images).numpy()
+        prepared = self.preprocess(images)
+        if isinstance(prepared, dict):
+            return {name: value.numpy() for name, value in prepared.items()}
+        return prepared.numpy()
 
-    def __call__(self, images: torch.Tensor | np.ndarray) -> np.ndarray:
+    def __call__(self, images: torch.Tensor | np.ndarray | dict[str, torch.Tensor]) -> np.ndarray:
+        """Logits of images (B, C, H, W), or, for a patch-sequence file, of vit.naflex.pack's batch."""
+        if isinstance(images, dict):
+            if self.sequence is None:
+                raise ValueError(f"{self.path} takes images (B, C, H, W), not patch sequences")
+            dtypes = {"patches": np.float32, "patch_coord": np.int64, "patch_valid": np.bool_}
+            return self.session.run(None, {n: np.asarray(images[n]).astype(t) for n, t in dtypes.items()})[0]
         images = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
         if self.spec is not None:
             self.spec.check(tuple(images.shape))
         if not np.issubdtype(images.dtype, np.floating):
             raise ValueError(f"expected float images (normalised, float32), got dtype {images.dtype}")
-        return self.session.run(None, {self.input_name: images.astype(np.float32, copy=False)})[0]
+        images = images.astype(np.float32, copy=False)
+        if self.sequence is not None:
+            return self.session.run(None, self.sequence.pack(images))[0]
+        return self.session.run(None, {self.input_name: images})[0]
 
 
-def max_abs_diff(model: nn.Module, onnx_model: OnnxClassifier, images: torch.Tensor) -> float:
-    """The largest |onnxruntime logit - PyTorch logit| over a batch; the PyTorch model runs as exported
-    (eval mode, float32, learned position embedding resampled to the images' grid)."""
+def max_abs_diff(model: nn.Module, onnx_model: OnnxClassifier, images: torch.Tensor | dict[str, torch.Tensor]) -> float:
+    """The largest |onnxruntime logit - PyTorch logit| over a batch of images, or of patch sequences
+    (vit.naflex.pack's dict); the PyTorch model runs as exported (eval mode, float32, positions and
+    windows following the images' grid)."""
     model = copy.deepcopy(model).float().cpu().eval()
     if isinstance(model, VisionTransformer):
         model = _dynamic_vit(model)
     with torch.no_grad():
-        expected = model(images.float()).numpy()
+        expected = model(images if isinstance(images, dict) else images.float()).numpy()
     return float(np.abs(onnx_model(images) - expected).max())

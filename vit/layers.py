@@ -485,6 +485,7 @@ class _AttentionBase(nn.Module):
         kv_cache: KVCache | None = None,
         num_queries: int | None = None,
         return_attn: bool = False,
+        grid: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q, k, v side by side (B, N, 3 * dim) -> `attention` of them, before the output projection:
         q and k normed and rotated, the first `num_queries` tokens querying, keys and values cached.
@@ -508,7 +509,7 @@ class _AttentionBase(nn.Module):
             if self.diff:
                 raise ValueError("rotary positions with differential attention are not supported")
             q, k = apply_rope(q, *rope, half=self.rope_half), apply_rope(k, *rope, half=self.rope_half)
-        attn_mask = add_bias(attn_mask, self.position_bias(q))
+        attn_mask = add_bias(attn_mask, self.position_bias(q, grid))
         if num_queries is not None:
             if self.causal:
                 raise ValueError("num_queries is for unmasked or explicitly masked attention, not a causal layer")
@@ -527,7 +528,7 @@ class _AttentionBase(nn.Module):
         """The attention output before `proj`; self-attention may normalise it (scale_norm)."""
         return x
 
-    def position_bias(self, q: torch.Tensor) -> torch.Tensor | None:
+    def position_bias(self, q: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor | None:
         """The relative positions' bias on the scores, (B | 1, heads, N, N), or None (see Attention)."""
         return None
 
@@ -633,11 +634,12 @@ class Attention(_AttentionBase):
     def inner_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
 
-    def position_bias(self, q: torch.Tensor) -> torch.Tensor | None:
+    def position_bias(self, q: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor | None:
+        grid = self.grid if grid is None else grid
         if self.rel_pos is not None:
-            return self.rel_pos.get_bias().to(q.dtype)
+            return self.rel_pos.get_bias(grid).to(q.dtype)
         if self.decomposed:
-            return decomposed_rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, self.grid)
+            return decomposed_rel_pos_bias(q, self.rel_pos_h, self.rel_pos_w, grid)
         return None
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
@@ -656,6 +658,7 @@ class Attention(_AttentionBase):
         kv_cache: KVCache | None = None,
         num_queries: int | None = None,
         return_attn: bool = False,
+        grid: tuple[int, int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, N, dim) -> (B, N, dim), and the (B, heads, N, N) weights with `return_attn=True`.
 
@@ -666,8 +669,9 @@ class Attention(_AttentionBase):
         `kv_cache`: x holds only new tokens; they attend to the cached ones too, and are cached.
         `num_queries=n`: only the first n tokens query (keys and values are still every token), so
         the output is (B, n, dim): for a classifier that reads only the CLS token. Not with masks.
+        `grid`: the patch grid of the tokens after the prefix, for relative positions; None: the built one.
         """
-        x, attn = self.self_attention(self._qkv(x), attn_mask, rope, kv_cache, num_queries, return_attn)
+        x, attn = self.self_attention(self._qkv(x), attn_mask, rope, kv_cache, num_queries, return_attn, grid)
         x = self.proj_drop(self.proj(self.norm(x)))
         return (x, attn) if return_attn else x
 
@@ -1202,21 +1206,25 @@ class Block(nn.Module):
         kv_cache: KVCache | None = None,
         num_queries: int | None = None,
         return_attn: bool = False,
+        grid: tuple[int, int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`return_attn=True` also returns this block's attention weights, (B, heads, N, N).
         `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost.
-        `attn_mask`, `rope`, `kv_cache`: see Attention.forward (per window with window_size)."""
+        `attn_mask`, `rope`, `kv_cache`: see Attention.forward (per window with window_size).
+        `grid`: the tokens' patch grid when it is not the built one (windows, relative positions)."""
+        grid = self.grid if grid is None else grid
         y = x if self.post_norm else self.norm1(x)
         if self.window_size:
             if num_queries is not None or kv_cache is not None:
                 raise ValueError("windowed attention takes neither num_queries nor a key/value cache")
-            y, padded = window_partition(y, self.grid, self.window_size)
+            y, padded = window_partition(y, grid, self.window_size)
         y = self.attn(
-            y, attn_mask=attn_mask, rope=rope, kv_cache=kv_cache, num_queries=num_queries, return_attn=return_attn
+            y, attn_mask=attn_mask, rope=rope, kv_cache=kv_cache, num_queries=num_queries, return_attn=return_attn,
+            grid=None if self.window_size else grid,  # a window's grid is its own
         )  # fmt: skip
         y, attn = y if return_attn else (y, None)
         if self.window_size:
-            y = window_unpartition(y, self.grid, padded, self.window_size)
+            y = window_unpartition(y, grid, padded, self.window_size)
         if num_queries is not None:
             x = x[:, :num_queries]
         if self.post_norm:
@@ -1233,10 +1241,11 @@ def window_partition(x: torch.Tensor, grid: tuple[int, int], size: int) -> tuple
     """Tokens (B, H*W, C) of a row-major grid -> (B x windows, size*size, C), the grid zero-padded on the
     bottom and right to whole windows, windows row-major; and the padded grid (timm's SAM's)."""
     (h, w), c = grid, x.shape[-1]
-    x = F.pad(x.view(-1, h, w, c), (0, 0, 0, -w % size, 0, -h % size))
-    hp, wp = x.shape[1:3]
-    x = x.view(-1, hp // size, size, wp // size, size, c).transpose(2, 3)
-    return x.reshape(-1, size * size, c), (hp, wp)
+    # Windows down and across; ONNX's integer Div truncates, so an exported -(-h // size) would round down.
+    rows, cols = (h + size - 1) // size, (w + size - 1) // size
+    x = F.pad(x.view(-1, h, w, c), (0, 0, 0, cols * size - w, 0, rows * size - h))
+    x = x.view(-1, rows, size, cols, size, c).transpose(2, 3)
+    return x.reshape(-1, size * size, c), (rows * size, cols * size)
 
 
 def window_unpartition(

@@ -24,7 +24,8 @@ from vit.checkpoint import HEAD_NAMES, Preprocess, is_head, load_model, load_pre
 from vit.data.images import MISSING, same_class_names
 from vit.fault_tolerance import CheckpointConflictError
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
-from vit.options import set_option_groups
+from vit.naflex import NaFlexConfig
+from vit.options import OptionError, set_option_groups
 from vit.registry import create_model, model_config
 from vit.schedule import stepwise, training_progress
 from vit.training import Optimizer, Schedule, TrainingTask, param_groups
@@ -62,6 +63,10 @@ class EMA(AveragedModel):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._updates = None  # the loaded count, read at the next update
         super()._load_from_state_dict(*args, **kwargs)
+
+
+# A batch's model input: images (B, C, H, W), or patch sequences (`data.naflex`: NaFlexVit.forward's dict).
+Inputs = torch.Tensor | dict[str, torch.Tensor]
 
 
 def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:
@@ -169,6 +174,10 @@ class ImageClassifier(TrainingTask):
             conv to whiten the patches of the first training batch (vit.layers.whiten_patch_embed_,
             airbench's init of its first conv); every rank takes rank 0's. Not with
             finetune.init_from (it would replace the pretrained patch embedding) nor with a conv stem.
+
+    With data of patch sequences (`data.naflex`) every step feeds the model NaFlexVit.forward's
+    dict: the model must be a NaFlexVit of the data's patch size, and tta_flip and distillation
+    (which need image tensors) are refused when the run starts.
 
     A group given in Python as a dict changes only the fields it names, e.g.
     `ImageClassifier("resnet20", optimizer={"name": "sgd", "lr": 0.1})`.
@@ -334,6 +343,28 @@ class ImageClassifier(TrainingTask):
                 f"model.num_classes is {self.hparams.num_classes} but the data has {classes} classes; "
                 "leave num_classes unset to take the data's"
             )
+        if getattr(data, "naflex", None) is not None:
+            self._check_patch_sequences(data.naflex.patch_size)
+
+    def _check_patch_sequences(self, patch_size: int) -> None:
+        """With `data.naflex` every step's input is a dict of patch sequences: a NaFlexVit with a
+        linear embedding of that patch size takes it; the options that need image tensors (the
+        teacher's input, the flipped image) are refused by name."""
+        hp = self.hparams
+        config = model_config(hp.model_name, **(hp.model_kwargs or {}))
+        takes = "a NaFlexVit (naflexvit_*) with --data.naflex, which gives the model patch sequences"
+        if not isinstance(config, NaFlexConfig):
+            raise OptionError("model.model_name", hp.model_name, takes)
+        if config.embed_proj_type != "linear":
+            raise OptionError("model.model_kwargs.embed_proj_type", config.embed_proj_type, f"linear for {takes}")
+        model_patch = config.patch_size if isinstance(config.patch_size, int) else tuple(config.patch_size)
+        if model_patch not in (patch_size, (patch_size, patch_size)):
+            raise OptionError(
+                "data.naflex.patch_size", patch_size, f"{model_patch}, the patch size of model {hp.model_name}"
+            )
+        for name, value in (("tta_flip", hp.tta_flip), ("distillation", self.distillation)):
+            if value:
+                raise OptionError(f"model.{name}", value, "off with --data.naflex (it needs image tensors)")
 
     def _freeze(self) -> None:
         name, options = self.hparams.model_name, self.finetune
@@ -345,7 +376,8 @@ class ImageClassifier(TrainingTask):
         if options.freeze_blocks:
             if not hasattr(self.model, "blocks"):
                 raise ValueError(f"freeze_blocks needs a model with transformer blocks, not {name}")
-            frozen = [self.model.patch_embed, *self.model.blocks[: options.freeze_blocks]]
+            embedding = self.model.embeds if hasattr(self.model, "embeds") else self.model.patch_embed  # NaFlexVit's
+            frozen = [embedding, *self.model.blocks[: options.freeze_blocks]]
             for module in frozen:
                 module.requires_grad_(False)
             for name in ("cls_token", "reg_token", "pos_embed"):  # registers: DINOv3, timm's reg ViTs
@@ -368,13 +400,14 @@ class ImageClassifier(TrainingTask):
             proj.load_state_dict(self.trainer.strategy.broadcast(state, src=0))  # the replicas stay equal
             self._whitened = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Inputs) -> torch.Tensor:
+        """Logits of images, or of patch sequences (`data.naflex`: a dict for NaFlexVit.forward)."""
         model = self._compiled if self._compiled is not None else self.model
-        if self.speed.channels_last and x.ndim == 4:
+        if self.speed.channels_last and isinstance(x, torch.Tensor) and x.ndim == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return model(x)
 
-    def eval_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def eval_logits(self, x: Inputs) -> torch.Tensor:
         """Logits for evaluation: with tta_flip, the mean over the image and its mirror image."""
         logits = self(x)
         return (logits + self(x.flip(-1))) / 2 if self.hparams.tta_flip else logits
@@ -402,7 +435,7 @@ class ImageClassifier(TrainingTask):
 
     # -- training -----------------------------------------------------------------------------
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[Inputs, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, target = batch  # target: class ids (B,), or soft (B, classes) after Mixup/CutMix
         if self.hparams.patch_drop_schedule:
             self.model.patch_drop.prob = self.patch_drop_rate()
@@ -439,7 +472,7 @@ class ImageClassifier(TrainingTask):
 
     # -- evaluation ---------------------------------------------------------------------------
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: tuple[Inputs, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits, y, x = self._scored(self.eval_logits(x), y, x)
         if not len(y):
@@ -453,7 +486,7 @@ class ImageClassifier(TrainingTask):
             self.val_ema_acc1(self.ema(x), y)
             self.log("val/ema_acc1", self.val_ema_acc1)
 
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def test_step(self, batch: tuple[Inputs, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits, y, _ = self._scored(self.eval_logits(x), y, x)
         if not len(y):
@@ -465,15 +498,14 @@ class ImageClassifier(TrainingTask):
         self.log("test/acc5", self.test_acc5)
 
     @staticmethod
-    def _scored(
-        logits: torch.Tensor, y: torch.Tensor, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _scored(logits: torch.Tensor, y: torch.Tensor, x: Inputs) -> tuple[torch.Tensor, torch.Tensor, Inputs]:
         """Leave out the stand-ins of corrupt files (label MISSING, data.skip_corrupt); the model
         still ran on them, so every DDP rank ran the same forward passes."""
         keep = y != MISSING
         if y.ndim != 1 or bool(keep.all()):
             return logits, y, x
-        return logits[keep], y[keep], x[keep]
+        kept = {name: value[keep] for name, value in x.items()} if isinstance(x, dict) else x[keep]
+        return logits[keep], y[keep], kept
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -7,7 +7,7 @@ flattened as (row, column, channel), positions stored on a grid (or one row and 
 NaViT's factorized ones) and resampled to each image's grid, the prefix tokens without positions. A
 patch sequence comes with each patch's (row, column) and a mask of the real patches: the padding is
 masked out of the attention and out of the pooling. timm's names are read from its model functions at
-import, as vit.vision_transformer does for ViTs.
+import, as vit.timm_args does for ViTs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from torch import nn
 
 from vit.layers import ACTIVATIONS, AttentionPoolLatent, _pair, check_divisible
 from vit.registry import register_timm_names
-from vit.vision_transformer import VisionTransformer, ViTConfig, _timm_norm, record_timm_builder
+from vit.timm_args import record_timm_builder, timm_norm
+from vit.vision_transformer import VisionTransformer, ViTConfig
 
 POS_EMBEDS = ("learned", "factorized", "none")
 
@@ -202,6 +203,8 @@ class NaFlexEmbeds(nn.Module):
         row-major, then the padding)."""
         if self.pos_embed is None and self.pos_embed_y is None:
             return None
+        if torch.compiler.is_exporting():  # the loop below runs over the coordinates' values, which a graph cannot
+            return self.token_positions(patch_coord, x.shape[1], x.dtype)
         grids = [tuple(g) for g in (patch_coord.amax(dim=1) + 1).tolist()]
         out = x.new_zeros(x.shape)
         for grid in dict.fromkeys(grids):  # each grid resampled once
@@ -209,6 +212,74 @@ class NaFlexEmbeds(nn.Module):
             images = [b for b, g in enumerate(grids) if g == grid]
             out[images, :n] = self.positions(grid, x.dtype)[:, :n]
         return out
+
+    def token_positions(self, patch_coord: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """_sequence_positions in tensor operations only, so one exported graph serves every grid: each
+        token's position is its image's table entries weighted by `interpolation_weights` for its row and
+        column, (B, length, D). Costs length x the table's entries x D, more than resampling per grid."""
+        grid = patch_coord.amax(dim=1) + 1  # (B, 2): each image's rows and columns
+        h, w = grid[:, :1], grid[:, 1:]
+        token = torch.arange(length, device=patch_coord.device)
+        rows, cols = token // w, token % w  # (B, length): row-major order, as _sequence_positions places them
+        size_h, size_w = (torch.maximum(h, w),) * 2 if self.ar_preserving else (h, w)
+        if self.pos_embed is not None:
+            table = self.pos_embed[0].float()  # (rows, columns, D)
+            stored = (h == table.shape[0]) & (w == table.shape[1])  # used as it is (positions()), square or not
+            wy = interpolation_weights(rows, torch.where(stored, h, size_h), table.shape[0], **self.interp)
+            wx = interpolation_weights(cols, torch.where(stored, w, size_w), table.shape[1], **self.interp)
+            pos = torch.einsum("bnh,bnw,hwd->bnd", wy, wx, table)
+        else:  # factorized: _resample_1d's linear interpolation of each table
+            linear = dict(mode="linear", align_corners=False, antialias=False)
+            wy = interpolation_weights(rows, size_h, self.pos_embed_y.shape[1], **linear)
+            wx = interpolation_weights(cols, size_w, self.pos_embed_x.shape[1], **linear)
+            pos = wy @ self.pos_embed_y[0].float() + wx @ self.pos_embed_x[0].float()
+        return (pos * (token < h * w)[..., None]).to(dtype)  # tokens past the grid: none, as in _sequence_positions
+
+
+def interpolation_weights(
+    index: torch.Tensor, out_len: torch.Tensor, in_len: int, mode: str, align_corners: bool, antialias: bool
+) -> torch.Tensor:
+    """The weights (..., in_len) with which F.interpolate(table, out_len, mode, ...) makes its entries
+    `index` from a table of in_len entries: sum_j w[..., j] table[j], as PyTorch's CPU kernels compute them.
+    `out_len` broadcasts against `index`, so every token may have its own image's length. mode: "linear" /
+    "bilinear" (per axis) or "bicubic"; antialias: PyTorch's (PIL's) kernels, widened when downsampling."""
+    if mode not in ("linear", "bilinear", "bicubic"):
+        raise ValueError(f"positions resampled with mode={mode!r} have no per-token form; linear, bilinear, bicubic do")
+    out_len, pos = out_len.float(), index.float()[..., None]
+    j = torch.arange(in_len, dtype=torch.float32, device=index.device)
+    if align_corners:
+        scale = torch.where(out_len > 1, (in_len - 1) / (out_len - 1).clamp(min=1), 0.0)[..., None]
+    else:
+        scale = (in_len / out_len)[..., None]
+    cubic = mode == "bicubic"
+    if antialias:  # the kernel stretched by the scale when downsampling, the weights normalised
+        stretch = scale.clamp(min=1.0)
+        support = (2.0 if cubic else 1.0) * stretch
+        center = scale * (pos + 0.5)
+        inside = (j >= (center - support + 0.5).floor()) & (j < (center + support + 0.5).floor())
+        weights = _kernel((j - center + 0.5) / stretch, cubic, a=-0.5) * inside
+        total = weights.sum(dim=-1, keepdim=True)
+        return weights / torch.where(total == 0, 1.0, total)  # none for entries past the table, as PyTorch
+    src = scale * pos if align_corners else scale * (pos + 0.5) - 0.5
+    if not cubic:  # two taps, the source clamped to the first entry
+        src = src.clamp(min=0.0)
+        left = src.floor()
+        frac = src - left
+        return (1 - frac) * (j == left) + frac * (j == (left + 1).clamp(max=in_len - 1))
+    left, weights = src.floor(), torch.zeros_like(j)
+    for k in (-1, 0, 1, 2):  # four taps; past the table's ends its edge entry is read (PyTorch's bounded access)
+        weights = weights + _kernel(src - (left + k), True, a=-0.75) * (j == (left + k).clamp(0, in_len - 1))
+    return weights
+
+
+def _kernel(x: torch.Tensor, cubic: bool, a: float) -> torch.Tensor:
+    """The interpolation filter at distance x: the triangle, or Keys' cubic convolution with parameter `a`."""
+    x = x.abs()
+    if not cubic:
+        return (1 - x).clamp(min=0)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, 0.0))
 
 
 def _resample_1d(table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -377,7 +448,7 @@ _EVA_ONLY = ("rope_temperature", "rope_ref_feat_shape", "rope_grid_offset", "rop
 
 def timm_naflex_args(name: str) -> dict:
     """The kwargs timm's `create_model(name)` builds its NaFlexVit with: its NaFlexVitCfg (`cfg`) and the
-    pretrained config's (vit.vision_transformer.record_timm_builder)."""
+    pretrained config's (vit.timm_args.record_timm_builder)."""
     import timm.models.naflexvit as timm_naflex
 
     return record_timm_builder(name, timm_naflex, "_create_naflexvit")
@@ -398,8 +469,8 @@ def from_timm_naflex_args(args: dict) -> dict:
             out[key] = tuple(value) if isinstance(value, list) else value
         elif key in _RENAMED:
             out[_RENAMED[key]] = value
-        elif key == "norm_layer" and (value is None or _timm_norm(value)):
-            out["norm"], out["norm_eps"] = _timm_norm(value) if value else ("layernorm", 1e-6)  # timm's LayerNorm
+        elif key == "norm_layer" and (value is None or timm_norm(value)):
+            out["norm"], out["norm_eps"] = timm_norm(value) if value else ("layernorm", 1e-6)  # timm's LayerNorm
         elif key == "act_layer" and (value is None or value in ACTIVATIONS):
             out["act_layer"] = value
         elif key not in _EVA_ONLY:

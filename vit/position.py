@@ -223,11 +223,11 @@ def relative_position_index(grid: tuple[int, int], class_token: bool = False) ->
 def relative_log_coords(grid: tuple[int, int], mode: str = "cr") -> torch.Tensor:
     """(2H-1, 2W-1, 2) grid offsets, log-spaced: sign(d) log(1 + |d|) ("cr", timm's), or Swin-V2's
     offsets scaled to [-8, 8] then sign(d) log2(1 + |d|) / 3 ("swin")."""
-    h, w = grid
-    dh, dw = torch.arange(-(h - 1), h).float(), torch.arange(-(w - 1), w).float()
-    coords = torch.stack(torch.meshgrid(dh, dw, indexing="ij"), dim=-1)
+    axes = [torch.arange(-(n - 1), n).float() for n in grid]
+    if mode == "swin":  # timm divides by size - 1; sym_max keeps a traced grid symbolic
+        axes = [a / torch.sym_max(n - 1, 1) * 8 for a, n in zip(axes, grid, strict=True)]
+    coords = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)
     if mode == "swin":
-        coords = coords / torch.tensor([max(h - 1, 1), max(w - 1, 1)]) * 8  # timm divides by size - 1
         return torch.sign(coords) * torch.log2(1.0 + coords.abs()) / math.log2(8)
     return torch.sign(coords) * torch.log(1.0 + coords.abs())
 
@@ -247,8 +247,12 @@ class RelPosBias(nn.Module):
         index = relative_position_index(self.grid, class_token=prefix_tokens > 0).flatten()
         self.register_buffer("relative_position_index", index, persistent=False)  # timm's: not in checkpoints
 
-    def get_bias(self) -> torch.Tensor:
-        """(1, heads, N, N), N = prefix + H*W: the scores' bias (timm's name)."""
+    def get_bias(self, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """(1, heads, N, N), N = prefix + H*W: the scores' bias (timm's name). The table holds the built
+        grid's offsets only: another `grid` is a ValueError."""
+        if grid is not None and tuple(grid) != self.grid:
+            raise ValueError(f"a relative position bias table of a {self.grid[0]}x{self.grid[1]} grid cannot bias a "
+                             f"{grid[0]}x{grid[1]} one; build the model with that img_size")  # fmt: skip
         n = self.grid[0] * self.grid[1] + self.prefix_tokens
         return self.relative_position_bias_table[self.relative_position_index].view(n, n, -1).permute(2, 0, 1)[None]
 
@@ -273,11 +277,18 @@ class RelPosMlp(nn.Module):
         self.register_buffer("relative_position_index", relative_position_index(self.grid).flatten(), persistent=False)
         self.register_buffer("rel_coords_log", relative_log_coords(self.grid, mode), persistent=False)
 
-    def get_bias(self) -> torch.Tensor:
-        """(1, heads, N, N), N = prefix + H*W: the scores' bias (timm's name)."""
-        n = self.grid[0] * self.grid[1]
-        table = self.mlp(self.rel_coords_log).flatten(0, 1)  # ((2H-1)(2W-1), heads)
-        bias = table[self.relative_position_index].view(n, n, -1).permute(2, 0, 1)
+    def get_bias(self, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """(1, heads, N, N), N = prefix + H*W: the scores' bias (timm's name), for the built grid or
+        another `grid`, whose offsets go through the same MLP (timm's `set_window_size`)."""
+        if grid is None or tuple(grid) == self.grid:
+            grid, coords, index = self.grid, self.rel_coords_log, self.relative_position_index
+        else:  # tensor ops of the grid's sizes, so an exported graph computes them for any grid
+            device = self.rel_coords_log.device
+            coords = relative_log_coords(grid, self.mode).to(device)
+            index = relative_position_index(grid).flatten().to(device)
+        n = grid[0] * grid[1]
+        table = self.mlp(coords).flatten(0, 1)  # ((2H-1)(2W-1), heads)
+        bias = table[index].view(n, n, -1).permute(2, 0, 1)
         if self.mode == "swin":
             bias = 16 * torch.sigmoid(bias)
         return F.pad(bias, [self.prefix_tokens, 0, self.prefix_tokens, 0])[None]
@@ -289,15 +300,20 @@ def decomposed_rel_pos_bias(
     """MViTv2's and SAM's decomposed relative positions (timm's `get_decomposed_rel_pos_bias`): the bias
     of query (i, j) for key (k, l) is q . rel_pos_h[i - k + H - 1] + q . rel_pos_w[j - l + W - 1], q
     unscaled. q (B, heads, H*W, head_dim), rel_pos_h (2H-1, head_dim), rel_pos_w (2W-1, head_dim);
-    returns (B, heads, H*W, H*W)."""
+    returns (B, heads, H*W, H*W). Tables of another grid's length are resampled linearly to 2H-1 and
+    2W-1 (timm's `get_rel_pos`)."""
     h, w = grid
-    if rel_pos_h.shape[0] != 2 * h - 1 or rel_pos_w.shape[0] != 2 * w - 1:
-        raise ValueError(f"relative positions for a {rel_pos_h.shape[0] // 2 + 1}x{rel_pos_w.shape[0] // 2 + 1} grid, "
-                         f"not {h}x{w}")  # fmt: skip
     ih, iw = torch.arange(h, device=q.device), torch.arange(w, device=q.device)
-    rh = rel_pos_h[ih[:, None] - ih[None, :] + h - 1]  # (H, H, head_dim)
-    rw = rel_pos_w[iw[:, None] - iw[None, :] + w - 1]  # (W, W, head_dim)
+    rh = _resample_rel_pos(rel_pos_h, 2 * h - 1)[ih[:, None] - ih[None, :] + h - 1]  # (H, H, head_dim)
+    rw = _resample_rel_pos(rel_pos_w, 2 * w - 1)[iw[:, None] - iw[None, :] + w - 1]  # (W, W, head_dim)
     r_q = q.unflatten(-2, (h, w))  # (B, heads, H, W, head_dim)
     rel_h = torch.einsum("...hwc,hkc->...hwk", r_q, rh.to(q.dtype))
     rel_w = torch.einsum("...hwc,wkc->...hwk", r_q, rw.to(q.dtype))
     return (rel_h[..., :, None] + rel_w[..., None, :]).flatten(-4, -3).flatten(-2)
+
+
+def _resample_rel_pos(table: torch.Tensor, length: int) -> torch.Tensor:
+    """A (L, C) table of relative positions linearly resampled to `length` rows (timm's `get_rel_pos`)."""
+    if table.shape[0] == length:
+        return table
+    return F.interpolate(table.T[None], size=length, mode="linear")[0].T

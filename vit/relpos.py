@@ -6,7 +6,7 @@ grid, to its attention scores (`blocks.N.attn.rel_pos`: vit.position.RelPosMlp, 
 module computes it once per forward for every block (`shared_rel_pos`, the `vit_srelpos_*` names). The
 bias reaches the attention as an additive mask, so the fused (SDPA) path stays on. The `_rpn` names
 have post-norm blocks (timm's ResPostRelPosBlock: BlockConfig.post_norm). timm's names are read from its
-model functions at import, as vit.vision_transformer does for ViTs.
+model functions at import, as vit.timm_args does for ViTs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from torch import nn
 
 from vit.position import RelPosBias, RelPosMlp
 from vit.registry import register_timm_names
-from vit.vision_transformer import Rope, VisionTransformer, ViTConfig, _timm_norm, record_timm_builder
+from vit.timm_args import record_timm_builder, timm_norm
+from vit.vision_transformer import Rope, VisionTransformer, ViTConfig
 
 
 @dataclass
@@ -65,9 +66,10 @@ class VisionTransformerRelPos(VisionTransformer):
                         nn.init.zeros_(m.bias)
 
     def _run_blocks(self, x: torch.Tensor, rope: Rope, *args, **kwargs) -> tuple:
-        """VisionTransformer._run_blocks, every block given the shared bias (computed once) as its mask."""
+        """VisionTransformer._run_blocks, every block given the shared bias (computed once, for the
+        tokens' `grid`) as its mask."""
         if self.shared_rel_pos is not None:
-            kwargs["attn_mask"] = self.shared_rel_pos.get_bias().to(x.dtype)
+            kwargs["attn_mask"] = self.shared_rel_pos.get_bias(kwargs.get("grid")).to(x.dtype)
         return super()._run_blocks(x, rope, *args, **kwargs)
 
 
@@ -102,9 +104,9 @@ def from_timm_relpos_args(args: dict) -> dict:
         elif key == "rel_pos_dim":
             if value:
                 out[key] = value
-        elif key == "norm_layer" and (value is None or _timm_norm(value)):
+        elif key == "norm_layer" and (value is None or timm_norm(value)):
             if value is not None:
-                out["norm"], out["norm_eps"] = _timm_norm(value)
+                out["norm"], out["norm_eps"] = timm_norm(value)
         elif key == "act_layer" and value in (None, nn.GELU, "gelu"):
             pass
         elif key == "weight_init" and value in ("", "reset", "skip"):

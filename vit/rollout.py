@@ -407,25 +407,58 @@ def render_panel(
     return canvas
 
 
+COLOUR_SCALE = "relevance, each map scaled to its own min..max:"
+
+
+def colour_bar(width: int, height: int) -> np.ndarray:
+    """The maps' colour scale as an RGB uint8 strip (height, width, 3): lowest at the left, highest at the right."""
+    return np.repeat(colorize(np.linspace(0.0, 1.0, width))[None], height, axis=0)
+
+
+def wrap(text: str, font: ImageFont.ImageFont | ImageFont.FreeTypeFont, width: int) -> list[str]:
+    """Greedy word wrap to `width` pixels; a word wider than that gets a line of its own."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines
+
+
 def contact_sheet(
     rows: Sequence[tuple[np.ndarray, Sequence[np.ndarray], Sequence[str]]],
     titles: Sequence[str],
     panel_size: int = 96,
+    header: Sequence[str] = (),
 ) -> Image.Image:
-    """One image for a page: a row per image (the region the model saw, then its overlay for each
-    map, in `titles` order) with its caption lines under the image; `titles` head the columns."""
+    """One image for a page: the `header` lines (which model, how accurate), the maps' colour scale
+    (a bar from low to high), then a row per image (the region the model saw, then its overlay for
+    each map, in `titles` order) with its caption lines under the image; `titles` head the columns.
+    Header lines wrap at word boundaries to the sheet's width; the rows are at the bottom."""
     font = ImageFont.load_default(size=max(10, panel_size // 9))
     line_height = int(font.size * 1.3) if hasattr(font, "size") else 14
+    grid_width = (1 + len(titles)) * panel_size
+    text = [line for paragraph in [*header, COLOUR_SCALE] for line in wrap(paragraph, font, grid_width - 6)]
+    width = max(grid_width, 6 + max(int(font.getlength(line)) + 1 for line in text))
     lines_per_row = max((len(lines) for _, _, lines in rows), default=0)
     row_height = panel_size + line_height * lines_per_row + 6
-    canvas = Image.new("RGB", ((1 + len(titles)) * panel_size, line_height + 4 + row_height * len(rows)), "white")
+    bar_top = 2 + line_height * len(text)
+    titles_top = bar_top + line_height + 4
+    canvas = Image.new("RGB", (width, titles_top + line_height + 4 + row_height * len(rows)), "white")
     draw = ImageDraw.Draw(canvas)
+    for i, line in enumerate(text):
+        draw.text((3, 2 + i * line_height), line, fill="black", font=font)
+    low, high = 3 + int(font.getlength("low ")), width - 3 - int(font.getlength(" high"))
+    canvas.paste(Image.fromarray(colour_bar(max(1, high - low), line_height - 4)), (low, bar_top + 2))
+    draw.text((3, bar_top), "low", fill="black", font=font)
+    draw.text((high + int(font.getlength(" ")), bar_top), "high", fill="black", font=font)
     for c, title in enumerate(["image", *titles]):
-        draw.text((c * panel_size + 3, 2), title, fill="black", font=font)
+        draw.text((c * panel_size + 3, titles_top), title, fill="black", font=font)
     for r, (image, maps, lines) in enumerate(rows):
         if len(maps) != len(titles):
             raise ValueError(f"row {r} has {len(maps)} maps for {len(titles)} titles")
-        top = line_height + 4 + r * row_height
+        top = titles_top + line_height + 4 + r * row_height
         shown = np.asarray(Image.fromarray(image).resize((panel_size, panel_size), Image.Resampling.BICUBIC))
         canvas.paste(Image.fromarray(shown), (0, top))
         for c, grid_map in enumerate(maps, 1):

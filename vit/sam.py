@@ -6,7 +6,7 @@ What differs from a ViT: most blocks attend within 14 x 14 windows of the patch 
 scores (`rel_pos_type="decomposed"`: `attn.rel_pos_h`, `attn.rel_pos_w`); positions are stored on the
 grid (`pos_embed` (1, H, W, D)); no CLS token; and the output is a feature map: a neck of convs and
 LayerNorm2d after the blocks (`neck`), then timm's pooled classifier head (`head.fc`).
-timm's names are read from its model functions at import, as vit.vision_transformer does for ViTs.
+timm's names are read from its model functions at import, as vit.timm_args does for ViTs.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import dataclasses
 from dataclasses import dataclass, replace
 
 import torch
+from timm.layers import resample_abs_pos_embed
 from torch import nn
 
 from vit.layers import LayerNorm2d
 from vit.registry import register_timm_names
-from vit.vision_transformer import VisionTransformer, ViTConfig, _take_indices, record_timm_builder
+from vit.timm_args import record_timm_builder
+from vit.vision_transformer import VisionTransformer, ViTConfig, _take_indices
 
 SAM_POOLS = ("avg", "max", "avgmax", "")
 
@@ -103,8 +105,13 @@ class Sam(VisionTransformer):
         return {"pos_embed"}
 
     def _pos_embed(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
-        """The positions for the built grid (VisionTransformer._embed refuses other grids here)."""
-        return self.pos_embed.flatten(1, 2)
+        """The positions of the grid: as stored on the built one, else resampled (bicubic, antialiased:
+        timm's SAM resamples them in every forward; VisionTransformer._embed allows other grids with
+        dynamic_img_size only)."""
+        table = self.pos_embed.flatten(1, 2)
+        if grid == self.patch_embed.grid_size:
+            return table
+        return resample_abs_pos_embed(table, list(grid), list(self.patch_embed.grid_size), num_prefix_tokens=0)
 
     def _to_map(self, tokens: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
         """Tokens (B, H*W, D) -> (B, D, H, W)."""
@@ -113,7 +120,7 @@ class Sam(VisionTransformer):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> the neck's feature map (B, neck_chans, H/p, W/p)."""
-        return self.neck(self._to_map(self._run_blocks(*self._embed(x))[0], x))
+        return self.neck(self._to_map(self._run_blocks(*self._embed(x), grid=self.patch_grid(x))[0], x))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         return self.head(x, pre_logits=pre_logits)
@@ -122,7 +129,7 @@ class Sam(VisionTransformer):
         return self.forward_head(self.forward_features(x))
 
     def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        tokens, attns, _ = self._run_blocks(*self._embed(x), return_attn=True)
+        tokens, attns, _ = self._run_blocks(*self._embed(x), return_attn=True, grid=self.patch_grid(x))
         return self.forward_head(self.neck(self._to_map(tokens, x))), attns
 
     def forward_intermediates(
@@ -140,7 +147,7 @@ class Sam(VisionTransformer):
             raise ValueError(f"a SAM encoder's intermediates are NCHW, got output_fmt={output_fmt!r}")
         take = _take_indices(len(self.blocks), indices)
         depth = max(take) + 1 if stop_early else None
-        tokens, _, taken = self._run_blocks(*self._embed(x), take=set(take), depth=depth)
+        tokens, _, taken = self._run_blocks(*self._embed(x), take=set(take), depth=depth, grid=self.patch_grid(x))
         out = [self._to_map(t, x) for t in taken]
         out = [self.neck(t) for t in out] if norm else out
         return out if intermediates_only else (self.neck(self._to_map(tokens, x)), out)

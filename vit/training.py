@@ -375,6 +375,18 @@ def rescale_lr(checkpoint: dict[str, Any], ratio: float, now: str, saved: str) -
     log.info("resuming with %s instead of the checkpoint's %s: the saved rates are scaled by %g", now, saved, ratio)
 
 
+def images_in(batch: Any) -> int:
+    """The images of a training batch: an (inputs, targets) pair counts its targets (the inputs may
+    be a dict of patch sequences, data.naflex); any other batch the rows of its first tensor."""
+    if isinstance(batch, tuple | list):
+        if len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
+            return len(batch[1])
+        batch = batch[0]
+    if isinstance(batch, Mapping):
+        batch = next(iter(batch.values()))
+    return len(batch)
+
+
 class StepTimer(Callback):
     """Images per second over the optimizer steps after the first `warmup` (compilation, autotuning,
     loader start-up), data loading included. On CUDA the span is read from events queued on the
@@ -403,7 +415,7 @@ class StepTimer(Callback):
             self._start = _now(cuda)
         elif trainer.global_step > self.warmup:
             self._end = _now(cuda)
-            self.images += len(batch[0]) * trainer.world_size
+            self.images += images_in(batch) * trainer.world_size
 
     @property
     def seconds(self) -> float:
@@ -458,7 +470,7 @@ class Throughput(Callback):
             self._val_seconds += time.perf_counter() - self._val_start
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        self._epoch_images += len(batch[0])
+        self._epoch_images += images_in(batch)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         seconds = time.perf_counter() - self._epoch_start - self._val_seconds
@@ -507,8 +519,8 @@ def param_groups(
 
 
 def _layer_id(name: str, depth: int) -> int:
-    """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and the head."""
-    if name.startswith(("patch_embed", "cls_token", "dist_token", "reg_token", "pos_embed")):
+    """0 for the embeddings (NaFlexVit's: `embeds`), i + 1 for block i, depth + 1 for the final norm and the head."""
+    if name.startswith(("patch_embed", "embeds.", "cls_token", "dist_token", "reg_token", "pos_embed")):
         return 0
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1

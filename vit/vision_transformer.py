@@ -2,23 +2,16 @@
 
 Patch embedding -> [CLS] + learned position embedding -> L pre-norm Blocks -> norm -> pool -> head.
 `our_model.load_state_dict(timm_model.state_dict())` works for the matching configuration and gives
-the same logits; the tests hold us to that.
+the same logits; the tests hold us to that. timm's other ViT names are read from timm's model
+functions in vit.timm_args; checkpoints of other layouts are fitted to the model in vit.checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import inspect
-import math
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, replace
-from functools import partial
-from pathlib import Path
 from typing import Any
-from unittest import mock
 
-import timm
 import torch
 import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
@@ -26,7 +19,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vit.layers import (
-    ACTIVATIONS,
     AttentionPoolLatent,
     BlockConfig,
     HybridEmbed,
@@ -38,7 +30,7 @@ from vit.layers import (
     moe_aux_loss,
 )
 from vit.position import rope_2d, sincos_2d
-from vit.registry import register_model, register_timm_names
+from vit.registry import register_model
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 
@@ -111,9 +103,10 @@ class ViTConfig(BlockConfig):
             raise ValueError(f"global_pool must be one of {GLOBAL_POOLS}, got {self.global_pool!r}")
         if isinstance(self.num_kv_heads, tuple) and len(self.num_kv_heads) != self.depth:
             raise ValueError(f"num_kv_heads {self.num_kv_heads} needs one count per block (depth {self.depth})")
-        if (self.rel_pos_type or self.window_size) and (self.patch_drop_rate or self.dynamic_img_size):
-            raise ValueError("relative positions and windows are for the built grid: no patch_drop_rate nor "
-                             "dynamic_img_size")  # fmt: skip
+        if (self.rel_pos_type or self.window_size) and self.patch_drop_rate:
+            raise ValueError("relative positions and windows need every patch of the grid: no patch_drop_rate")
+        if self.rel_pos_type == "bias" and self.dynamic_img_size:
+            raise ValueError("rel_pos_type='bias' is a table of the built grid's offsets: no dynamic_img_size")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True (use global_pool='avg' without it)")
         if self.backbone is not None:
@@ -249,10 +242,11 @@ class VisionTransformer(nn.Module):
         and the rotary tables of those patches (posemb="rope", else None)."""
         x = self.patch_embed(images)
         grid = self.patch_grid(images)
-        if (self.config.rel_pos_type or self.config.window_size) and grid != self.patch_embed.grid_size:
+        if self._grid_blocks() and not self.config.dynamic_img_size and grid != self.patch_embed.grid_size:
             raise ValueError(
                 f"input of a {grid[0]}x{grid[1]} patch grid; this model's relative positions and windows are for "
-                f"{self.patch_embed.grid_size[0]}x{self.patch_embed.grid_size[1]}: build it with that img_size"
+                f"{self.patch_embed.grid_size[0]}x{self.patch_embed.grid_size[1]}: build it with that img_size, or "
+                "with dynamic_img_size=True"
             )
         pos_embed = self._pos_embed(grid, x.device) if self.pos_embed is not None else None
         if pos_embed is not None and self.config.no_embed_class:
@@ -264,6 +258,10 @@ class VisionTransformer(nn.Module):
             x = x + pos_embed  # prefix and patches
         x, kept = self.patch_drop(self.pos_drop(x), return_indices=True)
         return self.norm_pre(x), self._rope(images, kept)
+
+    def _grid_blocks(self) -> bool:
+        """Whether the blocks need the tokens' patch grid: relative positions or windows."""
+        return bool(self.config.rel_pos_type or self.config.window_size)
 
     def _pos_embed(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
         """The additive position embedding for a patch grid, resampled (or recomputed) off img_size's."""
@@ -282,7 +280,7 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normed tokens (B, prefix + patches, D)."""
-        return self.norm(self._run_blocks(*self._embed(x))[0])
+        return self.norm(self._run_blocks(*self._embed(x), grid=self.patch_grid(x))[0])
 
     def _run_blocks(
         self,
@@ -293,20 +291,25 @@ class VisionTransformer(nn.Module):
         take: Collection[int] = (),
         depth: int | None = None,
         attn_mask: torch.Tensor | None = None,
+        grid: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The first `depth` blocks (all by default) in order: the output, the attention weights of
         every block if `return_attn`, and the outputs of the blocks numbered in `take`. The last block
         returns only its first `last_num_queries` tokens if given. `rope`: one table for every block,
-        or a list of one per block (mixed RoPE); `attn_mask`: every block's (a shared bias)."""
+        or a list of one per block (mixed RoPE); `attn_mask`: every block's (a shared bias); `grid`:
+        the tokens' patch grid, for blocks with relative positions or windows (None: the built one)."""
+        kwargs = {"grid": grid} if grid is not None and self._grid_blocks() else {}  # only such Blocks take it
         attns, taken = [], []
         blocks = self.blocks[:depth] if depth is not None else self.blocks
         for i, block in enumerate(blocks):
             num_queries = last_num_queries if i == len(blocks) - 1 else None
             table = rope[i] if isinstance(rope, list) else rope
             if self.grad_checkpointing and torch.is_grad_enabled():
-                out = checkpoint(block, x, attn_mask, table, None, num_queries, return_attn, use_reentrant=False)
+                out = checkpoint(
+                    block, x, attn_mask, table, None, num_queries, return_attn, use_reentrant=False, **kwargs
+                )  # fmt: skip
             else:
-                out = block(x, attn_mask, rope=table, num_queries=num_queries, return_attn=return_attn)
+                out = block(x, attn_mask, rope=table, num_queries=num_queries, return_attn=return_attn, **kwargs)
             if return_attn:
                 out, attn = out
                 attns.append(attn)
@@ -337,7 +340,7 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take = _take_indices(len(self.blocks), indices)
         depth = max(take) + 1 if stop_early else None
-        tokens, _, taken = self._run_blocks(*self._embed(x), take=set(take), depth=depth)
+        tokens, _, taken = self._run_blocks(*self._embed(x), take=set(take), depth=depth, grid=self.patch_grid(x))
         taken = [self.norm(t) for t in taken] if norm else taken
         prefix = [t[:, : self.num_prefix_tokens] for t in taken]
         out = [t[:, self.num_prefix_tokens :] for t in taken]
@@ -431,7 +434,8 @@ class VisionTransformer(nn.Module):
         that block's work, which timm spends on outputs it throws away, is skipped.
         """
         last_num_queries = 1 + int(self.config.distilled) if self.global_pool == "token" else None
-        return self.forward_head(self.norm(self._run_blocks(*self._embed(x), last_num_queries)[0]))
+        x = self._run_blocks(*self._embed(x), last_num_queries, grid=self.patch_grid(x))[0]
+        return self.forward_head(self.norm(x))
 
     def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits and every block's attention weights, each (B, heads, N, N) with N = prefix + patches.
@@ -439,7 +443,7 @@ class VisionTransformer(nn.Module):
         Uses the explicit attention path for this call only; the weights stay in the autograd graph
         (for gradient-weighted rollout) unless called under `torch.no_grad()`.
         """
-        x, attns, _ = self._run_blocks(*self._embed(x), return_attn=True)
+        x, attns, _ = self._run_blocks(*self._embed(x), return_attn=True, grid=self.patch_grid(x))
         return self.forward_head(self.norm(x)), attns
 
 
@@ -507,14 +511,11 @@ for _name, (_size, _patch, _img) in VIT_MODELS.items():
     register_model(_name, VisionTransformer, ViTConfig, **VIT_SIZES[_size], patch_size=_patch, img_size=_img)
 
 
-# -- every timm VisionTransformer by name, read from timm's own model functions ---------------------
-
+# -- hybrids: one of timm's CNNs as patch embedding ---------------------------------------------------
 
 # The CNNs that timm's hybrid model functions (timm.models.vision_transformer_hybrid) build as patch
 # embedding: our name (ViTConfig.backbone["name"]) -> the function or class of that module building it.
 HYBRID_BACKBONES = {"resnetv2": "_resnetv2", "resnet26d": "resnet26d", "resnet50d": "resnet50d", "convstem": "ConvStem"}
-# Activation classes in timm's backbone arguments, by the name timm's constructors also take.
-_ACT_NAMES = {nn.GELU: "gelu", nn.ReLU: "relu", nn.SiLU: "silu"}
 
 
 def build_backbone(spec: dict[str, Any], in_chans: int = 3) -> nn.Module:
@@ -526,370 +527,3 @@ def build_backbone(spec: dict[str, Any], in_chans: int = 3) -> nn.Module:
 
     kwargs = dict(spec)
     return getattr(timm_hybrid, HYBRID_BACKBONES[kwargs.pop("name")])(**kwargs, in_chans=in_chans)
-
-
-class _Recorded(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _RecordedBackbone:
-    """What a hybrid model function asked a backbone constructor for, in place of the backbone."""
-
-    spec: dict[str, Any]
-
-
-def _backbone_recorder(name: str, build: Callable) -> Callable[..., _RecordedBackbone]:
-    signature = inspect.signature(build)
-
-    def record(*args: object, **kwargs: object) -> _RecordedBackbone:
-        spec: dict[str, Any] = {"name": name}
-        for key, value in signature.bind(*args, **kwargs).arguments.items():
-            spec.update(value if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD else {key: value})
-        for key in ("pretrained", "in_chans", "device", "dtype"):  # no weights; in_chans is the config's
-            spec.pop(key, None)
-        for key, value in spec.items():
-            if isinstance(value, type):
-                if value not in _ACT_NAMES:
-                    raise ValueError(f"timm's {name} backbone takes {key}={value.__name__}, which has no name here")
-                spec[key] = _ACT_NAMES[value]
-        return _RecordedBackbone(spec)
-
-    return record
-
-
-def timm_model_args(name: str) -> dict:
-    """The kwargs timm's `create_model(name)` builds its VisionTransformer with: those its model function
-    passes (read by calling it with the builders, of the ViT, of DeiT and of the hybrids, and the
-    hybrids' backbone constructors swapped for recorders, so nothing is built) and the defaults its
-    builder takes from the name's pretrained config (image size, classes). A DeiT built as
-    VisionTransformerDistilled records distilled=True; a hybrid records timm's `embed_layer`, a
-    HybridEmbed of a recorded backbone."""
-    import timm.models.deit as timm_deit
-    import timm.models.vision_transformer as timm_vit
-    import timm.models.vision_transformer_hybrid as timm_hybrid
-
-    recorded: dict = {}
-
-    def record(variant: str, pretrained: bool = False, distilled: bool = False, **kwargs: object) -> None:
-        recorded.update(kwargs, **({"distilled": True} if distilled else {}))
-        raise _Recorded
-
-    def record_hybrid(cls: type, variant: str, pretrained: bool, pretrained_filter_fn=None, feature_cfg=None, **kwargs):
-        if cls is not timm_vit.VisionTransformer:
-            raise ValueError(f"timm's {name} is a {cls.__name__}, not timm's VisionTransformer")
-        recorded.update(kwargs)  # with timm's hybrid defaults: patch_size 1, embed_layer HybridEmbed
-        raise _Recorded
-
-    with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(timm_vit, "_create_vision_transformer", record))
-        patches.enter_context(mock.patch.object(timm_deit, "_create_deit", record))
-        patches.enter_context(mock.patch.object(timm_hybrid, "build_model_with_cfg", record_hybrid))
-        for ours, attr in HYBRID_BACKBONES.items():
-            recorder = _backbone_recorder(ours, getattr(timm_hybrid, attr))
-            patches.enter_context(mock.patch.object(timm_hybrid, attr, recorder))
-        try:
-            timm.models.model_entrypoint(name)()
-        except _Recorded:
-            pass
-        else:
-            raise ValueError(
-                f"timm's {name} does not build a VisionTransformer through timm's ViT, DeiT or hybrid builder"
-            )
-    return timm_pretrained_defaults(name) | recorded
-
-
-def record_timm_builder(name: str, module: object, builder: str) -> dict:
-    """The kwargs timm's `create_model(name)` passes to `module.builder`, the private function that builds
-    the model (called with it swapped for a recorder, so nothing is built), with the defaults it takes
-    from the name's pretrained config (image size, classes)."""
-    recorded: dict = {}
-
-    def record(variant: str, pretrained: bool = False, **kwargs: object) -> None:
-        recorded.update(kwargs)
-        raise _Recorded
-
-    with mock.patch.object(module, builder, record):
-        try:
-            timm.models.model_entrypoint(name)()
-        except _Recorded:
-            pass
-        else:
-            raise ValueError(f"timm's {name} does not build its model through timm's {builder}")
-    return timm_pretrained_defaults(name) | recorded
-
-
-def timm_pretrained_defaults(name: str) -> dict:
-    """What timm's builder adds to a model function's kwargs from the name's default pretrained
-    config (DINOv2: 518 px, no head)."""
-    cfg = timm.models.get_pretrained_cfg(name)
-    if cfg is None:
-        return {}
-    defaults = {"in_chans": cfg.input_size[0]}
-    if cfg.num_classes is not None and cfg.num_classes >= 0:
-        defaults["num_classes"] = cfg.num_classes
-    if cfg.fixed_input_size:
-        defaults["img_size"] = tuple(cfg.input_size[-2:])
-    return defaults
-
-
-def _timm_norm(value: object) -> tuple[str, float] | None:
-    """timm's norm_layer (a class, a partial with eps, or timm's name) as (our norm kind, eps); None if
-    it has no equal here."""
-    from timm.layers import LayerNorm, RmsNorm
-
-    if value in ("layernorm", "rmsnorm"):  # timm's get_norm_layer: its LayerNorm / RmsNorm, eps 1e-6
-        return value, 1e-6
-    func, keywords = getattr(value, "func", value), getattr(value, "keywords", {})
-    if func not in (LayerNorm, RmsNorm, nn.LayerNorm, nn.RMSNorm) or set(keywords) - {"eps"}:
-        return None
-    kind = "layernorm" if func in (LayerNorm, nn.LayerNorm) else "rmsnorm"
-    return kind, keywords.get("eps", 1e-5 if func is nn.LayerNorm else 1e-6)
-
-
-# timm's VisionTransformer kwargs that are ViTConfig fields under another name.
-_TIMM_RENAMED = {"scale_attn_norm": "scale_attn_inner", "scale_mlp_norm": "scale_mlp"}
-# ViTConfig fields whose timm kwarg of the same name means something else (a class, not our name).
-_NOT_TIMMS = ("norm", "mlp", "posemb", "act_layer", "embed_norm", "block_fn", "attn_layer", *_TIMM_RENAMED.values())
-
-
-def _timm_blocks() -> dict[type, dict[str, Any]]:
-    """timm's ViT block classes as our block options."""
-    import timm.models.vision_transformer as timm_vit
-
-    return {
-        timm_vit.Block: {},
-        timm_vit.ResPostBlock: {"post_norm": True},
-        timm_vit.ParallelScalingBlock: {"block_fn": "parallel_scaling"},
-        timm_vit.DiffParallelScalingBlock: dict(block_fn="parallel_scaling", attn_layer="diff", fuse_out_proj=True),
-        timm_vit.ParallelThingsBlock: {"block_fn": "parallel_things"},
-    }
-
-
-def _timm_block_options(config: BlockConfig) -> dict[str, Any]:
-    """The block options of a config that pick timm's block class (`_timm_blocks`)."""
-    names = ("post_norm", "block_fn", "attn_layer", "fuse_out_proj", "num_parallel")
-    return {name: getattr(config, name) for name in names}
-
-
-def _timm_attentions() -> tuple[type, type]:
-    """timm's ViT attention classes: plain, differential."""
-    from timm.layers import Attention, DiffAttention
-
-    return Attention, DiffAttention
-
-
-def from_timm_args(args: dict) -> dict:
-    """timm's VisionTransformer kwargs as ViTConfig fields; anything without an equal is a ValueError."""
-    from timm.layers import GluMlp, SwiGLU
-    from timm.layers import HybridEmbed as TimmHybridEmbed
-
-    fields = {f.name for f in dataclasses.fields(ViTConfig)}
-    out, embed_norm = {}, None
-    for key, value in args.items():
-        func, keywords = getattr(value, "func", value), getattr(value, "keywords", {})
-        if key == "embed_layer" and func is TimmHybridEmbed:
-            out.update(_from_timm_hybrid_embed(keywords))
-            continue
-        if key == "norm_layer" and _timm_norm(value):
-            out["norm"], out["norm_eps"] = _timm_norm(value)
-        elif key == "embed_norm_layer" and (value is None or _timm_norm(value)):
-            embed_norm = value and _timm_norm(value)
-        elif key == "act_layer" and (value in ACTIVATIONS or func in (nn.SiLU, nn.GELU)):
-            out["act_layer"] = value if isinstance(value, str) else {nn.SiLU: "silu", nn.GELU: "gelu"}[func]
-        elif key == "mlp_layer" and func is GluMlp and not keywords.get("gate_last", True):
-            out["mlp"] = "glu"
-        elif key == "mlp_layer" and func is SwiGLU and not set(keywords) - {"align_to"}:
-            out.update(mlp="swiglu_split", swiglu_align_to=keywords.get("align_to", 0))
-        elif key == "pos_embed" and value in ("learn", "none", ""):
-            out["posemb"] = value or "none"
-        elif key == "block_fn" and func in _timm_blocks() and set(keywords) <= {"num_parallel", "fuse_out_proj"}:
-            out.update(_timm_blocks()[func], **keywords)
-        elif key == "attn_layer" and (value in ("", "attn", "diff") or func in _timm_attentions()):
-            out["attn_layer"] = "diff" if value == "diff" or func is _timm_attentions()[-1] else "attn"
-        elif key in _TIMM_RENAMED:
-            out[_TIMM_RENAMED[key]] = value
-        elif key in fields and key not in _NOT_TIMMS:
-            out[key] = value
-        else:
-            raise ValueError(f"timm's {key}={getattr(func, '__name__', value)!r} has no equivalent here")
-    if embed_norm:  # ours is the blocks' norm: timm's must be the same kind and eps
-        if embed_norm != (out.get("norm", "layernorm"), out.get("norm_eps", 1e-6)):
-            raise ValueError(f"timm's embed_norm_layer {embed_norm} differs from its norm_layer; no equivalent here")
-        out["embed_norm"] = True
-    return out
-
-
-def _from_timm_hybrid_embed(keywords: dict[str, Any]) -> dict[str, Any]:
-    """timm's HybridEmbed arguments (a recorded backbone, `proj`) as ViTConfig fields."""
-    backbone = keywords.get("backbone")
-    if not isinstance(backbone, _RecordedBackbone):
-        raise ValueError(
-            f"timm's HybridEmbed backbone {type(backbone).__name__} is built by none of timm's constructors "
-            f"rebuilt here ({', '.join(HYBRID_BACKBONES.values())} of timm.models.vision_transformer_hybrid)"
-        )
-    unknown = sorted(set(keywords) - {"backbone", "proj"})
-    if unknown:
-        raise ValueError(f"timm's HybridEmbed arguments {unknown} have no equivalent here")
-    return {"backbone": backbone.spec, **({"backbone_proj": False} if keywords.get("proj") is False else {})}
-
-
-# timm's ViT names we build identically; the rest are named unsupported, with the reason.
-register_timm_names(
-    "ViT", [("*", "vision_transformer"), ("deit*", "deit"), ("vit_*", "vision_transformer_hybrid")],
-    VisionTransformer, ViTConfig, lambda name: from_timm_args(timm_model_args(name)), skip=VIT_MODELS,
-)  # fmt: skip
-
-
-# -- checkpoints: timm's kwargs, fix-ups of other layouts, Google's .npz files ------------------------
-
-# Our options that timm's VisionTransformer builds the same way, under the same names.
-_TIMM_FIELDS = (
-    "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "class_token", "embed_dim", "depth",
-    "num_heads", "mlp_ratio", "qkv_bias", "qk_norm", "init_values", "fc_norm", "drop_rate", "pos_drop_rate",
-    "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "dynamic_img_size", "patch_drop_rate", "reg_tokens",
-    "no_embed_class", "pre_norm", "final_norm", "dynamic_img_pad", "proj_bias", "pool_include_prefix",
-)  # fmt: skip
-
-
-def timm_kwargs(config: ViTConfig) -> dict:
-    """The kwargs of timm's `VisionTransformer` that builds this config with the same parameter names,
-    shapes and function; options timm has no equal for (set away from their defaults) are an error."""
-    from timm.layers import GluMlp, LayerNorm, RmsNorm, SwiGLU
-
-    default = ViTConfig()
-    eva_options = ("qkv_fused", "k_bias", "layer_scale")  # timm's Eva has them
-    others = ("rel_pos_type", "window_size", "global_attn_indexes")  # timm's relpos and SAM ViTs have them
-    unmatched = {
-        name: getattr(config, name)
-        for name in ("num_experts", "stem_channels", *eva_options, *others)
-        if getattr(config, name) != getattr(default, name)
-    }
-    if config.posemb not in ("learn", "none"):
-        unmatched["posemb"] = config.posemb
-    if config.mlp not in ("gelu", "glu", "swiglu_split"):  # timm's ViT has no SwiGLU of ours nor a packed one
-        unmatched["mlp"] = config.mlp
-    block = {k: v for k, v in _timm_block_options(config).items() if v != getattr(default, k)}
-    diff_attn = "block_fn" not in block and block.pop("attn_layer", "attn") == "diff"  # timm's attn_layer="diff"
-    blocks = [type_ for type_, options in _timm_blocks().items() if options == block]
-    if len(blocks) != 1:  # num_parallel or fuse_out_proj where timm's class has them fixed
-        unmatched.update(block)
-    if unmatched:
-        raise ValueError(f"timm's VisionTransformer has no equivalent of {unmatched}")
-    kwargs = {name: getattr(config, name) for name in _TIMM_FIELDS}
-    norm = partial(LayerNorm if config.norm == "layernorm" else RmsNorm, eps=config.norm_eps)
-    kwargs.update(
-        pos_embed=config.posemb, norm_layer=norm, block_fn=blocks[0], attn_layer="diff" if diff_attn else "",
-        act_layer=config.act_layer or ("silu" if config.mlp == "swiglu_split" else "gelu"),
-        scale_attn_norm=config.scale_attn_inner, scale_mlp_norm=config.scale_mlp,
-    )  # fmt: skip
-    if config.embed_norm:
-        kwargs["embed_norm_layer"] = norm
-    if config.mlp == "glu":
-        kwargs["mlp_layer"] = partial(GluMlp, gate_last=False)
-    if config.mlp == "swiglu_split":
-        kwargs["mlp_layer"] = partial(SwiGLU, align_to=config.swiglu_align_to)
-    if config.backbone is not None:  # a fresh backbone: timm's model gets its own modules
-        from timm.layers import HybridEmbed as TimmHybridEmbed
-
-        backbone = build_backbone(config.backbone, config.in_chans)
-        kwargs["embed_layer"] = partial(TimmHybridEmbed, backbone=backbone, proj=config.backbone_proj)
-    return kwargs
-
-
-def checkpoint_filter_fn(
-    state_dict: dict[str, torch.Tensor], model: VisionTransformer, log: Callable[[str, str], None] | None = None
-) -> dict[str, torch.Tensor]:
-    """A ViT state dict (ours or timm's) made to fit `model` (timm's function of that name): the
-    position embedding is resampled to the model's grid, the CLS and register tokens and their
-    positions follow the model (kept, dropped, or left at the model's init), and the final norm moves
-    between before pooling (`norm`) and after it (`fc_norm`).
-    `log(kind, what)` hears of each change: "resampled", "reinitialised", "renamed" or "dropped"."""
-    log = log or (lambda kind, what: None)
-    sd, target = dict(state_dict), model.state_dict()
-    source_prefix = ("cls_token" in sd, sd["reg_token"].shape[1] if "reg_token" in sd else 0)
-    for name in ("cls_token", "reg_token"):
-        if name in sd and name in target and sd[name].shape[-1] != target[name].shape[-1]:
-            continue  # another width: not adaptable, the caller reports it
-        if name in sd and (name not in target or sd[name].shape != target[name].shape):
-            del sd[name]  # no such token in the model, or another number of registers
-            log("dropped", name)
-        if name in target and name not in sd:
-            sd[name] = target[name]
-            log("reinitialised", name)
-
-    # Final norm before pooling (norm) or after it (fc_norm, timm's avg pooling): same parameters.
-    for old, new in (("norm", "fc_norm"), ("fc_norm", "norm")):
-        for suffix in ("weight", "bias"):
-            if f"{old}.{suffix}" in sd and f"{old}.{suffix}" not in target and f"{new}.{suffix}" in target:
-                sd[f"{new}.{suffix}"] = sd.pop(f"{old}.{suffix}")
-                log("renamed", f"{old}.{suffix} -> {new}.{suffix}")
-
-    if "pos_embed" in sd and "pos_embed" in target:
-        sd["pos_embed"] = _adapt_pos_embed(sd["pos_embed"], source_prefix, model, log)
-    return sd
-
-
-def _is_square(n: int) -> bool:
-    return n >= 0 and math.isqrt(n) ** 2 == n
-
-
-def _adapt_pos_embed(
-    posemb: torch.Tensor, source_prefix: tuple[bool, int], model: VisionTransformer, log: Callable[[str, str], None]
-) -> torch.Tensor:
-    """Split off the prefix positions (CLS, registers) if the checkpoint has them, resample the patch
-    grid to the model's, and give the model the prefix positions it expects."""
-    has_cls, num_reg = source_prefix
-    if not _is_square(posemb.shape[1] - has_cls - num_reg):  # DeiT III / no_embed_class: patches only
-        has_cls, num_reg = False, 0
-    if not _is_square(posemb.shape[1] - has_cls - num_reg):
-        raise ValueError(f"pos_embed: cannot infer a square patch grid from shape {tuple(posemb.shape)}")
-    cls, reg, grid = posemb.split([int(has_cls), num_reg, posemb.shape[1] - has_cls - num_reg], dim=1)
-    side = math.isqrt(grid.shape[1])
-    new_grid = model.patch_embed.grid_size
-    if (side, side) != new_grid:
-        grid = resample_abs_pos_embed(grid, list(new_grid), [side, side], num_prefix_tokens=0)
-        log("resampled", f"pos_embed (grid {side}x{side} -> {new_grid[0]}x{new_grid[1]})")
-    want_cls = model.cls_token is not None and model.num_pos_prefix > 0
-    want_reg = model.num_reg_tokens if model.num_pos_prefix > 0 else 0
-    parts = []
-    for what, have, want in (("CLS", cls, int(want_cls)), ("registers", reg, want_reg)):
-        if have.shape[1] == want:
-            parts.append(have)
-        elif want:  # the checkpoint has no (or other) positions for these tokens
-            parts.append(grid.new_zeros(1, want, grid.shape[2]))
-            had = f"has {have.shape[1]}, the model {want}" if have.shape[1] else f"has no {what} position"
-            log("reinitialised", f"pos_embed[{what}] (zeros: the checkpoint {had})")
-        else:
-            log("dropped", f"pos_embed[{what}]")
-    return torch.cat([*parts, grid], dim=1)
-
-
-def load_npz(path: str | Path, model: VisionTransformer) -> dict[str, torch.Tensor]:
-    """Google's ViT `.npz` (big_vision / the original release) as a timm-layout state dict: read by
-    timm's converter into a timm ViT built to the file's shapes (grid, head, CLS) and the model's
-    width and depth. `checkpoint_filter_fn` then fits it to the model."""
-    import numpy as np
-    import timm
-
-    path = Path(path)
-    with np.load(path, allow_pickle=False) as w:
-        keys = set(w.files)
-        prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in keys), None)
-        if prefix is None:
-            raise ValueError(f"{path} is not a Google ViT checkpoint (no embedding/kernel)")
-        posemb = w.get(f"{prefix}Transformer/posembed_input/pos_embedding", w.get(f"{prefix}pos_embedding"))
-        num_pos = posemb.shape[1]
-        num_classes = w[f"{prefix}head/bias"].shape[0] if f"{prefix}head/bias" in keys else 0
-        patch = w[f"{prefix}embedding/kernel"].shape[0]
-        pool = "map" if f"{prefix}MAPHead_0/probe" in keys else "token" if f"{prefix}cls" in keys else "avg"
-    has_cls = f"{prefix}cls" in keys
-    # A hybrid's embedding kernel spans feature-map cells, each `feature_ratio` pixels wide.
-    patch_px = patch * getattr(model.patch_embed, "feature_ratio", (1, 1))[0]
-    config = replace(
-        model.config, img_size=math.isqrt(num_pos - has_cls) * patch_px, patch_size=patch, num_classes=num_classes,
-        global_pool=pool, class_token=has_cls, fc_norm=False,
-    )  # fmt: skip
-    source = timm.models.vision_transformer.VisionTransformer(**timm_kwargs(config))
-    source.load_pretrained(str(path))
-    return source.state_dict()

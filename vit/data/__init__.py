@@ -11,6 +11,7 @@ from vit.data.datamodules import (
 )
 from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
 from vit.data.mixup import Mixup
+from vit.data.naflex import NaFlex
 from vit.data.text import CharTokenizer, TextDataModule
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ImageFiles",
     "ImageFolderDataModule",
     "Mixup",
+    "NaFlex",
     "StreamingDataModule",
     "TextDataModule",
     "TinyImageNetDataModule",

@@ -33,11 +33,19 @@ from vit.data.images import (
     scan_tiny_imagenet,
 )
 from vit.data.mixup import Mixup, MixupCutmix
-from vit.data.pipelines import FromFiles, InMemory, PerSample, Pipeline
+from vit.data.naflex import NaFlex
+from vit.data.pipelines import FromFiles, InMemory, PerSample, Pipeline, Sequences
 from vit.data.prefetch import PreparedLoader
 from vit.data.sampling import ChunkedSampler, ResumableSampler
 from vit.data.streaming import StreamingImages
-from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform, train_transform
+from vit.data.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    SequenceEvalTransform,
+    SequenceTrainTransform,
+    eval_transform,
+    train_transform,
+)
 from vit.options import number, require, set_option_groups, whole
 from vit.seeds import Purpose, RunSeed, step_seed
 
@@ -91,6 +99,10 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         worker_decode: with device_decode, the share of the JPEGs (0 to 1, the same files every
             epoch) that the loader workers decode (PIL) instead of the device: decoding on a GPU
             takes its cores from the model, and workers with cores to spare can take part of it.
+        naflex: vit.data.NaFlex: for a NaFlexVit, each image at its own aspect ratio within a patch
+            budget, batches of padded patch sequences (vit.data.naflex); None: square images at
+            img_size. Per sample only (not in_memory, device_decode, Mixup/CutMix), crop "rrc" or
+            "resize", the whole image in evaluation (eval_crop_pct 1).
 
     A group given in Python as a dict changes only the fields it names of the class's default,
     e.g. `CIFARDataModule(augment={"cutout": 8})` keeps its pad-crop.
@@ -107,6 +119,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
     }
     augment: Augment
     mixup: Mixup
+    naflex: NaFlex | None
 
     num_classes: int
     # The classes' names in label order, as people read them; checkpoints carry them, so exports
@@ -134,6 +147,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         device_prefetch: int | None = None,
         worker_decode: float = 0.0,
         data_process: bool | None = None,
+        naflex: NaFlex | None = None,
     ) -> None:
         super().__init__()
         check_loader_options(img_size, batch_size, num_workers, eval_crop_pct, mean, std, val_holdout,
@@ -144,10 +158,15 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.persistent_workers = self.num_workers > 0 if persistent_workers is None else persistent_workers
         self.skip_corrupt = skip_corrupt
-        set_option_groups(self, augment=augment, mixup=mixup)
+        set_option_groups(self, augment=augment, mixup=mixup, naflex=naflex)
         augment, crop = self.augment, self.augment.crop
-        self.train_transform = train_transform(img_size, augment, mean, std)
-        self.eval_transform = eval_transform(img_size, eval_crop_pct, mean, std)
+        if self.naflex is None:
+            self.train_transform = train_transform(img_size, augment, mean, std)
+            self.eval_transform = eval_transform(img_size, eval_crop_pct, mean, std)
+        else:
+            check_naflex_options(crop, eval_crop_pct, self.mixup, in_memory, device_decode)
+            self.train_transform = SequenceTrainTransform(self.naflex, augment, mean, std)
+            self.eval_transform = SequenceEvalTransform(self.naflex, mean, std)
         self.val_holdout = val_holdout
         self.in_memory, self.cache_dir = in_memory, cache_dir
         self.eval_crop_pct, self.mean, self.std = eval_crop_pct, mean, std
@@ -168,7 +187,9 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         require(data_process in (None, False) or device_decode, "data.data_process", data_process,
                 "false or null unless --data.device_decode true (it runs the decoding and augmenting)")  # fmt: skip
         self._data_process = data_process
-        self.pipeline: Pipeline = InMemory() if in_memory else FromFiles() if device_decode else PerSample()
+        self.pipeline: Pipeline = (
+            Sequences() if self.naflex else InMemory() if in_memory else FromFiles() if device_decode else PerSample()
+        )
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -211,7 +232,9 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
             train.append(f"{mixing} {share}")
         if self.train_sizes:
             train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.train_sizes))
-        evaluation += f"centre crop {self.eval_crop_pct:g} of the shorter side, resize to {size} (bicubic), normalise"
+        if self.naflex is None:
+            evaluation += f"centre crop {self.eval_crop_pct:g} of the shorter side, resize to {size}"
+        evaluation += " (bicubic), normalise"
         return ", ".join(train), evaluation
 
     def train_dataloader(self) -> DataLoader:
@@ -296,6 +319,20 @@ def check_loader_options(
     if device_prefetch is not None:
         whole(device_prefetch, 0, "data.device_prefetch", "batches decoded ahead; 0 decodes each in its step")
     number(worker_decode, "data.worker_decode", "a share of device_decode's JPEGs, from 0 to 1", 0, 1)
+
+
+def check_naflex_options(crop: Any, eval_crop_pct: Any, mixup: Mixup, in_memory: Any, device_decode: Any) -> None:
+    """OptionError naming the first option set to what patch sequences (`data.naflex`) do not do."""
+    with_naflex = "with --data.naflex"
+    require(crop in ("rrc", "resize"), "data.augment.crop", crop,
+            f"rrc or resize {with_naflex} (the crop keeps the image's aspect ratio)")  # fmt: skip
+    require(eval_crop_pct == 1, "data.eval_crop_pct", eval_crop_pct,
+            f"1 {with_naflex} (evaluation sees the whole image)")  # fmt: skip
+    for name in ("mixup_alpha", "cutmix_alpha"):
+        require(not getattr(mixup, name), f"data.mixup.{name}", getattr(mixup, name),
+                f"0 {with_naflex} (Mixup and CutMix mix batches of square images)")  # fmt: skip
+    for name, value in (("in_memory", in_memory), ("device_decode", device_decode)):
+        require(not value, f"data.{name}", value, f"false {with_naflex} (it makes batches of square images)")
 
 
 class DigitsDataModule(ImageDataModule):
@@ -401,6 +438,8 @@ class ImageFolderDataModule(ImageDataModule):
     `eval_crop_pct=None` follows the training crop: 0.875 after random-resized-crop training (the
     ImageNet convention, objects at the scale training saw them), 1.0 (the whole image) after
     pad+crop or resize training, as for CIFAR-sized images, where a zoomed eval would cost accuracy.
+    With `naflex` (images at their own aspect ratio) the crop is the random resized crop whatever
+    img_size, and evaluation sees the whole image.
     """
 
     def __init__(
@@ -434,15 +473,16 @@ def folder_crop(
 ) -> dict[str, Any]:
     """An image folder's geometry options with the defaults that follow img_size (ImageFolderDataModule)."""
     crop, crop_padding = augment.crop, augment.crop_padding
+    naflex = options.get("naflex") is not None  # images at their own size: img_size says nothing of them
     if crop is None:
-        crop = "pad_crop" if img_size <= SMALL_IMAGE else "rrc"
+        crop = "pad_crop" if img_size <= SMALL_IMAGE and not naflex else "rrc"
         if crop == "pad_crop" and options.get("device_decode"):
             raise ValueError(
                 f"data.img_size {img_size} is at most {SMALL_IMAGE}, where the image folder trains with pad + "
                 "random crops by default, which device_decode does not do: set --data.augment.crop rrc (or resize) "
                 "to keep device_decode, or --data.device_decode false"
             )
-        if crop == "rrc" and options.get("in_memory"):
+        if crop == "rrc" and options.get("in_memory") and not naflex:  # naflex's own check names in_memory
             raise ValueError(
                 f"data.img_size {img_size} is above {SMALL_IMAGE}, where the image folder trains with random "
                 "resized crops by default, which in_memory=True does not do (it augments whole batches): set "
@@ -451,7 +491,7 @@ def folder_crop(
     if crop_padding is None:
         crop_padding = max(1, img_size // 8)
     if eval_crop_pct is None:
-        eval_crop_pct = 0.875 if crop == "rrc" else 1.0
+        eval_crop_pct = 0.875 if crop == "rrc" and not naflex else 1.0
     augment = dataclasses.replace(augment, crop=crop, crop_padding=crop_padding)
     return dict(img_size=img_size, augment=augment, eval_crop_pct=eval_crop_pct)
 

@@ -6,6 +6,8 @@
   augmented on the device.
 - `FromFiles` (`device_decode`): loader workers read the files; batches decoded and augmented on
   the device (vit.data.device), in a data process or in threads (vit.data.prefetch).
+- `Sequences` (`naflex`): as PerSample, each image at its own aspect ratio, batches packed as
+  patch sequences for a NaFlexVit (vit.data.naflex).
 
 A pipeline gives a split's training loader, its evaluation loader and its step on the device after
 the batch is moved there (`on_device`); the datamodule adds Mixup/CutMix. It reads the datamodule's
@@ -26,6 +28,7 @@ from vit.data.augment import batch_augment, draw_rand_augment, normalize, rand_a
 from vit.data.device import DeviceSteps, EncodedFiles, collate_encoded
 from vit.data.images import ImageFiles
 from vit.data.memory import ResumableBatchSampler, TensorImages, to_tensor_images
+from vit.data.naflex import CROP_ASPECT, PackSequences
 from vit.data.prefetch import PreparedLoader
 from vit.data.sampling import resumable_loader
 from vit.schedule import stepwise, training_progress
@@ -176,4 +179,21 @@ class InMemory(PerSample):
         return words, ""
 
 
-Pipeline = PerSample | FromFiles | InMemory
+class Sequences(PerSample):
+    """Each image resized at its own aspect ratio within the patch budget by the split's transform
+    in a loader worker (vit.data.transforms.SequenceTrainTransform, SequenceEvalTransform); the
+    batch packed as patch sequences padded to the budget (vit.data.naflex.PackSequences)."""
+
+    def loader_options(self, data: ImageDataModule, dataset: Dataset, train: bool) -> dict[str, Any]:
+        return super().loader_options(data, dataset, train) | dict(collate_fn=PackSequences(data.naflex))
+
+    def describe(self, data: ImageDataModule) -> tuple[list[str], str]:
+        naflex, augment = data.naflex, data.augment
+        budget = f"at most {naflex.max_patches} patches of {naflex.patch_size} px"
+        low, high = augment.crop_scale
+        aspect = f"{CROP_ASPECT[0]:.2g}-{CROP_ASPECT[1]:.2g}x the image's"
+        crop = f"random resized crop (scale {low:g}-{high:g}, aspect {aspect}) " if augment.crop == "rrc" else ""
+        return [f"{crop}resized at its aspect to {budget}"], f"the whole image resized at its aspect to {budget}"
+
+
+Pipeline = PerSample | FromFiles | InMemory | Sequences

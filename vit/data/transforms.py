@@ -1,6 +1,7 @@
 """The per-sample pipelines: train (albumentations: crop, flip, RandAugment-like ops, normalise)
-and eval (the centred crop resized as every path resizes it, normalised). Inputs are RGB uint8
-arrays; outputs float CHW tensors."""
+and eval (the centred crop resized as every path resizes it, normalised); with `data.naflex`, both
+at the image's own aspect ratio within a patch budget (SequenceTrainTransform, SequenceEvalTransform).
+Inputs are RGB uint8 arrays; outputs float CHW tensors."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from vit.data.augment import (
     eval_resize,
     normalize,
     rand_augment_ranges,
+    random_resized_crop_box,
     resize_box,
 )
+from vit.data.naflex import CROP_ASPECT, NaFlex, sequence_grid
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -101,6 +104,81 @@ class EvalTransform:
 
 
 eval_transform = EvalTransform  # the name beside train_transform
+
+
+class SequenceEvalTransform:
+    """Evaluation with `data.naflex`: the whole image resized, its aspect ratio kept, to the largest
+    grid of whole patches within the budget (vit.data.naflex.sequence_grid), as EvalTransform
+    resizes (bicubic, antialiased), normalised. RGB uint8 (H, W, 3) in, float (3, rows x patch,
+    columns x patch) out."""
+
+    def __init__(
+        self, naflex: NaFlex, mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD
+    ) -> None:
+        self.naflex, self.mean, self.std = naflex, mean, std
+
+    def __call__(self, *, image: np.ndarray) -> dict[str, torch.Tensor]:
+        box = (0, 0, image.shape[0], image.shape[1])
+        return {"image": _to_sequence_size(image, box, self.naflex, self.mean, self.std)}
+
+
+class SequenceTrainTransform:
+    """Training with `data.naflex`: augment's crop (rrc: a random resized crop whose aspect ratio is
+    the image's times vit.data.naflex.CROP_ASPECT, so it stays near the image's; resize: the whole
+    image) resized as SequenceEvalTransform resizes it, then the flip and RandAugment, normalised.
+    Each image's draws come from its sample seed (`set_random_seed`, as albumentations' pipelines
+    take it), so a resumed run sees the same crops."""
+
+    def __init__(
+        self,
+        naflex: NaFlex,
+        augment: Augment = Augment(),
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+    ) -> None:
+        if augment.crop not in ("rrc", "resize"):
+            raise ValueError(f"patch sequences are cropped with rrc or resize, not {augment.crop!r}")
+        self.naflex, self.augment, self.mean, self.std = naflex, augment, mean, std
+        ops, magnitude = augment.randaugment
+        some = [A.SomeOf(rand_augment_ops(magnitude), n=ops, replace=False, p=1.0)] if ops > 0 else []
+        self.rand_augment = A.Compose(some) if some else None
+        self.rng = np.random.default_rng()
+
+    def set_random_seed(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        if self.rand_augment is not None:  # a stream of its own: the sample seed's would repeat the crop's draws
+            self.rand_augment.set_random_seed(int(self.rng.integers(2**32)))
+
+    def __call__(self, *, image: np.ndarray) -> dict[str, torch.Tensor]:
+        height, width = image.shape[:2]
+        box = (0, 0, height, width)
+        if self.augment.crop == "rrc":
+            ratio = tuple(width / height * r for r in CROP_ASPECT)
+            box = random_resized_crop_box(self.rng, height, width, self.augment.crop_scale, ratio)
+        flip = self.augment.hflip and self.rng.random() < 0.5
+        if self.rand_augment is None:
+            return {"image": _to_sequence_size(image, box, self.naflex, self.mean, self.std, flip)}
+        pixels = _hwc(_to_sequence_size(image, box, self.naflex, flip=flip))
+        pixels = self.rand_augment(image=pixels)["image"]
+        return {"image": normalize(_chw(pixels)[None], self.mean, self.std)[0]}
+
+
+def _to_sequence_size(
+    image: np.ndarray,
+    box: tuple[int, int, int, int],
+    naflex: NaFlex,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+    flip: bool = False,
+) -> torch.Tensor:
+    """The box of an RGB uint8 image resized to its sequence grid (bicubic, antialiased, whole
+    levels: EvalTransform's resize), mirrored if `flip`: float (3, H, W), normalised if mean and std
+    are given, else in [0, 255]."""
+    rows, columns = sequence_grid(box[2], box[3], naflex.max_patches)
+    size = (rows * naflex.patch_size, columns * naflex.patch_size)
+    pixels = resize_box(_chw(image), box, size, whole_levels=True)
+    pixels = pixels.flip(-1) if flip else pixels
+    return pixels[0] if mean is None or std is None else normalize(pixels, mean, std)[0]
 
 
 def eval_pixels(image: np.ndarray, img_size: int, crop_pct: float = 1.0) -> np.ndarray:

@@ -43,9 +43,9 @@ from torch import nn
 
 import vit
 from vit.layers import Attention
+from vit.timm_args import timm_kwargs
 from vit.tools.flops import count_flops, mfu, peak_tflops
 from vit.tools.machine import cpu_name, markdown_table
-from vit.vision_transformer import timm_kwargs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

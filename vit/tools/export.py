@@ -4,6 +4,7 @@
     python scripts/export.py x.safetensors --check_sizes 32 48 --images cat.jpg dog.png
     python scripts/export.py weights.pth --model vit_small_patch16_224 --check_sizes 224 320
     python scripts/export.py timm:vit_base_patch16_224 --atol 1e-3
+    python scripts/export.py naflex.pth --model naflexvit_base_patch16_gap --input patches --max_patches 256
 
 The source is anything vit.checkpoint.load_model reads: our .ckpt, an exported .safetensors,
 timm:<name> (downloaded; offline, fetch its model.safetensors elsewhere and give that file with
@@ -13,8 +14,12 @@ prints the largest |logit difference| against the PyTorch model; it exits 1 when
 The images are random unless --images gives files (resized, centre-cropped and normalised as in
 evaluation). The file's metadata carries the checkpoint's class names and evaluation preprocessing
 (size, crop, mean, std; --crop_pct, --mean and --std replace the checkpoint's or, for other sources,
-give it), which vit-predict and a bare onnxruntime session read. Installed (`pip install -e .`),
-the same command is `vit-export`.
+give it), which vit-predict and a bare onnxruntime session read. `--input patches` exports a
+NaFlexViT's patch-sequence form (patches, patch_coord, patch_valid; any batch and sequence length),
+checked on each size's images packed with a half-width copy of the first (two aspect ratios, padding).
+A checkpoint trained with data.naflex exports that form by default, its sequences as long as its patch
+budget, and its metadata carries the budget (--input and --max_patches still choose).
+Installed (`pip install -e .`), the same command is `vit-export`.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vit.checkpoint import Preprocess, load_model_and_meta
+from vit.checkpoint import Preprocess, PretrainedDownloadError, load_model_and_meta
 from vit.data.images import read_rgb
-from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from vit.export import OPSET, OnnxClassifier, export_onnx, image_spec, max_abs_diff
+from vit.export import INPUTS, OPSET, OnnxClassifier, export_onnx, image_spec, max_abs_diff
+from vit.naflex import pack
 
 
 def default_out(source: str) -> Path:
@@ -40,34 +45,66 @@ def default_out(source: str) -> Path:
     return Path(source).with_suffix(".onnx")
 
 
+def default_input(args: argparse.Namespace, meta: dict) -> tuple[str, int | None]:
+    """--input and --max_patches as given, else what the checkpoint's preprocessing asks for: a run
+    with data.naflex validated on patch sequences of its budget; any other source takes images."""
+    budget = (meta.get("preprocess") or {}).get("max_patches")
+    inputs = args.input or ("patches" if budget is not None else "images")
+    return inputs, args.max_patches or (budget if inputs == "patches" else None)
+
+
 def file_preprocess(args: argparse.Namespace, meta: dict, size: int) -> Preprocess | None:
     """What the file's metadata says of preprocessing: the checkpoint's, with the options given
-    replacing its values; for a source without it, the options given at the export size; else nothing."""
+    replacing its values; for a source without it, the options given at the export size; else nothing.
+    An image export of a checkpoint with a patch budget says square images (with a warning): its
+    graph cannot batch images of their own aspect ratios."""
     given = {"crop_pct": args.crop_pct, "mean": args.mean, "std": args.std}
     given = {name: value for name, value in given.items() if value is not None}
     saved = meta.get("preprocess")
     if saved is None and not given:
         return None
-    defaults = {"img_size": size, "crop_pct": 1.0, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
-    return Preprocess.from_dict({**(saved or defaults), **given})
+    preprocess = Preprocess.from_dict({**(saved or Preprocess.assumed(size).to_dict()), **given})
+    if preprocess.max_patches is not None and args.input == "images":
+        print(
+            f"warning: {args.source} was validated on patch sequences (at most {preprocess.max_patches} patches of "
+            f"{preprocess.patch_size} px an image, at its own aspect ratio); this image export's metadata says "
+            f"{preprocess.img_size} px squares instead, not validation's pixels (--input patches keeps them)",
+            file=sys.stderr,
+        )
+        preprocess = dataclasses.replace(preprocess, max_patches=None, patch_size=None)
+    return preprocess
 
 
 def check_batch(args: argparse.Namespace, size: int, in_chans: int, preprocess: Preprocess | None) -> torch.Tensor:
     if not args.images:
         return torch.randn(args.batch_size, in_chans, size, size, generator=torch.Generator().manual_seed(size))
-    preprocess = preprocess or Preprocess(size, 1.0, IMAGENET_MEAN, IMAGENET_STD)
-    return dataclasses.replace(preprocess, img_size=size)([read_rgb(path) for path in args.images])
+    preprocess = preprocess or Preprocess.assumed(size)
+    # Square images at each check size, the budget left out: check_inputs packs them for a sequence file.
+    square = dataclasses.replace(preprocess, img_size=size, max_patches=None, patch_size=None)
+    return square([read_rgb(path) for path in args.images])
+
+
+def check_inputs(
+    args: argparse.Namespace, images: torch.Tensor, patch: tuple[int, int]
+) -> tuple[torch.Tensor | dict, str]:
+    """What both models are given at one size, and its description: the images, or with --input patches
+    the images and the first one's left half (another aspect ratio) packed into padded sequences."""
+    if args.input == "images":
+        return images, "x".join(map(str, images.shape))
+    half = images[0][..., : max(patch[1], images.shape[-1] // 2 // patch[1] * patch[1])]
+    batch = pack([*images, half], patch)
+    height, width = images.shape[-2:]
+    shape = "x".join(map(str, batch["patches"].shape))
+    return batch, f"{shape} patches ({len(images)} of {height}x{width} px, 1 of {height}x{half.shape[-1]})"
 
 
 def load_source(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     try:
         return load_model_and_meta(args.source, args.model, use_ema=args.ema, **args.model_kwargs)
-    except RuntimeError as e:
-        # vit.checkpoint's advice for a failed timm download names the training option; this script takes a path.
-        if not (args.source.startswith("timm:") and str(e).startswith("could not get timm's pretrained weights")):
-            raise
-        name = args.source.removeprefix("timm:")
-        raise RuntimeError(timm_download_advice(name, args.model or name.split(".")[0], e.__cause__)) from e
+    except PretrainedDownloadError as e:
+        # vit.checkpoint's advice names the training option; this script takes a path.
+        architecture = args.model or e.name.split(".")[0]
+        raise RuntimeError(timm_download_advice(e.name, architecture, e.__cause__)) from e
 
 
 def timm_download_advice(name: str, architecture: str, cause: BaseException | None) -> str:
@@ -103,14 +140,27 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     parser.add_argument("--mean", type=float, nargs=3, help="default: the checkpoint's, else ImageNet's")
     parser.add_argument("--std", type=float, nargs=3, help="default: the checkpoint's, else ImageNet's")
     parser.add_argument("--atol", type=float, default=1e-4, help="largest |logit difference| accepted")
+    parser.add_argument(
+        "--input",
+        choices=INPUTS,
+        help="patches: a NaFlexViT's patch sequences (default for a data.naflex run; else images)",
+    )
+    parser.add_argument(
+        "--max_patches", type=int, help="--input patches: the length images are packed to (default: the run's budget)"
+    )
     args = parser.parse_args(argv)
 
     model, meta = load_source(args)
-    spec = image_spec(model, args.img_size, dynamic=not args.static)
+    args.input, args.max_patches = default_input(args, meta)
+    spec = image_spec(model, args.img_size, dynamic=not args.static, inputs=args.input)
     preprocess, class_names = file_preprocess(args, meta, spec.img_size[0]), meta.get("class_names")
     out = args.out or default_out(args.source)
-    out = export_onnx(model, out, args.img_size, not args.static, args.opset, preprocess, class_names)
-    carried = [f"{preprocess.img_size} px preprocessing"] if preprocess else []
+    out = export_onnx(
+        model, out, args.img_size, not args.static, args.opset, preprocess, class_names, args.input, args.max_patches
+    )  # fmt: skip
+    carried = [] if preprocess is None else [f"{preprocess.img_size} px preprocessing"]
+    if preprocess is not None and preprocess.max_patches is not None:
+        carried = [f"{preprocess.max_patches}-patch preprocessing"]
     carried += [f"{len(class_names)} class names"] if class_names else []
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, opset {args.opset}{''.join(f', {c}' for c in carried)})")
 
@@ -120,9 +170,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     onnx_model = OnnxClassifier(out)
     diffs = {}
     for check_size in sizes:
-        images = check_batch(args, check_size, spec.in_chans, preprocess)
-        diffs[check_size] = max_abs_diff(model, onnx_model, images)
-        shape = f"{len(images)}x{spec.in_chans}x{check_size}x{check_size}"
+        inputs, shape = check_inputs(args, check_batch(args, check_size, spec.in_chans, preprocess), spec.multiple)
+        diffs[check_size] = max_abs_diff(model, onnx_model, inputs)
         print(f"{shape}: max |onnxruntime - torch| = {diffs[check_size]:.2e}")
     worst = max(diffs.values())
     if not np.isfinite(worst) or worst > args.atol:

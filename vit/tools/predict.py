@@ -4,16 +4,19 @@ image's top classes and their probabilities, and with --out the same as CSV or J
     vit-predict runs/default/checkpoints/last.ckpt photos/ cat.jpg
     vit-predict runs/default/checkpoints/last.ckpt photos/ --top-k 3 --out preds.csv
     vit-predict last.onnx photos/ --out preds.json --skip-corrupt
+    vit-predict runs/default/checkpoints/last.ckpt photos/ --ema
 
 (`python scripts/predict.py ...` is the same command.)
 
 CHECKPOINT is our .ckpt (or its .safetensors export) or an .onnx file written by vit-export. IMAGES
 are files and folders (searched recursively for images, sorted). Each image is prepared as
 validation prepared the run's images, with the settings the file carries (the centred crop_pct
-square, resized to img_size, bicubic, normalised by mean and std: vit.data.transforms.eval_transform),
-and its probabilities are the softmax of the model's logits; the classes are named as the checkpoint
-names them. A file without those settings is read with the model's size, the whole image and
-ImageNet's mean and std, with a warning.
+square, resized to img_size, bicubic, normalised by mean and std: vit.data.transforms.eval_transform;
+for a run with data.naflex, the whole image at its own aspect ratio within the patch budget, packed
+as patch sequences: SequenceEvalTransform), and its probabilities are the softmax of the model's
+logits; the classes are named as the checkpoint names them. --ema predicts with the moving average
+of the weights that a .ckpt keeps when its run set model.ema_decay. A file without those settings is
+read with the model's size, the whole image and ImageNet's mean and std, with a warning.
 
 An image that cannot be read ends the command with an error naming it (exit status 1); with
 --skip-corrupt it is named on stderr and left out. The CSV has the columns path, class_1, prob_1,
@@ -36,13 +39,13 @@ import torch
 
 from vit.checkpoint import Preprocess, load_checkpoint
 from vit.data.images import read_rgb
-from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from vit.export import OnnxClassifier, image_spec
+from vit.lit import Inputs
 from vit.tools.args import image_files, positive_int
 
 DEFAULT_TOP_K = 5  # or every class, when the model has fewer
 OUT_FORMATS = (".csv", ".json")
-Logits = Callable[[torch.Tensor], torch.Tensor]  # prepared images (B, 3, S, S) -> logits on the CPU
+Logits = Callable[[Inputs], torch.Tensor]  # prepared images (Preprocess's batch) -> logits on the CPU
 
 
 @dataclass
@@ -66,38 +69,46 @@ class Prediction:
 # -- the model ---------------------------------------------------------------------------------
 
 
-def load_classifier(path: Path, device: str = "auto") -> Classifier:
-    """Our .ckpt / .safetensors (run by PyTorch on `device`) or a vit-export .onnx file (onnxruntime, CPU)."""
+def load_classifier(path: Path, device: str = "auto", ema: bool = False) -> Classifier:
+    """Our .ckpt / .safetensors (run by PyTorch on `device`) or a vit-export .onnx file (onnxruntime, CPU);
+    `ema`: a .ckpt's moving average of the weights (the exports hold one set, the one exported)."""
+    if ema and path.suffix != ".ckpt":
+        raise ValueError(
+            f"--ema: {path} holds one set of weights; give the run's .ckpt, or export its EMA weights "
+            "(vit-export --ema, export_safetensors(use_ema=True))"
+        )
     if path.suffix == ".onnx":
         logits, preprocess, names = _onnx(path, device)
     elif path.suffix in (".ckpt", ".safetensors"):
-        logits, preprocess, names = _torch(path, device)
+        logits, preprocess, names = _torch(path, device, ema)
     else:
         raise ValueError(
             f"CHECKPOINT {path}: expected our .ckpt (or its .safetensors export) or a vit-export .onnx file"
         )
     if names is None:  # the data did not name its classes: their indices
-        classes = logits(torch.zeros(1, 3, preprocess.img_size, preprocess.img_size)).shape[-1]
+        blank = np.zeros((preprocess.img_size, preprocess.img_size, 3), np.uint8)
+        classes = logits(preprocess([blank])).shape[-1]
         names = [str(c) for c in range(classes)]
     return Classifier(logits, preprocess, names)
 
 
-def _torch(path: Path, device: str) -> tuple[Logits, Preprocess, list[str] | None]:
+def _torch(path: Path, device: str, ema: bool) -> tuple[Logits, Preprocess, list[str] | None]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here; use --device cpu")
     target = torch.device(device)
-    model, meta = load_checkpoint(path)
+    model, meta = load_checkpoint(path, use_ema=ema)
     try:
         size = image_spec(model).img_size[0]
     except TypeError:
         raise ValueError(f"{path} holds a {type(model).__name__}, not an image classifier") from None
     model = model.float().to(target)
 
-    def logits(images: torch.Tensor) -> torch.Tensor:
+    def logits(images: Inputs) -> torch.Tensor:
+        images = {n: v.to(target) for n, v in images.items()} if isinstance(images, dict) else images.to(target)
         with torch.inference_mode():
-            return model(images.to(target)).float().cpu()
+            return model(images).float().cpu()
 
     saved = meta.get("preprocess")
     preprocess = Preprocess.from_dict(saved) if saved is not None else _assumed(path, size)
@@ -123,7 +134,7 @@ def _assumed(path: Path, size: int) -> Preprocess:
         "(crop 1.0) and ImageNet's mean and std",
         file=sys.stderr,
     )
-    return Preprocess(size, 1.0, IMAGENET_MEAN, IMAGENET_STD)
+    return Preprocess.assumed(size)
 
 
 # -- the images --------------------------------------------------------------------------------
@@ -210,12 +221,13 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when there is one"
     )
     parser.add_argument("--skip-corrupt", action="store_true", help="leave out images that cannot be read, naming them")
+    parser.add_argument("--ema", action="store_true", help="predict with a .ckpt's EMA weights (model.ema_decay)")
     args = parser.parse_args(argv)
     if args.out is not None and args.out.suffix not in OUT_FORMATS:
         raise ValueError(f"--out {args.out}: expected a file ending in {' or '.join(OUT_FORMATS)}")
 
     files = image_files(args.images)
-    classifier = load_classifier(args.checkpoint, args.device)
+    classifier = load_classifier(args.checkpoint, args.device, args.ema)
     classes = len(classifier.class_names)
     top_k = args.top_k or min(DEFAULT_TOP_K, classes)
     if top_k > classes:

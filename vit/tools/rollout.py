@@ -12,16 +12,21 @@ patch-grid map as .npy, plus an index.html gallery of the run that labels them a
 
 The checkpoint is ours (.ckpt / .safetensors from scripts/train.py), a timm-format state dict with
 --model naming the architecture, or timm:<name>. Images are files, folders (searched recursively)
-or a dataset split from a training config. The model sees each image as in validation (shorter
-side resized to img_size / crop_pct, centre crop); the PNG shows that region of the original,
-with the map resized to it bilinearly. `--method` takes any of `vit.rollout.METHODS`, or several
-separated by commas: then every image gets one panel and one map per method (`<image>_<method>.png` /
-`.npy`), and the gallery shows an image's methods side by side in one row. `gallery.png` puts every
-image and method on one page (the image, then each method's overlay; `--sheet-size` pixels a cell).
-Predictions (on the page and on gallery.png) are labelled with the class names the checkpoint
-carries (or the config's data gives). An image's true class is shown next to them where it is
-known: the dataset's label with --config, or, for image files, the name of the folder holding the
-image when a class has that name (an image-folder layout such as `cifar10/test/cat/0006.jpg`).
+or a dataset split from a training config. The model sees each image as its run's validation did,
+with the preprocessing the checkpoint records (size, centre crop, mean and std: what vit-predict
+reads); a --config's datamodule, then --crop-pct, --mean and --std, replace single values, and a
+source that records none gets the model's size, the whole image and ImageNet's mean and std. A
+checkpoint trained on patch sequences (data.naflex) is refused: the maps are of square images. The
+PNG shows the region the crop keeps, with the map resized to it bilinearly. `--method` takes any
+of `vit.rollout.METHODS`, or several separated by commas: then every image gets one panel and one
+map per method (`<image>_<method>.png` / `.npy`), and the gallery shows an image's methods side by
+side in one row. `gallery.png` puts every image and method on one page (the image, then each
+method's overlay; `--sheet-size` pixels a cell), headed by the model's name and size, its accuracy
+as the checkpoint records it (or --accuracy) and the maps' colour scale. Predictions (on the page
+and on gallery.png) are labelled with the class names the checkpoint carries (or the config's data
+gives). An image's true class is shown next to them where it is known: the dataset's label with
+--config, or, for image files, the name of the folder holding the image when a class has that name
+(an image-folder layout such as `cifar10/test/cat/0006.jpg`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import argparse
 import html
 import importlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +45,9 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from vit.checkpoint import load_checkpoint, load_model
+from vit.checkpoint import Preprocess, RecordedScore, load_checkpoint, load_model, recorded_score
 from vit.data.augment import center_crop_box
 from vit.data.images import ImageArrays, ImageFiles, read_rgb
-from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
 from vit.rollout import METHODS, check_vit, contact_sheet, render_panel, rollout_maps
 from vit.tools.args import image_files, positive_int
 from vit.vision_transformer import VisionTransformer
@@ -85,19 +90,58 @@ class Entry:
 # -- the model ---------------------------------------------------------------------------------
 
 
-def load_vit(source: str, model_name: str | None = None) -> tuple[VisionTransformer, list[str] | None]:
+def load_vit(source: str, model_name: str | None = None) -> tuple[VisionTransformer, dict]:
     """Any source `vit.checkpoint.load_model` reads (with `--model` for a timm-format file), as a ViT,
-    and the class names our checkpoints carry (None for other sources)."""
+    and the run's metadata our checkpoints carry (model name, class names, preprocessing; {} for
+    other sources). A run validated on patch sequences (data.naflex) is refused: the maps are of
+    square image batches, not of the pixels its model saw."""
     ours = model_name is None and Path(source).suffix in (".ckpt", ".safetensors") and Path(source).is_file()
     try:
-        if ours:  # rebuilt from the file alone, with the run's metadata
-            model, meta = load_checkpoint(source)
-            return check_vit(model, source), meta.get("class_names")
-        return check_vit(load_model(source, model_name), source), None
+        if not ours:
+            return check_vit(load_model(source, model_name), source), {}
+        model, meta = load_checkpoint(source)  # rebuilt from the file alone, with the run's metadata
     except ValueError as e:
         if model_name is None and (ours or "give the architecture" in str(e)):
             raise ValueError(f"{e}. For a timm-format file, pass --model <architecture>") from e
         raise
+    budget = (meta.get("preprocess") or {}).get("max_patches")
+    if budget is not None:
+        raise ValueError(
+            f"{source} was validated on patch sequences (data.naflex: each image at its own aspect ratio, at most "
+            f"{budget} patches), and vit.rollout explains batches of square images on one patch grid only: its maps "
+            "would not show what this model saw"
+        )
+    return check_vit(model, source), meta
+
+
+def eval_preprocess(model: VisionTransformer, meta: dict, *overrides: dict) -> Preprocess:
+    """How the model sees an image: the evaluation preprocessing the checkpoint records (as vit-predict
+    reads it), else `Preprocess.assumed` at the model's size; each of `overrides` in turn (the
+    config's datamodule, the options given) replaces the values it holds that are not None."""
+    values = meta.get("preprocess") or Preprocess.assumed(model.patch_embed.img_size[0]).to_dict()
+    for override in overrides:
+        values = {**values, **{name: value for name, value in override.items() if value is not None}}
+    return Preprocess.from_dict(values)
+
+
+def params_text(count: int) -> str:
+    """A parameter count in millions: 5.4M, or two significant digits below 0.1M (0.021M)."""
+    return f"{count / 1e6:.1f}M" if count >= 100_000 else f"{count / 1e6:.2g}M"
+
+
+def accuracy_text(score: RecordedScore | None) -> str:
+    """The validation score the checkpoint records, as gallery.png states it; never an estimate."""
+    if score is None:
+        return "accuracy not recorded"
+    value = f"{100 * score.value:.1f}%" if "acc" in score.monitor else f"{score.value:.4g}"
+    if score.own:
+        return f"{score.monitor} {value}"
+    return f"{score.monitor} not recorded for these weights (the run's best: {value}, {score.best})"
+
+
+def sheet_header(name: str, model: VisionTransformer, accuracy: str) -> list[str]:
+    """gallery.png's first lines: which model (its name and size) and how accurate it is."""
+    return [f"{name} ({params_text(sum(p.numel() for p in model.parameters()))} params)", accuracy]
 
 
 # -- the images --------------------------------------------------------------------------------
@@ -172,13 +216,13 @@ def batches(items: list[Item], size: int) -> Iterator[list[Item]]:
 
 
 def export(args: argparse.Namespace) -> Path:
-    model, class_names = load_vit(args.checkpoint, args.model)
+    model, meta = load_vit(args.checkpoint, args.model)
     model = model.to(args.device)
-    settings = {"crop_pct": args.crop_pct, "mean": args.mean, "std": args.std}
+    class_names = meta.get("class_names")
+    data_settings: dict = {}
     if args.config:
-        items, data_names, found = items_from_config(args.config, args.split, args.data_root)
+        items, data_names, data_settings = items_from_config(args.config, args.split, args.data_root)
         class_names = data_names or class_names
-        settings.update(found)
     else:
         if not args.images:
             raise ValueError("give image files or folders, or --config (and --split) for a dataset split")
@@ -195,7 +239,16 @@ def export(args: argparse.Namespace) -> Path:
     items = items[: args.limit] if args.limit else items
     if class_names is not None:
         label_by_folder(items, class_names)
-    transform = eval_transform(model.patch_embed.img_size[0], settings["crop_pct"], settings["mean"], settings["std"])
+    given = {"crop_pct": args.crop_pct, "mean": args.mean, "std": args.std}
+    preprocess = eval_preprocess(model, meta, data_settings, given)
+    if "preprocess" not in meta and not data_settings and all(value is None for value in given.values()):
+        print(
+            f"warning: {args.checkpoint} does not say how validation prepared images; assuming {preprocess.img_size} "
+            "px, the whole image (crop 1.0) and ImageNet's mean and std (set them with --crop-pct, --mean, --std)",
+            file=sys.stderr,
+        )
+    name = meta.get("model_name") or args.model or args.checkpoint.removeprefix("timm:")
+    header = sheet_header(name, model, args.accuracy or accuracy_text(recorded_score(args.checkpoint)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name_of = (lambda c: class_names[c]) if class_names else str
@@ -203,7 +256,7 @@ def export(args: argparse.Namespace) -> Path:
     progress = tqdm(total=len(items), desc="rollout", unit="img")
     for batch in batches(items, args.batch_size):
         images = [_read(item) for item in batch]
-        x = torch.stack([transform(image=image)["image"] for image in images]).to(args.device)
+        x = preprocess(images).to(args.device)
         maps, logits = {}, None
         for method in args.method:
             found, logits = rollout_maps(
@@ -216,7 +269,7 @@ def export(args: argparse.Namespace) -> Path:
             top = p.topk(min(args.topk, len(p)))
             predictions = [(name_of(int(c)), float(v)) for v, c in zip(top.values, top.indices, strict=True)]
             true = None if item.label is None else name_of(item.label)
-            view = model_view(image, settings["crop_pct"])
+            view = model_view(image, preprocess.crop_pct)
             files = []
             for method in args.method:  # one method: <stem>.png; several: <stem>_<method>.png
                 file_stem = stem if len(args.method) == 1 else f"{stem}_{method}"
@@ -230,8 +283,9 @@ def export(args: argparse.Namespace) -> Path:
             sheet_rows.append((view, [maps[method][j] for method in args.method], lines + _true_line(true)))
             progress.update()
     progress.close()
-    write_gallery(out, entries, panel_size, args)
-    contact_sheet(sheet_rows, [METHOD_NAMES[m] for m in args.method], args.sheet_size).save(out / "gallery.png")
+    write_gallery(out, entries, panel_size, args, header)
+    titles = [METHOD_NAMES[m] for m in args.method]
+    contact_sheet(sheet_rows, titles, args.sheet_size, header).save(out / "gallery.png")
     return out
 
 
@@ -268,9 +322,12 @@ def _figure(file_stem: str, width: int, height: int, method: str | None) -> str:
     )
 
 
-def write_gallery(out: Path, entries: list[Entry], panel_size: tuple[int, int], args: argparse.Namespace) -> None:
-    """index.html, one static page: each image's name, predictions and true class, then its panel,
-    or with several methods its panels side by side, methods in the order given.
+def write_gallery(
+    out: Path, entries: list[Entry], panel_size: tuple[int, int], args: argparse.Namespace, header: list[str]
+) -> None:
+    """index.html, one static page: the model and its accuracy (`header`), then each image's name,
+    predictions and true class, then its panel, or with several methods its panels side by side,
+    methods in the order given.
 
     Every label is printed once, as HTML text, and the panel PNGs carry none: text in the page
     reflows, follows the browser's font size and can be searched and copied, where text drawn into
@@ -313,7 +370,8 @@ figcaption {{ font-size: 0.9em; margin-top: 0.2em; }}
 .right {{ color: #060; }} .wrong {{ color: #b00; }}
 </style></head><body>
 <h1>Explanation maps</h1>
-<p class="about">{html.escape(args.checkpoint)} &middot; {html.escape(what)} &middot; start layer {args.start_layer}
+<p class="about">{html.escape(args.checkpoint)} &middot; {" &middot; ".join(map(html.escape, header))}<br>
+{html.escape(what)} &middot; start layer {args.start_layer}
 &middot; {len(entries)} images<br>
 Each panel: the image as the model saw it | the map (blue low, red high) | the map over the image.
 Above it: the top classes with their probabilities, and the true class where it is known
@@ -347,9 +405,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--target", type=int, help="class for gradient and gradcam (default: the predicted one)")
     parser.add_argument("--topk", type=positive_int, default=3, help="predicted classes shown per image")
     parser.add_argument("--class-names", help="a text file with one class name per line")
-    parser.add_argument("--crop-pct", type=float, default=1.0, help="eval centre crop (0.875 for ImageNet models)")
-    parser.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN)
-    parser.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD)
+    parser.add_argument("--crop-pct", type=float, help="eval centre crop (default: the checkpoint's, else 1.0)")
+    parser.add_argument("--mean", type=float, nargs=3, help="default: the checkpoint's, else ImageNet's")
+    parser.add_argument("--std", type=float, nargs=3, help="default: the checkpoint's, else ImageNet's")
+    parser.add_argument(
+        "--accuracy", help="the accuracy gallery.png states, e.g. '75.7%% test top-1' (default: the checkpoint's)"
+    )
     parser.add_argument("--panel-size", type=positive_int, default=224, help="pixels per panel in the PNGs")
     parser.add_argument(
         "--sheet-size", type=int, default=96, help="pixels per cell of gallery.png (every image x method on one page)"

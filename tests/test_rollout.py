@@ -387,10 +387,10 @@ def test_the_sheet_is_headed_by_the_model_its_accuracy_and_the_colour_scale():
     image = np.zeros((16, 16, 3), dtype=np.uint8)
     image[..., 1] = 255  # green: its overlays never hold the colour map's pure ends
     rows = [(image, [np.eye(4)], ["cat 0.9"])]
-    header = ["vit_nano_patch4_16 (0.8M params)", "val/acc1 87.5%"]
+    header = ["vit_nano_patch4_16 (0.8M params)", "val/acc1: 87.5%"]
     plain = np.asarray(contact_sheet(rows, ["attention rollout"], 96))
     headed = np.asarray(contact_sheet(rows, ["attention rollout"], 96, header))
-    other = np.asarray(contact_sheet(rows, ["attention rollout"], 96, [header[0], "val/acc1 12.5%"]))
+    other = np.asarray(contact_sheet(rows, ["attention rollout"], 96, [header[0], "val/acc1: 12.5%"]))
     extra = headed.shape[0] - plain.shape[0]  # two lines of text
     assert extra > 0 and extra % 2 == 0 and headed.shape[1] == plain.shape[1] == 2 * 96
     np.testing.assert_array_equal(headed[extra:], plain)  # the header is added above, nothing else moves
@@ -453,8 +453,8 @@ def test_the_gallery_states_the_accuracy_the_checkpoint_records_and_only_that(tm
     image.parent.mkdir()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(image)
     cases = [
-        (best, [], "val/acc1 87.5%"),  # the score of these very weights
-        (last, [], "val/acc1 not recorded for these weights (the run's best: 87.5%, best-epoch003-step40.ckpt)"),
+        (best, [], "val/acc1: 87.5%"),  # the score of these very weights
+        (last, [], "val/acc1: not recorded for these weights (the run's best: 87.5%, best-epoch003-step40.ckpt)"),
         (bare, [], "accuracy not recorded"),
         (bare, ["--accuracy", "75.7% test top-1"], "75.7% test top-1"),
     ]

@@ -135,8 +135,8 @@ def accuracy_text(score: RecordedScore | None) -> str:
         return "accuracy not recorded"
     value = f"{100 * score.value:.1f}%" if "acc" in score.monitor else f"{score.value:.4g}"
     if score.own:
-        return f"{score.monitor} {value}"
-    return f"{score.monitor} not recorded for these weights (the run's best: {value}, {score.best})"
+        return f"{score.monitor}: {value}"
+    return f"{score.monitor}: not recorded for these weights (the run's best: {value}, {score.best})"
 
 
 def sheet_header(name: str, model: VisionTransformer, accuracy: str) -> list[str]:

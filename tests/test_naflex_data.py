@@ -5,6 +5,7 @@ through scripts/train.py on a folder of mixed-aspect JPEGs, resumed after SIGTER
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lightning as L
@@ -356,20 +357,50 @@ def test_a_checkpoint_without_the_budget_still_predicts_and_explains_square_imag
 
 
 @pytest.mark.slow
-def test_vit_rollout_refuses_a_naflex_checkpoint_in_one_line(naflex_run, tmp_path, capsys):
-    from vit.tools import rollout
+def test_vit_rollout_explains_a_naflex_checkpoint_at_each_images_own_grid(naflex_run, tmp_path):
+    """One image at a time, unpadded, at the grid validation gave it: its logits are its packed
+    sequence's, every method's map has that grid's shape, the predictions shown are vit-predict's and
+    attention rollout is the per-image reference of tests/test_rollout.py on the explicit attention."""
+    from tests.test_rollout import _numpy_rollout
+    from vit.rollout import METHODS
+    from vit.tools import predict, rollout
 
-    _, ckpt = naflex_run
-    image = next((ckpt.parents[2] / "data/val").rglob("*.jpg"))
-    with pytest.raises(SystemExit) as stopped:
-        rollout.main(["--checkpoint", str(ckpt), str(image), "--out", str(tmp_path / "maps"), "--device", "cpu"])
-    assert stopped.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: {ckpt} was validated on patch sequences (data.naflex: each image at its own aspect ratio, at most "
-        "16 patches), and vit.rollout explains batches of square images on one patch grid only: its maps would not "
-        "show what this model saw"
-    ]
-    assert not (tmp_path / "maps").exists()
+    cli, ckpt = naflex_run
+    files = [Path(sample.path) for sample in cli.datamodule.val_set.samples]  # class0..3: the ASPECTS in turn
+    images = [read_rgb(path) for path in files]
+    grids = [(3, 5), (5, 3), (4, 4), (2, 6)]  # 16 patches of 8 px: a 2:1 image's sides rounded up to 3 x 5
+    assert [sequence_grid(*image.shape[:2], 16) for image in images] == grids
+    model, meta = load_checkpoint(ckpt)
+    preprocess = Preprocess.from_dict(meta["preprocess"])
+    singles = preprocess.tensors(images)
+    assert [tuple(x.shape[1:]) for x in singles] == [(8 * h, 8 * w) for h, w in grids]
+    with torch.no_grad():
+        packed = model.eval()(preprocess(images))  # padded to 16 patches, the padding masked
+        alone = torch.cat([model(x[None]) for x in singles])
+    torch.testing.assert_close(alone, packed, atol=1e-5, rtol=0)
+
+    out = rollout.main(["--checkpoint", str(ckpt), *map(str, files), "--method", ",".join(METHODS),
+                        "--out", str(tmp_path / "maps"), "--device", "cpu"])  # fmt: skip
+    stems = [f"{i:05d}_{path.stem}" for i, path in enumerate(files)]
+    for stem, grid in zip(stems, grids, strict=True):
+        for method in METHODS:
+            assert np.load(out / f"{stem}_{method}.npy").shape == grid, (stem, method)
+    # original | map | overlay, each 3:5 at 224 px wide: the map (never white in jet) 134 px tall, white under it
+    wide = np.asarray(Image.open(out / f"{stems[0]}_attention.png"))
+    assert wide.shape[1] == 3 * 224 and (wide[:134, 224:448] != 255).any(-1).all() and (wide[134:] == 255).all()
+    assert Image.open(out / "gallery.png").width == (1 + len(METHODS)) * 96
+
+    with torch.no_grad():
+        logits, attns = model.forward_with_attn(singles[0][None])
+    torch.testing.assert_close(logits, packed[:1], atol=1e-5, rtol=0)
+    assert (model.num_prefix_tokens, model.global_pool) == (4, "avg") and attns[0].shape[-1] == 4 + 15
+    expected = _numpy_rollout([a.numpy() for a in attns], "mean", 0.0, 4, "avg").reshape(1, 3, 5)
+    np.testing.assert_allclose(np.load(out / f"{stems[0]}_attention.npy"), expected[0], rtol=1e-5, atol=1e-6)
+
+    sections = (out / "index.html").read_text().split("<section>")[1:]
+    shown = [re.findall(r"(\w+): (\d\.\d\d)", section.split("</p>")[0]) for section in sections]
+    by_predict = predict.main([str(ckpt), *map(str, files), "--top-k", "3", "--device", "cpu"])
+    assert shown == [[(name, f"{prob:.2f}") for name, prob in p.top] for p in by_predict]
 
 
 @pytest.mark.slow

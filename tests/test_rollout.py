@@ -5,6 +5,7 @@ formulas, the export script and the TensorBoard callback."""
 from __future__ import annotations
 
 import html
+import json
 import re
 from pathlib import Path
 
@@ -381,6 +382,27 @@ def test_contact_sheet_puts_each_map_overlay_in_its_column():
         contact_sheet([(image, [hot_right], [])], ["a", "b"])
 
 
+def test_a_wide_grid_is_drawn_at_its_aspect_ratio_on_the_panel_and_the_sheet():
+    """A NaFlex image's 3 x 5 patch grid on its 24 x 40 pixels: panels 3:5 with the longer side
+    panel_size and the map stretched over the image as it lies; on the sheet the image fills its
+    square cell's width, at the top."""
+    image = np.zeros((24, 40, 3), dtype=np.uint8)
+    image[..., 1] = 255  # green, to find it on the sheet
+    grid_map = np.zeros((3, 5))
+    grid_map[0, 4] = 1.0  # the top-right patch
+    panel = np.asarray(render_panel(image, grid_map, [], panel_size=80))
+    assert panel.shape[:2] == (48 + 6, 3 * 80)  # 6: the margin under the panels
+    heat = panel[:48, 80:160].astype(int)
+    assert heat[2, 77].tolist() == [128, 0, 0] and heat[45, 2].tolist() == [0, 0, 128]  # jet's ends
+    assert (panel[:48, :80] == [0, 255, 0]).all()
+
+    sheet = np.asarray(contact_sheet([(image, [grid_map], [])], ["a"], panel_size=40))
+    green = (sheet[:, :40] == [0, 255, 0]).all(-1)
+    rows = green.any(axis=1).nonzero()[0]
+    assert len(rows) == 24 and green[rows].all() and rows[-1] - rows[0] == 23  # 24 x 40, in one piece
+    assert (sheet[rows[-1] + 1 :, :40] == 255).all()  # the rest of the cell below it is white
+
+
 def test_the_sheet_is_headed_by_the_model_its_accuracy_and_the_colour_scale():
     """Header lines above everything else, then a bar of the maps' colour map from its low end (left)
     to its high end (right), labelled low and high."""
@@ -637,3 +659,21 @@ def test_a_batch_size_of_zero_is_a_usage_error_naming_the_option(tmp_path, capsy
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.endswith("error: argument --batch-size: must be a whole number of at least 1, got 0")
+
+
+def test_a_naflex_file_without_recorded_preprocessing_is_explained_at_the_models_own_size(tmp_path, capsys):
+    """A NaFlexVit has no patch_embed: what vit-rollout assumes for a file that records no
+    preprocessing comes from the model's image size, as vit-predict assumes it."""
+    from safetensors.torch import save_file
+
+    kwargs = dict(
+        embed_dim=32, depth=2, num_heads=2, num_classes=3, img_size=32, patch_size=8, pos_embed_grid_size=(4, 4)
+    )
+    model = create_model("naflexvit_base_patch16_gap", **kwargs)
+    weights = tmp_path / "naflex.safetensors"
+    metadata = {"vit_model_name": "naflexvit_base_patch16_gap", "vit_model_kwargs": json.dumps(kwargs)}
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights), metadata=metadata)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 40, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    export.main(["--checkpoint", str(weights), "--out", str(tmp_path / "out"), str(tmp_path / "a.png")])
+    assert "assuming 32 px" in capsys.readouterr().err
+    assert np.load(tmp_path / "out" / "00000_a.npy").shape == (4, 4)

@@ -156,21 +156,30 @@ class Preprocess:
             values |= {"max_patches": self.max_patches, "patch_size": self.patch_size}
         return values
 
-    def __call__(self, images: list[np.ndarray]) -> Inputs:
-        """RGB uint8 images (H, W, 3), any sizes, as one batch of model inputs: (B, 3, S, S) by
-        vit.data.transforms.eval_transform with these settings; with a budget, NaFlexVit.forward's dict
-        of patch sequences padded to max_patches, as the evaluation loader makes it."""
+    def tensors(self, images: list[np.ndarray]) -> list[torch.Tensor]:
+        """RGB uint8 images (H, W, 3), any sizes, each as evaluation resizes and normalises it, not yet
+        batched: (3, S, S) by vit.data.transforms.eval_transform with these settings; with a budget
+        (3, rows x patch, columns x patch), the grid vit.data.transforms.SequenceEvalTransform gives it."""
         # vit.data loads Lightning: imported only where images are read
-        from vit.data.naflex import NaFlex, PackSequences
+        from vit.data.naflex import NaFlex
         from vit.data.transforms import SequenceEvalTransform, eval_transform
 
         if self.max_patches is None:
             transform = eval_transform(self.img_size, self.crop_pct, self.mean, self.std)
-            return torch.stack([transform(image=image)["image"] for image in images])
-        naflex = NaFlex(self.max_patches, self.patch_size)
-        transform = SequenceEvalTransform(naflex, self.mean, self.std)
+        else:
+            transform = SequenceEvalTransform(NaFlex(self.max_patches, self.patch_size), self.mean, self.std)
+        return [transform(image=image)["image"] for image in images]
+
+    def __call__(self, images: list[np.ndarray]) -> Inputs:
+        """`tensors` as one batch of model inputs: (B, 3, S, S); with a budget, NaFlexVit.forward's dict
+        of patch sequences padded to max_patches, as the evaluation loader makes it."""
+        from vit.data.naflex import NaFlex, PackSequences
+
+        if self.max_patches is None:
+            return torch.stack(self.tensors(images))
         # The evaluation loader's collate_fn, so the padding is validation's too (the labels are unused).
-        return PackSequences(naflex)([(transform(image=image)["image"], 0) for image in images])[0]
+        packed = PackSequences(NaFlex(self.max_patches, self.patch_size))
+        return packed([(image, 0) for image in self.tensors(images)])[0]
 
 
 def read_lightning_checkpoint(path: str | Path) -> dict:

@@ -387,23 +387,34 @@ def overlay(image: np.ndarray, m: np.ndarray, alpha: float = 0.5) -> np.ndarray:
     return blended.round().astype(np.uint8)
 
 
+def fit(image: np.ndarray, size: int) -> np.ndarray:
+    """An RGB uint8 image resized (bicubic) so its longer side is `size`, its aspect ratio kept (a square:
+    size x size; a NaFlex image on a 3 x 5 patch grid: 3/5 size x size)."""
+    height, width = image.shape[:2]
+    scale = size / max(height, width)
+    shape = (max(1, round(width * scale)), max(1, round(height * scale)))
+    return np.asarray(Image.fromarray(image).resize(shape, Image.Resampling.BICUBIC))
+
+
 def render_panel(
     image: np.ndarray, grid_map: np.ndarray, lines: Sequence[str] = (), panel_size: int = 224
 ) -> Image.Image:
-    """original | heatmap | overlay, each panel_size square, with caption lines underneath.
+    """original | heatmap | overlay, each the image's aspect ratio with its longer side panel_size
+    (`fit`), with caption lines underneath.
 
     `image` is the RGB uint8 region the model saw; the grid map is resized to it bilinearly.
     """
-    shown = np.asarray(Image.fromarray(image).resize((panel_size, panel_size), Image.Resampling.BICUBIC))
-    m = to_unit(resize_map(grid_map, (panel_size, panel_size)))
+    shown = fit(image, panel_size)
+    height, width = shown.shape[:2]
+    m = to_unit(resize_map(grid_map, (height, width)))
     font = ImageFont.load_default(size=max(11, panel_size // 16))
     line_height = int(font.size * 1.3) if hasattr(font, "size") else 14
-    canvas = Image.new("RGB", (3 * panel_size, panel_size + line_height * len(lines) + 6), "white")
+    canvas = Image.new("RGB", (3 * width, height + line_height * len(lines) + 6), "white")
     for i, panel in enumerate((shown, colorize(m), overlay(shown, m))):
-        canvas.paste(Image.fromarray(panel), (i * panel_size, 0))
+        canvas.paste(Image.fromarray(panel), (i * width, 0))
     draw = ImageDraw.Draw(canvas)
     for i, line in enumerate(lines):
-        draw.text((4, panel_size + 3 + i * line_height), line, fill="black", font=font)
+        draw.text((4, height + 3 + i * line_height), line, fill="black", font=font)
     return canvas
 
 
@@ -435,6 +446,7 @@ def contact_sheet(
     """One image for a page: the `header` lines (which model, how accurate), the maps' colour scale
     (a bar from low to high), then a row per image (the region the model saw, then its overlay for
     each map, in `titles` order) with its caption lines under the image; `titles` head the columns.
+    A cell is panel_size square; an image of another aspect ratio is `fit` into its top-left corner.
     Header lines wrap at word boundaries to the sheet's width; the rows are at the bottom."""
     font = ImageFont.load_default(size=max(10, panel_size // 9))
     line_height = int(font.size * 1.3) if hasattr(font, "size") else 14
@@ -459,12 +471,11 @@ def contact_sheet(
         if len(maps) != len(titles):
             raise ValueError(f"row {r} has {len(maps)} maps for {len(titles)} titles")
         top = titles_top + line_height + 4 + r * row_height
-        shown = np.asarray(Image.fromarray(image).resize((panel_size, panel_size), Image.Resampling.BICUBIC))
+        shown = fit(image, panel_size)
         canvas.paste(Image.fromarray(shown), (0, top))
         for c, grid_map in enumerate(maps, 1):
-            canvas.paste(
-                Image.fromarray(overlay(shown, to_unit(resize_map(grid_map, (panel_size,) * 2)))), (c * panel_size, top)
-            )
+            m = to_unit(resize_map(grid_map, shown.shape[:2]))
+            canvas.paste(Image.fromarray(overlay(shown, m)), (c * panel_size, top))
         for i, line in enumerate(lines):
             draw.text((3, top + panel_size + 3 + i * line_height), line, fill="black", font=font)
     return canvas

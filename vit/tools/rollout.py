@@ -15,9 +15,11 @@ The checkpoint is ours (.ckpt / .safetensors from scripts/train.py), a timm-form
 or a dataset split from a training config. The model sees each image as its run's validation did,
 with the preprocessing the checkpoint records (size, centre crop, mean and std: what vit-predict
 reads); a --config's datamodule, then --crop-pct, --mean and --std, replace single values, and a
-source that records none gets the model's size, the whole image and ImageNet's mean and std. A
-checkpoint trained on patch sequences (data.naflex) is refused: the maps are of square images. The
-PNG shows the region the crop keeps, with the map resized to it bilinearly. `--method` takes any
+source that records none gets the model's size, the whole image and ImageNet's mean and std. The
+PNG shows the region the crop keeps, with the map resized to it bilinearly. A checkpoint whose run
+validated on patch sequences (data.naflex, a patch budget) is explained one image at a time, at its
+own aspect ratio on the grid validation gave it, and its maps are that grid (a 2:1 image's 11 x 22
+of 256 patches); its PNG shows the image as validation resized it. `--method` takes any
 of `vit.rollout.METHODS`, or several separated by commas: then every image gets one panel and one
 map per method (`<image>_<method>.png` / `.npy`), and the gallery shows an image's methods side by
 side in one row. `gallery.png` puts every image and method on one page (the image, then each
@@ -48,7 +50,8 @@ from tqdm import tqdm
 from vit.checkpoint import Preprocess, RecordedScore, load_checkpoint, load_model, recorded_score
 from vit.data.augment import center_crop_box
 from vit.data.images import ImageArrays, ImageFiles, read_rgb
-from vit.rollout import METHODS, check_vit, contact_sheet, render_panel, rollout_maps
+from vit.export import image_spec
+from vit.rollout import METHODS, check_vit, contact_sheet, denormalise, render_panel, rollout_maps
 from vit.tools.args import image_files, positive_int
 from vit.vision_transformer import VisionTransformer
 
@@ -79,12 +82,13 @@ class Item:
 @dataclass
 class Entry:
     """One image of the gallery: its name, top classes with their probabilities, true class if known,
-    and its (method, file stem) pairs in the order the methods were given."""
+    its (method, file stem) pairs in the order the methods were given and its panels' (width, height)."""
 
     name: str
     predictions: list[tuple[str, float]]
     true: str | None
     files: list[tuple[str, str]]
+    panel_size: tuple[int, int]
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -93,8 +97,7 @@ class Entry:
 def load_vit(source: str, model_name: str | None = None) -> tuple[VisionTransformer, dict]:
     """Any source `vit.checkpoint.load_model` reads (with `--model` for a timm-format file), as a ViT,
     and the run's metadata our checkpoints carry (model name, class names, preprocessing; {} for
-    other sources). A run validated on patch sequences (data.naflex) is refused: the maps are of
-    square image batches, not of the pixels its model saw."""
+    other sources)."""
     ours = model_name is None and Path(source).suffix in (".ckpt", ".safetensors") and Path(source).is_file()
     try:
         if not ours:
@@ -104,13 +107,6 @@ def load_vit(source: str, model_name: str | None = None) -> tuple[VisionTransfor
         if model_name is None and (ours or "give the architecture" in str(e)):
             raise ValueError(f"{e}. For a timm-format file, pass --model <architecture>") from e
         raise
-    budget = (meta.get("preprocess") or {}).get("max_patches")
-    if budget is not None:
-        raise ValueError(
-            f"{source} was validated on patch sequences (data.naflex: each image at its own aspect ratio, at most "
-            f"{budget} patches), and vit.rollout explains batches of square images on one patch grid only: its maps "
-            "would not show what this model saw"
-        )
     return check_vit(model, source), meta
 
 
@@ -118,7 +114,7 @@ def eval_preprocess(model: VisionTransformer, meta: dict, *overrides: dict) -> P
     """How the model sees an image: the evaluation preprocessing the checkpoint records (as vit-predict
     reads it), else `Preprocess.assumed` at the model's size; each of `overrides` in turn (the
     config's datamodule, the options given) replaces the values it holds that are not None."""
-    values = meta.get("preprocess") or Preprocess.assumed(model.patch_embed.img_size[0]).to_dict()
+    values = meta.get("preprocess") or Preprocess.assumed(image_spec(model).img_size[0]).to_dict()
     for override in overrides:
         values = {**values, **{name: value for name, value in override.items() if value is not None}}
     return Preprocess.from_dict(values)
@@ -196,6 +192,17 @@ def model_view(image: np.ndarray, crop_pct: float) -> np.ndarray:
     return image[top : top + height, left : left + width]
 
 
+def model_inputs(preprocess: Preprocess, images: list[np.ndarray]) -> list[tuple[torch.Tensor, list[np.ndarray]]]:
+    """The model's inputs for `images` as (batch, what each image's panels show) pairs. Square images:
+    one batch, each shown as the region the centre crop keeps (`model_view`). With a patch budget: one
+    (1, 3, H, W) image at a time, at the grid validation gave it, shown as those pixels. One image's
+    patch sequence has no padding, so NaFlexVit gives this image the logits of its packed sequence, and
+    the explanation methods, which take image tensors, see what validation saw."""
+    if preprocess.max_patches is None:
+        return [(preprocess(images), [model_view(image, preprocess.crop_pct) for image in images])]
+    return [(x[None], [denormalise(x, preprocess.mean, preprocess.std)]) for x in preprocess.tensors(images)]
+
+
 # -- the export --------------------------------------------------------------------------------
 
 
@@ -252,38 +259,38 @@ def export(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name_of = (lambda c: class_names[c]) if class_names else str
-    entries, sheet_rows, panel_size = [], [], (0, 0)
+    entries, sheet_rows = [], []
     progress = tqdm(total=len(items), desc="rollout", unit="img")
     for batch in batches(items, args.batch_size):
-        images = [_read(item) for item in batch]
-        x = preprocess(images).to(args.device)
-        maps, logits = {}, None
-        for method in args.method:
-            found, logits = rollout_maps(
-                model, x, method, args.head_fusion, args.discard_ratio, args.start_layer, args.target
-            )
-            maps[method] = found.cpu().numpy()
-        probs = logits.float().softmax(dim=-1).cpu()
-        for j, (item, image, p) in enumerate(zip(batch, images, probs, strict=True)):
+        maps: dict[str, list[np.ndarray]] = {method: [] for method in args.method}  # each on its image's grid
+        probs, views = [], []
+        for x, shown in model_inputs(preprocess, [_read(item) for item in batch]):
+            x = x.to(args.device)
+            for method in args.method:
+                found, logits = rollout_maps(
+                    model, x, method, args.head_fusion, args.discard_ratio, args.start_layer, args.target
+                )
+                maps[method].extend(found.cpu().numpy())
+            probs.extend(logits.float().softmax(dim=-1).cpu())
+            views.extend(shown)
+        for j, (item, view, p) in enumerate(zip(batch, views, probs, strict=True)):
             stem = f"{len(entries):05d}_{item.name}"
             top = p.topk(min(args.topk, len(p)))
             predictions = [(name_of(int(c)), float(v)) for v, c in zip(top.values, top.indices, strict=True)]
             true = None if item.label is None else name_of(item.label)
-            view = model_view(image, preprocess.crop_pct)
             files = []
             for method in args.method:  # one method: <stem>.png; several: <stem>_<method>.png
                 file_stem = stem if len(args.method) == 1 else f"{stem}_{method}"
                 panel = render_panel(view, maps[method][j], [], args.panel_size)
                 panel.save(out / f"{file_stem}.png")
-                panel_size = panel.size
                 np.save(out / f"{file_stem}.npy", maps[method][j].astype(np.float32))
                 files.append((method, file_stem))
-            entries.append(Entry(item.title, predictions, true, files))
+            entries.append(Entry(item.title, predictions, true, files, panel.size))
             lines = [f"{name}: {prob:.2f}" for name, prob in predictions]
             sheet_rows.append((view, [maps[method][j] for method in args.method], lines + _true_line(true)))
             progress.update()
     progress.close()
-    write_gallery(out, entries, panel_size, args, header)
+    write_gallery(out, entries, args, header)
     titles = [METHOD_NAMES[m] for m in args.method]
     contact_sheet(sheet_rows, titles, args.sheet_size, header).save(out / "gallery.png")
     return out
@@ -322,9 +329,7 @@ def _figure(file_stem: str, width: int, height: int, method: str | None) -> str:
     )
 
 
-def write_gallery(
-    out: Path, entries: list[Entry], panel_size: tuple[int, int], args: argparse.Namespace, header: list[str]
-) -> None:
+def write_gallery(out: Path, entries: list[Entry], args: argparse.Namespace, header: list[str]) -> None:
     """index.html, one static page: the model and its accuracy (`header`), then each image's name,
     predictions and true class, then its panel, or with several methods its panels side by side,
     methods in the order given.
@@ -340,11 +345,10 @@ def write_gallery(
         METHOD_NAMES[m] + (f" ({args.head_fusion} fusion, discard {args.discard_ratio})" if m == "attention" else "")
         for m in methods
     )
-    width, height = panel_size  # the PNGs' own, for the aspect ratio
     several = len(methods) > 1
     sections = "\n".join(
         f'<section>{_caption(entry)}<div class="row">'
-        + "".join(_figure(stem, width, height, method if several else None) for method, stem in entry.files)
+        + "".join(_figure(stem, *entry.panel_size, method if several else None) for method, stem in entry.files)
         + "</div></section>"
         for entry in entries
     )

@@ -1,7 +1,8 @@
 """Every command README, docs/ and benchmarks/*.md show in a shell block runs as written as far as
 its parser goes: the script, module or installed command exists and takes each option the line
 gives it (read from its own `--help`, for the subcommand the line names). scripts/train.py's
-options are the configs' (tests/test_training.py parses every config)."""
+options are the configs' (tests/test_training.py parses every config); tests/test_documented_runs.py
+builds what each scripts/train.py command would train."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import contextlib
 import io
 import re
 import runpy
+import shlex
 import sys
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 
@@ -21,24 +25,89 @@ COMMAND = re.compile(
     r"(?:python3?|\.venv/bin/python)\s+(?P<script>scripts/\w+\.py|-m\s+benchmarks\.\w+)(?P<rest>.*)"
     r"|(?<![\w/-])(?P<installed>vit-[a-z-]+)(?P<rest2>(?:\s.*)?)$"
 )
+SHELL_BLOCK = re.compile(r"```(?:bash|sh|shell)\n(.*?)```", re.S)
 
 
-def _commands() -> list[tuple[str, str, list[str], list[str]]]:
-    """(where, target, subcommand words, options) of each command line in the docs' shell blocks."""
+class Command(NamedTuple):
+    """One documented command line."""
+
+    where: str  # "docs/training.md:12": the doc and the line the command starts on
+    target: str  # scripts/<name>.py (an installed vit-* command as its script) or "-m benchmarks.<name>"
+    sub: list[str]  # its subcommand words (`fit`)
+    options: list[str]  # the --options it is given, without values
+    argv: list[str]  # the words the shell passes it, the block's variables expanded
+
+
+def _split(text: str) -> list[str]:
+    """Shell words, with `;`, `&&`, `|` and redirections as words of their own."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=";&|<>()")
+    lexer.whitespace_split = True
+    return list(lexer)
+
+
+def _closed(text: str) -> bool:
+    try:
+        _split(text)
+    except ValueError:  # a quote still open: the value goes on on the next line
+        return False
+    return True
+
+
+def _shell_lines(block: str) -> Iterator[tuple[int, str]]:
+    """(index of its first line, text) of each command of a shell block, comments cut: a line ended by
+    a backslash and a quoted value over several lines are read on as the shell reads them. Variables
+    the block sets (`K='...'`, `for R in 0 4`: the first value) are expanded."""
+    lines, variables, i = block.splitlines(), {}, 0
+    while i < len(lines):
+        start, text = i, lines[i].split(" #")[0]
+        while i + 1 < len(lines) and (text.endswith("\\") or not _closed(text)):
+            i += 1
+            text = text[:-1] + " " + lines[i].split(" #")[0] if text.endswith("\\") else text + "\n" + lines[i]
+        i += 1
+        text = re.sub(r"\$(?:\{(\w+)\}|(\w+))", lambda m: variables.get(m[1] or m[2], m[0]), text)
+        assigned = re.fullmatch(r"\s*(\w+)=(\S.*)", text) or re.match(r"\s*for (\w+) in (\S+)", text)
+        if assigned and _closed(assigned[2]) and len(_split(assigned[2])) == 1:
+            variables[assigned[1]] = _split(assigned[2])[0]
+        yield start, text
+
+
+def _argv(text: str, word: str) -> list[str]:
+    """The words after `word` (the command's script or name) up to the end of its command, looked for in
+    a `bash -c '...'` string too; [] when the line is not one the shell reads."""
+    try:
+        words = _split(text)
+    except ValueError:
+        return []
+    for i, w in enumerate(words):
+        if w == word:
+            rest = words[i + 1 :]
+            end = next((j for j, r in enumerate(rest) if r.strip(";&|<>()") == ""), len(rest))
+            return rest[:end]
+        if word in w and w != word and re.search(r"\s", w):
+            return _argv(w, word)
+    return []
+
+
+def _commands() -> list[Command]:
+    """Each command line in the docs' shell blocks."""
     found = []
     for doc in DOCS:
-        for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", doc.read_text(), re.S):
-            for line in block.replace("\\\n", " ").splitlines():
-                match = COMMAND.search(line.split(" #")[0])
+        text = doc.read_text()
+        for block in SHELL_BLOCK.finditer(text):
+            first = text.count("\n", 0, block.start(1)) + 1
+            for offset, line in _shell_lines(block[1]):
+                match = COMMAND.search(line)
                 if match is None:
                     continue
+                where = f"{doc.relative_to(ROOT)}:{first + offset}"
                 if match["installed"]:
                     if match["installed"] not in SCRIPTS:
-                        found.append((doc.name, match["installed"], [], []))
+                        found.append(Command(where, match["installed"], [], [], []))
                         continue
                     target, rest = f"scripts/{SCRIPTS[match['installed']]}.py", match["rest2"]
                 else:
                     target, rest = re.sub(r"\s+", " ", match["script"]), match["rest"]
+                argv = _argv(line, (match["installed"] or match["script"]).split()[-1])
                 words = rest.split(" -- ")[0].split()  # after "--": options passed on to scripts/train.py
                 sub = []
                 for word in words:  # a subcommand: the plain words before the first option or path
@@ -46,7 +115,7 @@ def _commands() -> list[tuple[str, str, list[str], list[str]]]:
                         break
                     sub.append(word)
                 options = [w.split("=")[0] for w in words if re.fullmatch(r"--[a-z][\w-]*(=\S*)?", w)]
-                found.append((doc.name, target, sub, options))
+                found.append(Command(where, target, sub, options, argv))
     return found
 
 
@@ -71,12 +140,27 @@ def _help(target: str, sub: list[str]) -> str:
 
 
 def test_the_docs_show_commands():
-    assert len(COMMANDS) > 50 and {t for _, t, _, _ in COMMANDS} >= {"scripts/train.py", "-m benchmarks.ablate"}
+    assert len(COMMANDS) > 50 and {c.target for c in COMMANDS} >= {"scripts/train.py", "-m benchmarks.ablate"}
+
+
+def test_a_command_is_read_as_the_shell_reads_it():
+    """A continued line, a value quoted over two lines, the block's variables and a `bash -c` string."""
+    block = (
+        "K='{a: 1'\n"
+        "for R in 0 4; do\n"
+        'flock /tmp/l bash -c \'python scripts/train.py fit --x "$K, r: ${R}}" \\\n'
+        '    --y "{b: 2,\n'
+        "         c: 3}\"' && echo done  # a comment\n"
+        "done\n"
+    )
+    start, line = next((i, line) for i, line in _shell_lines(block) if "train.py" in line)
+    assert start == 2
+    assert _argv(line, "scripts/train.py") == ["fit", "--x", "{a: 1, r: 0}", "--y", "{b: 2,\n         c: 3}"]
 
 
 @pytest.mark.parametrize(
     ("target", "sub"),
-    sorted({(t, tuple(s)) for _, t, s, _ in COMMANDS if t != "scripts/train.py"}),
+    sorted({(c.target, tuple(c.sub)) for c in COMMANDS if c.target != "scripts/train.py"}),
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else v,
 )
 def test_each_documented_command_takes_the_options_it_is_shown_with(target, sub, monkeypatch):
@@ -84,6 +168,6 @@ def test_each_documented_command_takes_the_options_it_is_shown_with(target, sub,
     assert target.startswith("-m ") or (ROOT / target).is_file(), f"{target} does not exist"
     text = _help(target, list(sub))
     known = set(re.findall(r"--[a-z][\w-]*", text))
-    wrong = sorted({(where, o) for where, t, s, options in COMMANDS if t == target and tuple(s) == sub
-                    for o in options if o not in known})  # fmt: skip
+    wrong = sorted({(c.where, o) for c in COMMANDS if c.target == target and tuple(c.sub) == sub
+                    for o in c.options if o not in known})  # fmt: skip
     assert not wrong, f"{target} {' '.join(sub)} does not take: {wrong}"

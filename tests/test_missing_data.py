@@ -72,3 +72,24 @@ def test_an_oserror_that_is_not_our_advice_keeps_its_traceback(tmp_path, monkeyp
         main(["fit", "--config", str(ROOT / "configs/gpt/cpu.yaml"), "--trainer.default_root_dir", str(tmp_path),
               "--data.download_dir", str(tmp_path / "data"), *QUIET])  # fmt: skip
     assert "a library's own words" in str(raised.value) or raised.value.errno == 2
+
+
+def test_our_log_lines_go_to_stderr_as_it_is_when_they_are_logged(monkeypatch):
+    """A run's handler outlives the stream stderr was when it was made (a redirect, a test's capture
+    that is closed): a later line goes to stderr as it is then, with no logging error."""
+    import io
+    import logging
+    import sys
+
+    from vit.cli import show_our_logs
+
+    logger = logging.getLogger("vit")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "level", logger.level)
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    show_our_logs()
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("vit.data").info("resampled pos_embed")
+    assert second.getvalue() == "[vit] resampled pos_embed\n"

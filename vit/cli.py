@@ -620,11 +620,24 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler writing to sys.stderr as it is when a line is logged (redirected, or a test's
+    capture), not as it was when the handler was made: that stream may be closed by then."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ sets it; sys.stderr is read instead
+        pass
+
+
 def show_our_logs() -> None:
     """Our INFO lines (e.g. which checkpoint keys were resampled or re-initialised) on stderr."""
     logger = logging.getLogger("vit")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("[vit] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

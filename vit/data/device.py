@@ -70,6 +70,11 @@ GOLDEN = (5**0.5 - 1) / 2  # EncodedFiles.decoded_here: n x GOLDEN mod 1 spreads
 DEVICE_CROPS = ("rrc", "resize")
 
 
+def channels_first(pixels: np.ndarray) -> torch.Tensor:
+    """A decoded RGB image (H, W, 3), as the per-sample decoder gives it, as the device path's (3, H, W)."""
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
 def image_size(data: bytes) -> tuple[int, int]:
     """(height, width) from the file's header, without decoding the pixels; a truncated JPEG
     raises ValueError (read_header)."""
@@ -169,7 +174,7 @@ class EncodedFiles(ImageFiles):
             raise undecodable(self.name(position), e) from e.__cause__
         except ValueError as e:  # an image decode_rgb refuses (a float one): the message goes on from the name
             raise ValueError(f"{self.name(position)} {e}") from e
-        image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        image = channels_first(pixels)
         return image, image.shape[1], image.shape[2]
 
     def _draw(self, seed: int | None, height: int, width: int, index: int) -> Augmentation:
@@ -196,7 +201,7 @@ class EncodedFiles(ImageFiles):
         found = self.first_readable((position + 1) % len(self.samples), self.source.read_image)
         assert found is not None  # training substitutes: first_readable raises when nothing decodes
         taken, pixels = found
-        image = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        image = channels_first(pixels)
         drawn = self._draw(None if seed < 0 else seed, image.shape[1], image.shape[2], taken)
         return image, self.samples[taken].label, drawn
 
@@ -273,7 +278,7 @@ def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> li
         except CorruptImageError as e:
             failures[i] = str(e)
             continue
-        images[i] = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))).to(device, non_blocking=True)
+        images[i] = channels_first(pixels).to(device, non_blocking=True)
     if others:
         log.debug("decoded %d of %d images on the CPU (JPEGs the device decoder refused)", len(others), len(data))
     if failures:

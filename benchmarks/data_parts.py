@@ -71,7 +71,7 @@ def main() -> None:
     from lightning_utilities.core.apply_func import apply_to_collection
     from torch.utils.data import DataLoader
 
-    from vit.data.augment import Augment, crop_resize_flip, normalize, rand_augment
+    from vit.data.augment import TRAIN_RESIZE_DTYPE, Augment, crop_resize_flip, normalize, rand_augment
     from vit.data.device import EncodedFiles, collate_encoded, decode_batch
     from vit.data.images import scan_image_folder
     from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -127,16 +127,20 @@ def main() -> None:
         batch = apply_to_collection(batch, torch.Tensor, torch.Tensor.pin_memory)
     drawn = batch.augmentation
     images = decode_batch(batch.images(device), device)
-    cropped = crop_resize_flip(images, drawn.box, drawn.flip, args.size)
+    half = TRAIN_RESIZE_DTYPE
+    cropped = crop_resize_flip(images, drawn.box, drawn.flip, args.size, dtype=half)
     parts = {
         "decode (nvjpeg on CUDA, libjpeg on the CPU)": lambda: decode_batch(batch.images(device), device),
-        "crop + resize + flip": lambda: crop_resize_flip(images, drawn.box, drawn.flip, args.size),
+        "crop + resize + flip (on a GPU in float16, as training)": lambda: crop_resize_flip(
+            images, drawn.box, drawn.flip, args.size, dtype=half
+        ),
+        "the same in float32 (TF32 products)": lambda: crop_resize_flip(images, drawn.box, drawn.flip, args.size),
         "RandAugment, 2 ops at magnitude 9": lambda: rand_augment(cropped, drawn.rand_augment),
         "normalise": lambda: normalize(cropped, IMAGENET_MEAN, IMAGENET_STD),
     }
     parts["all four, one after another"] = lambda: normalize(
-        rand_augment(crop_resize_flip(decode_batch(batch.images(device), device), drawn.box, drawn.flip, args.size),
-                     drawn.rand_augment),
+        rand_augment(crop_resize_flip(decode_batch(batch.images(device), device), drawn.box, drawn.flip, args.size,
+                                      dtype=half), drawn.rand_augment),
         IMAGENET_MEAN, IMAGENET_STD,
     )  # fmt: skip
     for name, part in parts.items():

@@ -308,7 +308,8 @@ def test_training_crops_and_flips_are_drawn_from_the_sample_seed(tmp_path):
 def test_crops_resized_together_equal_crops_resized_one_at_a_time():
     """The GPU's batched resize (two matrix products) gives F.interpolate's antialiased bilinear
     pixels, image for image: shrunk, enlarged, flipped or not, of any shape, the longest images
-    resized alone."""
+    resized alone. In float16 (training's on a GPU) within a tenth of a level on average, never
+    half a level off."""
     rng = np.random.default_rng(0)
     images, rows = [], []
     for i in range(40):
@@ -328,6 +329,10 @@ def test_crops_resized_together_equal_crops_resized_one_at_a_time():
     assert sum(max(image.shape[1:]) > TOGETHER_SIDE * 20 for image in images) >= 5  # some go one at a time
     torch.testing.assert_close(together, expected, rtol=0, atol=2e-3)
     torch.testing.assert_close(crop_resize_flip(images, box, flips, 20), expected, rtol=0, atol=0)  # the CPU's way
+    half = resize_crops_together(images, box, flips, 20, dtype=torch.float16)
+    assert half.dtype == torch.float32
+    assert float((half - expected).abs().mean()) < 0.1 and float((half - expected).abs().max()) < 0.5
+    assert float((half - expected).abs().mean()) > 0  # the products did run in float16
 
 
 def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog):

@@ -199,16 +199,21 @@ def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def crop_resize_flip(
-    images: Sequence[torch.Tensor], box: torch.Tensor, flip: torch.Tensor, size: int, mode: str = "bilinear"
+    images: Sequence[torch.Tensor],
+    box: torch.Tensor,
+    flip: torch.Tensor,
+    size: int,
+    mode: str = "bilinear",
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Float (B, 3, size, size) in [0, 255]: each image's `box` (top, left, height, width) cropped
     and resized (`mode` "bilinear" or "bicubic", antialiased when shrinking: F.interpolate's), then
     mirrored where `flip` is set (Augmentation's fields). On a GPU the crops are resized together
-    (`resize_crops_together`): one at a time, the host launching two kernels an image sets the pace
-    there. On the CPU, where the arithmetic does, one at a time (the batched products would also
-    multiply the padding)."""
+    (`resize_crops_together`, its arithmetic in `dtype`): one at a time, the host launching two
+    kernels an image sets the pace there. On the CPU, where the arithmetic does, one at a time in
+    float32 (the batched products would also multiply the padding)."""
     if images and images[0].device.type == "cuda":
-        return resize_crops_together(images, box, flip, size, mode)
+        return resize_crops_together(images, box, flip, size, mode, dtype)
     return _resize_each(images, box, flip, size, mode)
 
 
@@ -223,40 +228,55 @@ def _resize_each(
 
 # x size: longer images are resized one at a time (a batch of 128 padded to 560 px, at 224: 0.5 GB of floats)
 TOGETHER_SIDE = 2.5
+# Training's crops on a GPU: float16 holds every pixel level exactly and its weights to 11 bits (TF32's
+# 10 of float32 matmuls, as training runs them), and its matrix products run at twice TF32's rate.
+TRAIN_RESIZE_DTYPE = torch.float16
 
 
 def resize_crops_together(
-    images: Sequence[torch.Tensor], box: torch.Tensor, flip: torch.Tensor, size: int, mode: str = "bilinear"
+    images: Sequence[torch.Tensor],
+    box: torch.Tensor,
+    flip: torch.Tensor,
+    size: int,
+    mode: str = "bilinear",
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """crop_resize_flip as two batched matrix products: the images copied into one tensor, padded
     to the largest, then (rows' weights) @ image @ (columns' weights)^T, with F.interpolate's
     antialiased weights over each crop (`resize_weights`) and a flipped image's columns
     reversed: a copy an image (queued from one call) and about 20 more kernels a batch, where
-    resizing each crop alone takes two kernels and five Python-level calls an image. Equal to
-    resizing one at a time up to float rounding (the sums run in another order; where matmuls may
-    use TF32, as the CLI allows, within a quarter of a level). Images longer than TOGETHER_SIDE x
-    size (rare in photos) are resized one at a time."""
+    resizing each crop alone takes two kernels and five Python-level calls an image. The images
+    lie as (B, H, 3, W) so that both products are plain batched products (no broadcast copies).
+    In `dtype`, the result float32: float32 equals resizing one at a time up to float rounding
+    (the sums run in another order; within a quarter of a level where matmuls may use TF32, as
+    the CLI allows); float16 within about a tenth of a level on average. Images longer than
+    TOGETHER_SIDE x size (rare in photos) are resized one at a time, in float32."""
     device, limit = images[0].device, TOGETHER_SIDE * size
     alone = [i for i, image in enumerate(images) if max(image.shape[1:]) > limit]
     if alone:
         together = sorted(set(range(len(images))) - set(alone))
         out = torch.empty(len(images), 3, size, size, device=device)
-        for chosen, resize in ((together, resize_crops_together), (alone, _resize_each)):
-            if chosen:
-                index = torch.tensor(chosen)
-                out[index.to(device)] = resize([images[i] for i in chosen], box[index], flip[index], size, mode)
+        if together:
+            index = torch.tensor(together)
+            chosen = [images[i] for i in together]
+            out[index.to(device)] = resize_crops_together(chosen, box[index], flip[index], size, mode, dtype)
+        index = torch.tensor(alone)
+        out[index.to(device)] = _resize_each([images[i] for i in alone], box[index], flip[index], size, mode)
         return out
-    height, width = (max(image.shape[axis] for image in images) for axis in (1, 2))
-    padded = torch.empty(len(images), 3, height, width, dtype=torch.uint8, device=device)
-    views = [view[:, : image.shape[1], : image.shape[2]] for view, image in zip(padded.unbind(0), images, strict=True)]
-    torch._foreach_copy_(views, list(images))
+    batch, height, width = len(images), *(max(image.shape[axis] for image in images) for axis in (1, 2))
+    # zeros: the weights are zero on the padding, but 0 x a stale NaN would not be
+    padded = torch.zeros(batch, height, 3, width, dtype=dtype, device=device)
+    views = [v[: i.shape[1], :, : i.shape[2]].transpose(0, 1) for v, i in zip(padded, images, strict=True)]
+    torch._foreach_copy_(views, list(images))  # uint8 -> dtype in the copy
     # one copy the host does not wait for: top, left, height, width, flip
     boxes = torch.cat([box, flip[:, None]], 1).float().to(device, non_blocking=True)
     tops, lefts, heights, widths, flipped = boxes.unbind(1)
-    rows = resize_weights(tops, heights, size, padded.shape[2], mode)
-    columns = resize_weights(lefts, widths, size, padded.shape[3], mode)
-    columns = torch.where(flipped[:, None, None] > 0, columns.flip(1), columns)
-    out = rows[:, None] @ padded.float() @ columns.transpose(1, 2)[:, None]
+    rows = resize_weights(tops, heights, size, height, mode).to(dtype)
+    columns = resize_weights(lefts, widths, size, width, mode)
+    columns = torch.where(flipped[:, None, None] > 0, columns.flip(1), columns).to(dtype)
+    resized_rows = torch.bmm(rows, padded.view(batch, height, 3 * width))  # (B, size, 3 W)
+    out = torch.bmm(resized_rows.view(batch, size * 3, width), columns.transpose(1, 2))  # (B, size 3, size)
+    out = out.view(batch, size, 3, size).transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
     return out.clamp_(0, 255) if mode == "bicubic" else out
 
 

@@ -40,6 +40,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from vit.data.augment import (
     EVAL_RESIZE,
     RA_COLUMNS,
+    TRAIN_RESIZE_DTYPE,
     Augment,
     Augmentation,
     center_crop_box,
@@ -349,10 +350,11 @@ def decode_encoded(batch: EncodedBatch, device: torch.device | str, files: Encod
 
 def augment_decoded(batch: DecodedBatch, size: int, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(float images, 0-255, size x size, cropped, flipped and RandAugmented as the batch's
-    Augmentation says; labels), on the images' device. Training resizes bilinear; evaluation as
-    every path evaluates (vit.data.augment.EVAL_RESIZE)."""
+    Augmentation says; labels), on the images' device. Training resizes bilinear, in float16 on a
+    GPU; evaluation as every path evaluates (vit.data.augment.EVAL_RESIZE, float32)."""
     device, drawn = batch.images[0].device, batch.augmentation
-    images = crop_resize_flip(batch.images, drawn.box, drawn.flip, size, "bilinear" if train else EVAL_RESIZE)
+    mode, dtype = ("bilinear", TRAIN_RESIZE_DTYPE) if train else (EVAL_RESIZE, torch.float32)
+    images = crop_resize_flip(batch.images, drawn.box, drawn.flip, size, mode, dtype)
     if drawn.rand_augment.isfinite().any():
         images = rand_augment(images, drawn.rand_augment)
     return images, batch.labels.to(device, non_blocking=True)

@@ -1,5 +1,5 @@
-"""Attention rollout: hand-computed examples, per-image discard, fused == explicit, CLS and average
-pooling, timm ViTs loaded into ours, gradient rollout, last-layer attention and GradCAM against their
+"""Attention rollout: hand-computed examples, per-image discard, fused == explicit, CLS, average and
+MAP-head pooling, timm ViTs loaded into ours, gradient rollout, last-layer attention and GradCAM against their
 formulas, the export script and the TensorBoard callback."""
 
 from __future__ import annotations
@@ -263,6 +263,89 @@ def test_last_layer_attention_is_the_pooled_tokens_row_of_the_last_block(kwargs)
     fused = attns[-1].amax(dim=1)  # heads fused by max instead
     expected = fused[:, 0, p:] if model.global_pool == "token" else fused[:, p:, p:].mean(dim=1)
     torch.testing.assert_close(last_layer_attention(model, x, "max")[0], expected.reshape(2, 4, 4))
+
+
+# MAP heads (a learned query attending to the tokens): the ViT's over the patches, with a CLS token and
+# registers beside them; Perception Encoder's (Eva) and NaFlexViT's, small instances.
+MAP_MODELS = {
+    "vit": ("vit_nano_patch4_16", {"global_pool": "map", "reg_tokens": 2}, 16),
+    "eva": ("vit_pe_core_tiny_patch16_384", {"img_size": 32, "patch_size": 8, "depth": 2}, 32),
+    "naflex": ("naflexvit_base_patch16_map", {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64,
+                                              "num_heads": 2}, 32),
+}  # fmt: skip
+
+
+def _map_model(family: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    name, kwargs, size = MAP_MODELS[family]
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=10, **kwargs).eval()
+    with torch.no_grad():  # away from the init, so attention is not uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model, torch.randn(2, 3, size, size)
+
+
+def _pool_query_weights(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MAP head's query weights (B, heads, 1, n) over exactly the tokens the model handed it."""
+    handed = []
+    hook = model.attn_pool.register_forward_pre_hook(lambda m, args, kwargs: handed.append((args, kwargs)),
+                                                     with_kwargs=True)  # fmt: skip
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    (tokens, *_), kwargs = handed[0]
+    return model.attn_pool(tokens, return_attn=True, attn_mask=kwargs.get("attn_mask"))[1]
+
+
+@pytest.mark.parametrize("family", MAP_MODELS)
+def test_a_map_head_model_is_explained_through_its_querys_attention(family):
+    """Attention rollout: the head's query weights (heads fused) over the tokens it pools, times the
+    joint attention of the blocks; the last-layer map is those weights on the patches. The logits
+    are the model's."""
+    model, x = _map_model(family)
+    p, grid = model.num_prefix_tokens, model.patch_grid(x)
+    query = _pool_query_weights(model, x)  # (2, heads, 1, n)
+    with torch.no_grad():
+        logits_ref, attns = model.forward_with_attn(x)
+    n, tokens = query.shape[-1], attns[0].shape[-1]
+    assert n in (tokens, tokens - p)  # the patches, or every token where the head pools the prefix too
+    for fusion in ("mean", "max"):
+        row = query.amax(1) if fusion == "max" else query.mean(1)  # (2, 1, n)
+        joint = rollout(attns, fusion)
+        expected = (row @ joint[:, tokens - n :])[:, 0, p:].reshape(2, *grid)
+        maps, logits = attention_rollout(model, x, fusion)
+        torch.testing.assert_close(maps, expected, atol=1e-6, rtol=1e-5)
+        scale = float(logits_ref.abs().max())  # logits up to ~70: fused and explicit attention round apart
+        torch.testing.assert_close(logits, model(x).detach(), atol=1e-5 * scale, rtol=0)
+        last, _ = last_layer_attention(model, x, fusion)
+        torch.testing.assert_close(last, row[:, 0, n - grid[0] * grid[1] :].reshape(2, *grid))
+    assert maps.std(dim=(1, 2)).min() > 1e-5
+    torch.testing.assert_close(logits, logits_ref, atol=1e-5 * scale, rtol=0)
+    assert model.attn_pool._recorded is None  # the head records nothing once the call is over
+
+
+@pytest.mark.parametrize("family", MAP_MODELS)
+def test_gradient_rollout_of_a_map_head_model_weighs_its_querys_attention_by_the_class_gradient(family):
+    model, x = _map_model(family)
+    p, grid = model.num_prefix_tokens, model.patch_grid(x)
+    with model.attn_pool.recording() as recorded:
+        logits, attns = model.forward_with_attn(x)
+    for a in [*attns, *recorded]:
+        a.retain_grad()
+    logits[:, 3].sum().backward()
+    joint = torch.eye(attns[0].shape[-1]).expand(2, -1, -1)
+    for a in attns:
+        joint = joint + (a.grad * a).clamp(min=0).mean(1).detach() @ joint
+    query = recorded[0]
+    row = (query.grad * query).clamp(min=0).mean(1).detach()  # (2, 1, n): no identity, the head has no residual
+    expected = (row @ joint[:, joint.shape[-1] - query.shape[-1] :])[:, 0, p:].reshape(2, *grid)
+    model.zero_grad(set_to_none=True)
+
+    maps, _ = gradient_rollout(model, x, target=3)
+    torch.testing.assert_close(maps, expected, atol=1e-7, rtol=1e-4)
+    assert maps.abs().sum() > 0
+    other = (logits.argmax(-1) + 1) % 10
+    assert not torch.allclose(gradient_rollout(model, x, target=other)[0], gradient_rollout(model, x)[0])
 
 
 def test_gradcam_is_the_gradcam_formula_on_the_tokens_entering_the_last_block():

@@ -6,8 +6,10 @@ that timm state dicts load into our models without renaming.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -769,16 +771,31 @@ class AttentionPoolLatent(CrossAttention):
         nn.init.trunc_normal_(self.latent, std=dim**-0.5)
         self.norm = make_norm(norm, dim, norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act=act)  # a plain MLP whatever the blocks use, as timm
+        self._recorded: list[torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, return_attn: bool = False, attn_mask: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Tokens (B, N, dim) -> pooled (B, dim); with `return_attn`, also the query's (B, heads, 1, N) weights.
         `attn_mask` (B or 1, 1, 1, N) follows SDPA: padding tokens kept out of the pool (NaFlexVit)."""
-        out = super().forward(self.latent.expand(x.shape[0], -1, -1), x, attn_mask, return_attn=return_attn)
-        y, attn = out if return_attn else (out, None)
+        record = self._recorded is not None
+        out = super().forward(self.latent.expand(x.shape[0], -1, -1), x, attn_mask, return_attn=return_attn or record)
+        y, attn = out if return_attn or record else (out, None)
+        if self._recorded is not None:
+            self._recorded.append(attn)
         y = (y + self.mlp(self.norm(y)))[:, 0]
         return (y, attn) if return_attn else y
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        """While open, each call also appends its query's weights (B, heads, 1, N) to the list it
+        yields, computed explicitly: how attention rollout reads a MAP-pooled model, whichever
+        family's pooling called the head."""
+        self._recorded = []
+        try:
+            yield self._recorded
+        finally:
+            self._recorded = None
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:

@@ -4,16 +4,19 @@ Attention rollout (Abnar & Zuidema 2020) follows information from the input patc
 token through all layers: per layer, fuse the heads, optionally zero the weakest entries, add the
 identity (the residual connection), renormalise every row, and multiply the layers together. The
 map is the row of the pooled token: the CLS row for `global_pool="token"`, the mean of the patch
-rows for average pooling. Gradient rollout (Chefer et al. 2021) weights each layer's attention by
-its gradient for one class, so the map is class-specific: the rule of Chefer et al. ICCV 2021
-("Generic Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers",
-eqs. 5-6): R = I, then per layer R <- R + mean_heads((grad * attn)^+) @ R, gradients of the class
-logit. Their CVPR 2021 method ("Transformer Interpretability Beyond Attention Visualization"), LRP
-relevance propagated through every layer, is not implemented: it needs a hand-written relevance rule
-for every module on the path (linear, norm, activation, softmax, the two attention matmuls, each
-residual sum with its renormalisation), kept in step with every option our blocks take (rope,
-SwiGLU, RMSNorm, layer scale, experts, registers, MAP pooling), and the ICCV paper presents the
-gradient rule as the simpler replacement that needs none of that.
+rows for average pooling, and for a MAP head (`global_pool="map"`: SigLIP, Perception Encoder,
+NaFlexViT) its learned query's attention over the tokens it pools times the joint attention (the
+head has no residual from the tokens, so no identity is added there). Gradient rollout (Chefer et
+al. 2021) weights each layer's attention by its gradient for one class, so the map is
+class-specific: the rule of Chefer et al. ICCV 2021 ("Generic Attention-model Explainability for
+Interpreting Bi-Modal and Encoder-Decoder Transformers", eqs. 5-6): R = I, then per layer
+R <- R + mean_heads((grad * attn)^+) @ R, gradients of the class logit (a MAP head's row:
+mean_heads((grad * attn)^+) @ R). Their CVPR 2021 method ("Transformer Interpretability Beyond
+Attention Visualization"), LRP relevance propagated through every layer, is not implemented: it
+needs a hand-written relevance rule for every module on the path (linear, norm, activation, softmax,
+the two attention matmuls, each residual sum with its renormalisation), kept in step with every
+option our blocks take (rope, SwiGLU, RMSNorm, layer scale, experts, registers, MAP pooling), and
+the ICCV paper presents the gradient rule as the simpler replacement that needs none of that.
 
 Two more methods users compare against: the raw attention of the last block (the pooled token's
 row, heads averaged: `last_layer_attention`) and GradCAM (Selvaraju et al. 2017) on the patch tokens
@@ -124,12 +127,18 @@ def gradient_rollout_joint(attns: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 def joint_to_map(
-    joint: torch.Tensor, num_prefix_tokens: int, global_pool: str, grid_size: tuple[int, int]
+    joint: torch.Tensor,
+    num_prefix_tokens: int,
+    global_pool: str,
+    grid_size: tuple[int, int],
+    pool_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The pooled token's row of the joint attention over the patches, as (B, grid_h, grid_w).
 
     CLS pooling reads the CLS row; average pooling averages the patch rows (the pooled vector is
-    their mean, so its attribution is the mean of theirs).
+    their mean, so its attribution is the mean of theirs); a MAP head's `pool_row` (B, n), its
+    query's weights (heads fused) over the last n tokens (the patches, or every token where the
+    head pools the prefix too), weighs the rows: pool_row @ joint.
     """
     p = num_prefix_tokens
     if global_pool == "token":
@@ -138,8 +147,12 @@ def joint_to_map(
         row = joint[:, 0, p:]
     elif global_pool == "avg":
         row = joint[:, p:, p:].mean(dim=1)
+    elif global_pool == "map":
+        if pool_row is None:
+            raise ValueError("global_pool='map' needs the MAP head's attention (pool_row)")
+        row = (pool_row[:, None].to(joint.dtype) @ joint[:, -pool_row.shape[1] :])[:, 0, p:]
     else:
-        raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        raise ValueError(f"global_pool must be 'token', 'avg' or 'map', got {global_pool!r}")
     return row.reshape(joint.shape[0], *grid_size)
 
 
@@ -174,9 +187,11 @@ def attention_rollout(
     """
     model = check_vit(model)
     with torch.no_grad():
-        logits, attns = model.forward_with_attn(images)
+        logits, attns, pool = forward_with_pool_attn(model, images)
     joint = rollout(attns, head_fusion, discard_ratio, start_layer, model.num_prefix_tokens)
-    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, model.patch_grid(images)), logits
+    pool_row = None if pool is None else fuse_heads(pool.float(), head_fusion)[:, 0]
+    grid = model.patch_grid(images)
+    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, grid, pool_row), logits
 
 
 def gradient_rollout(
@@ -193,17 +208,35 @@ def gradient_rollout(
     alone, and frozen models work (the input is what requires grad).
     """
     model = check_vit(model)
-    logits, attns = forward_with_attn_graph(model, images)
-    grads = attention_gradients(logits, attns, target)
-    joint = gradient_rollout_joint([a.detach() for a in attns], grads, start_layer)
-    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, model.patch_grid(images)), logits.detach()
+    logits, attns, pool = forward_with_attn_graph(model, images)
+    grads = attention_gradients(logits, attns if pool is None else [*attns, pool], target)
+    joint = gradient_rollout_joint([a.detach() for a in attns], grads[: len(attns)], start_layer)
+    # the MAP head's row by the same rule, without the identity (no residual from the tokens)
+    pool_row = None if pool is None else (grads[-1] * pool.detach()).clamp(min=0).mean(dim=1)[:, 0]
+    grid = model.patch_grid(images)
+    return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, grid, pool_row), logits.detach()
 
 
-def forward_with_attn_graph(model: VisionTransformer, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`forward_with_attn` with the attention weights in the autograd graph, even under no_grad,
+def forward_with_pool_attn(
+    model: VisionTransformer, images: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    """`forward_with_attn`, and for a MAP-pooled model its head's query weights (B, heads, 1, n)
+    over the n tokens it pooled (None for other pools)."""
+    head = model.attn_pool if model.global_pool == "map" else None
+    if head is None:
+        return *model.forward_with_attn(images), None
+    with head.recording() as recorded:
+        logits, attns = model.forward_with_attn(images)
+    return logits, attns, recorded[-1]
+
+
+def forward_with_attn_graph(
+    model: VisionTransformer, images: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    """`forward_with_pool_attn` with the attention weights in the autograd graph, even under no_grad,
     inference_mode (Lightning's validation) or for a frozen model (the input requires grad)."""
     with torch.inference_mode(False), torch.enable_grad():
-        return model.forward_with_attn(images.clone().requires_grad_(True))
+        return forward_with_pool_attn(model, images.clone().requires_grad_(True))
 
 
 def attention_gradients(
@@ -230,14 +263,19 @@ def last_layer_attention(
 
     The pooled token's row, heads fused (averaged by default): for CLS pooling the CLS token's
     attention to each patch; for a model without a CLS token (average pooling) the mean over the
-    patch queries of their attention to each patch (as `joint_to_map` reads rollout). Prefix tokens
+    patch queries of their attention to each patch (as `joint_to_map` reads rollout); for a MAP
+    head its query's attention to each patch. Prefix tokens
     (CLS, registers) are never part of the map. No identity, no renormalisation, no other layer.
     """
     model = check_vit(model)
     with torch.no_grad():
-        logits, attns = model.forward_with_attn(images)
+        logits, attns, pool = forward_with_pool_attn(model, images)
     last = fuse_heads(attns[-1].float(), head_fusion)
-    return joint_to_map(last, model.num_prefix_tokens, model.global_pool, model.patch_grid(images)), logits
+    pool_row = None if pool is None else fuse_heads(pool.float(), head_fusion)[:, 0]
+    if pool_row is not None:  # the MAP head's own weights: the last attention that reads the patches
+        last = torch.eye(last.shape[-1], device=last.device).expand_as(last)
+    grid = model.patch_grid(images)
+    return joint_to_map(last, model.num_prefix_tokens, model.global_pool, grid, pool_row), logits
 
 
 def gradcam(

@@ -78,6 +78,7 @@ def test_sam_encoders_give_timms_features_and_logits(name, img_size, num_classes
         expected = theirs(x)
         torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
         logits, attns = ours.forward_with_attn(x)
+        raw = ours.forward_with_attn(x, raw=True)[1]
         final, feats = ours.forward_intermediates(x, indices=[0, 2], norm=True)
         final_t, feats_t = theirs.forward_intermediates(x, indices=[0, 2], norm=True)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
@@ -86,7 +87,8 @@ def test_sam_encoders_give_timms_features_and_logits(name, img_size, num_classes
         torch.testing.assert_close(ours_map, theirs_map, atol=1e-5, rtol=0)
     side = img_size // 16
     windows = 2 * (-(-side // 2)) ** 2
-    assert [a.shape for a in attns] == [(windows, 2, 4, 4), (2, 2, side**2, side**2), (windows, 2, 4, 4)]
+    assert [a.shape for a in raw] == [(windows, 2, 4, 4), (2, 2, side**2, side**2), (windows, 2, 4, 4)]
+    assert all(a.shape == (2, 2, side**2, side**2) for a in attns)  # windows placed on the grid
     assert features.abs().max() > 0.1
 
 
@@ -135,6 +137,28 @@ def test_relative_positions_keep_both_attention_paths_equal(rel_pos_type):
     if prefix:  # CLS pooling: the first query alone, its row of the bias
         with torch.no_grad():
             torch.testing.assert_close(attn(x, num_queries=1), fused[:, :1], atol=1e-6, rtol=1e-5)
+
+
+def test_windowed_weights_placed_on_the_grid_give_the_windowed_attentions_output():
+    """A 5x5 grid in windows of 2 (padded to 6x6): each token's weights on its own window's tokens,
+    zero elsewhere; times the tokens' values they give what the block's attention computed."""
+    torch.manual_seed(0)
+    block = Block(BlockConfig(embed_dim=32, num_heads=2, window_size=2, qkv_bias=False), grid=(5, 5)).eval()
+    x = torch.randn(3, 25, 32)
+    computed = []  # the attention's output before its projection, per window
+    hook = block.attn.proj.register_forward_hook(lambda m, args, out: computed.append(args[0]))
+    with torch.no_grad():
+        _, raw = block(x, return_attn=True)
+    hook.remove()
+    assert raw.shape == (3 * 9, 2, 4, 4)
+    weights = block.grid_attention(raw)
+    assert weights.shape == (3, 2, 25, 25)
+    window = (torch.arange(5)[:, None] // 2 * 3 + torch.arange(5) // 2).flatten()  # each token's window
+    assert (weights[:, :, window[:, None] != window[None, :]] == 0).all()
+    with torch.no_grad():  # without a qkv bias the padding's values are zero: the real tokens' suffice
+        v = block.attn.qkv(block.norm1(x)).unflatten(-1, (3, 2, 16))[:, :, 2].transpose(1, 2)  # (3, heads, 25, 16)
+    expected = window_unpartition(computed[0], (5, 5), (6, 6), 2)
+    torch.testing.assert_close((weights @ v).transpose(1, 2).flatten(2), expected, atol=1e-6, rtol=0)
 
 
 def test_window_partition_round_trips_and_pads_the_bottom_right():

@@ -35,6 +35,7 @@ from vit.rollout import (
     render_panel,
     rollout,
     rollout_maps,
+    tokens_entering_last_block,
 )
 from vit.tools import rollout as export
 
@@ -346,6 +347,71 @@ def test_gradient_rollout_of_a_map_head_model_weighs_its_querys_attention_by_the
     assert maps.abs().sum() > 0
     other = (logits.argmax(-1) + 1) % 10
     assert not torch.allclose(gradient_rollout(model, x, target=other)[0], gradient_rollout(model, x)[0])
+
+
+# Blocks whose attention is not one (B, heads, N, N) tensor read by a pre-normed input: SAM's windows
+# (a 5x5 grid in padded windows of 2, one global block), parallel branches, differential attention,
+# post-norm, a parallel scaling block.
+NARROW = {"embed_dim": 64, "num_heads": 2}
+BLOCK_KINDS = {
+    "windows": ("samvit_base_patch16", {"img_size": 80, "depth": 3, "window_size": 2, "global_attn_indexes": (1,)}),
+    "parallel branches": ("vit_small_patch16_18x2_224", {"img_size": 32, "depth": 2, **NARROW}),
+    "differential": ("vit_dwee_patch16_reg1_gap_256", {"img_size": 32, "depth": 2}),
+    "post-norm": ("vit_base_patch16_rpn_224", {"img_size": 32, "depth": 2, **NARROW}),
+    "parallel scaling": ("vit_base_patch16_xp_224", {"img_size": 32, "depth": 2, **NARROW}),
+}
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_every_method_explains_every_kind_of_block(kind):
+    """Attention rollout: the reference on the weights placed on the patch grid. Gradient rollout:
+    the formula on the gradients of the weights each output was computed from (per window, per
+    branch), placed as the weights are. GradCAM: on the tokens the last block reads."""
+    name, kwargs = BLOCK_KINDS[kind]
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=10, **kwargs).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(2, 3, kwargs["img_size"], kwargs["img_size"])
+    p, grid, pool = model.num_prefix_tokens, model.patch_grid(x), model.global_pool
+    with torch.no_grad():
+        _, placed = model.forward_with_attn(x)
+    n = p + grid[0] * grid[1]
+    assert all(a.shape[0] == 2 and a.shape[-2:] == (n, n) for a in placed)
+    maps, _ = attention_rollout(model, x)
+    expected = _numpy_rollout([a.numpy() for a in placed], "mean", 0.0, p, pool)
+    np.testing.assert_allclose(maps.reshape(2, -1).numpy(), expected, rtol=1e-5, atol=1e-6)
+
+    logits, raw = model.forward_with_attn(x, raw=True)
+    leaves = [t for a in raw for t in (a if isinstance(a, tuple) else (a,))]
+    for t in leaves:
+        t.retain_grad()
+    logits[:, 3].sum().backward()
+    grads = [tuple(t.grad for t in a) if isinstance(a, tuple) else a.grad for a in raw]
+    assert all(t.grad is not None for t in leaves)  # every weight tensor is on its output's path
+    weights = model.grid_attention([tuple(t.detach() for t in a) if isinstance(a, tuple) else a.detach() for a in raw],
+                                   grid)  # fmt: skip
+    joint = torch.eye(n).expand(2, n, n)
+    for a, g in zip(weights, model.grid_attention(grads, grid), strict=True):
+        joint = joint + (g * a).clamp(min=0).mean(1) @ joint
+    model.zero_grad(set_to_none=True)
+    maps, _ = gradient_rollout(model, x, target=3)
+    torch.testing.assert_close(maps, joint_to_map(joint, p, pool, grid), atol=1e-6, rtol=1e-4)
+    assert maps.abs().sum() > 0
+
+    entering, layer_io = [], []
+    layer = tokens_entering_last_block(model)
+    hooks = [model.blocks[-1].register_forward_pre_hook(lambda m, args: entering.append(args[0])),
+             layer.register_forward_hook(lambda m, args, out: layer_io.append((args, out)))]  # fmt: skip
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    (args, out), tokens = layer_io[0], entering[0]
+    assert torch.equal(out, tokens) if kind == "post-norm" else torch.equal(args[0], tokens)
+    cam, _ = gradcam(model, x, target=3)
+    assert cam.shape == (2, *grid) and cam.amax() > 0
 
 
 def test_gradcam_is_the_gradcam_formula_on_the_tokens_entering_the_last_block():

@@ -449,9 +449,12 @@ class _AttentionBase(nn.Module):
             else:
                 maps = attention_weights(q * self.scale, k, merge_masks(attn_mask, is_causal, n_q, n_k, q.device))
                 maps = maps.unflatten(1, (-1, 2))  # (B, heads, 2, Nq, Nk): A1, A2 of each head
-                dropped = self.attn_drop(maps)
-                x = (dropped[:, :, 0] - lam * dropped[:, :, 1]) @ v
                 attn = maps[:, :, 0] - lam * maps[:, :, 1]
+                if self.training and self.attn_drop.p > 0:  # each map dropped on its own, as timm
+                    dropped = self.attn_drop(maps)
+                    x = (dropped[:, :, 0] - lam * dropped[:, :, 1]) @ v
+                else:  # from the returned weights, so gradients can be taken of them (gradient rollout)
+                    x = attn @ v
             x = self.sub_norm(x) * (1 - self.lambda_init)
         elif self.fused_attn and not return_attn:
             x = fused_attention(q, k, v, attn_mask, dropout_p, is_causal)
@@ -1253,6 +1256,31 @@ class Block(nn.Module):
         x = x + self.drop_path2(self.ls2(y) if self.gamma_2 is None else self.gamma_2 * y)
         return (x, attn) if return_attn else x
 
+    def grid_attention(self, attn: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """forward's `return_attn` weights -> (B, heads, N, N) over the block's tokens: a windowed
+        block's per-window weights placed on the patch grid (`window_attention_to_grid`)."""
+        if not self.window_size:
+            return attn
+        return window_attention_to_grid(attn, self.grid if grid is None else grid, self.window_size)
+
+
+def window_attention_to_grid(attn: torch.Tensor, grid: tuple[int, int], size: int) -> torch.Tensor:
+    """A windowed block's weights (B x windows, heads, size^2, size^2), windows as window_partition lays
+    them out -> (B, heads, H*W, H*W) over the grid's tokens: each token's weights on the tokens of its
+    window, zero elsewhere. The padding's columns are dropped (a row keeps its weight on real tokens)."""
+    h, w = grid
+    rows, cols = (h + size - 1) // size, (w + size - 1) // size
+    width, n, heads, device = cols * size, rows * size * cols * size, attn.shape[1], attn.device
+    # each window's tokens as indices into the padded grid, row-major, windows row-major
+    ys = torch.arange(rows, device=device)[:, None, None, None] * size + torch.arange(size, device=device)[:, None]
+    xs = torch.arange(cols, device=device)[:, None, None] * size + torch.arange(size, device=device)
+    index = (ys * width + xs).reshape(rows * cols, size * size)
+    flat = (index[:, :, None] * n + index[:, None, :]).flatten()
+    values = attn.unflatten(0, (-1, rows * cols)).transpose(1, 2).flatten(2)  # (B, heads, windows x size^4)
+    full = attn.new_zeros(values.shape[0], heads, n * n).index_copy(2, flat, values).view(-1, heads, n, n)
+    keep = (torch.arange(h, device=device)[:, None] * width + torch.arange(w, device=device)).flatten()
+    return full[:, :, keep][:, :, :, keep]
+
 
 def window_partition(x: torch.Tensor, grid: tuple[int, int], size: int) -> tuple[torch.Tensor, tuple[int, int]]:
     """Tokens (B, H*W, C) of a row-major grid -> (B x windows, size*size, C), the grid zero-padded on the
@@ -1335,6 +1363,10 @@ class ParallelScalingBlock(_AttentionBase):
         x = x + self.drop_path(self.ls(y))
         return (x, attn) if return_attn else x
 
+    def grid_attention(self, attn: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """As Block.grid_attention: the weights as they are (no windows)."""
+        return attn
+
 
 class ParallelThingsBlock(nn.Module):
     """`num_parallel` attention branches side by side, then as many MLP branches (Touvron et al. 2022,
@@ -1343,7 +1375,8 @@ class ParallelThingsBlock(nn.Module):
     x = x + sum_i attns[i].drop_path(attns[i].ls(attns[i].attn(attns[i].norm(x))))
     x = x + sum_i ffns[i](x)
 
-    Its attention weights are every branch's heads side by side, (B, num_parallel x heads, N, N).
+    `return_attn` gives each branch's weights, a tuple (the tensors its output was computed from);
+    `grid_attention` puts every branch's heads side by side, (B, num_parallel x heads, N, N).
     A layer of its own rather than an option of Block: timm nests each branch's norm, attention or
     MLP and LayerScale under `attns.i` / `ffns.i`.
     """
@@ -1370,7 +1403,7 @@ class ParallelThingsBlock(nn.Module):
         kv_cache: KVCache | None = None,
         num_queries: int | None = None,
         return_attn: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """As Block.forward, without a key/value cache (each branch would need its own)."""
         if kv_cache is not None:
             raise ValueError("a ParallelThingsBlock keeps no key/value cache")
@@ -1382,7 +1415,11 @@ class ParallelThingsBlock(nn.Module):
             attns.append(attn)
         x = (x if num_queries is None else x[:, :num_queries]) + torch.stack(outs).sum(dim=0)
         x = x + torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
-        return (x, torch.cat(attns, dim=1)) if return_attn else x
+        return (x, tuple(attns)) if return_attn else x
+
+    def grid_attention(self, attn: tuple[torch.Tensor, ...], grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """forward's per-branch weights -> (B, num_parallel x heads, N, N), the branches side by side."""
+        return torch.cat(attn, dim=1)
 
 
 def make_block(

@@ -46,7 +46,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from vit.layers import ParallelScalingBlock, ParallelThingsBlock
 from vit.vision_transformer import VisionTransformer
 
 log = logging.getLogger(__name__)
@@ -208,35 +210,40 @@ def gradient_rollout(
     alone, and frozen models work (the input is what requires grad).
     """
     model = check_vit(model)
-    logits, attns, pool = forward_with_attn_graph(model, images)
-    grads = attention_gradients(logits, attns if pool is None else [*attns, pool], target)
-    joint = gradient_rollout_joint([a.detach() for a in attns], grads[: len(attns)], start_layer)
+    logits, raw, pool = forward_with_attn_graph(model, images)
+    # Gradients of the weights the outputs were computed from (a windowed block's per window, a
+    # parallel block's per branch), then placed on the grid as the weights are.
+    leaves, layout = tree_flatten(raw)
+    grads = attention_gradients(logits, leaves if pool is None else [*leaves, pool], target)
+    grid = model.patch_grid(images)
+    attns = model.grid_attention(tree_map(torch.Tensor.detach, raw), grid)
+    attn_grads = model.grid_attention(tree_unflatten(grads[: len(leaves)], layout), grid)
+    joint = gradient_rollout_joint(attns, attn_grads, start_layer)
     # the MAP head's row by the same rule, without the identity (no residual from the tokens)
     pool_row = None if pool is None else (grads[-1] * pool.detach()).clamp(min=0).mean(dim=1)[:, 0]
-    grid = model.patch_grid(images)
     return joint_to_map(joint, model.num_prefix_tokens, model.global_pool, grid, pool_row), logits.detach()
 
 
 def forward_with_pool_attn(
-    model: VisionTransformer, images: torch.Tensor
-) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
-    """`forward_with_attn`, and for a MAP-pooled model its head's query weights (B, heads, 1, n)
-    over the n tokens it pooled (None for other pools)."""
+    model: VisionTransformer, images: torch.Tensor, raw: bool = False
+) -> tuple[torch.Tensor, list, torch.Tensor | None]:
+    """`forward_with_attn(images, raw)`, and for a MAP-pooled model its head's query weights
+    (B, heads, 1, n) over the n tokens it pooled (None for other pools)."""
     head = model.attn_pool if model.global_pool == "map" else None
     if head is None:
-        return *model.forward_with_attn(images), None
+        return *model.forward_with_attn(images, raw=raw), None
     with head.recording() as recorded:
-        logits, attns = model.forward_with_attn(images)
+        logits, attns = model.forward_with_attn(images, raw=raw)
     return logits, attns, recorded[-1]
 
 
 def forward_with_attn_graph(
     model: VisionTransformer, images: torch.Tensor
-) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
-    """`forward_with_pool_attn` with the attention weights in the autograd graph, even under no_grad,
-    inference_mode (Lightning's validation) or for a frozen model (the input requires grad)."""
+) -> tuple[torch.Tensor, list, torch.Tensor | None]:
+    """`forward_with_pool_attn(raw=True)` with the attention weights in the autograd graph, even under
+    no_grad, inference_mode (Lightning's validation) or for a frozen model (the input requires grad)."""
     with torch.inference_mode(False), torch.enable_grad():
-        return forward_with_pool_attn(model, images.clone().requires_grad_(True))
+        return forward_with_pool_attn(model, images.clone().requires_grad_(True), raw=True)
 
 
 def attention_gradients(
@@ -284,7 +291,8 @@ def gradcam(
     """GradCAM maps (B, grid_h, grid_w) and logits, computed by pytorch-grad-cam's `GradCAM`.
 
     The layer is the last block's `norm1`: the patch tokens entering the last block, as a
-    (D, grid_h, grid_w) feature map per image (prefix tokens dropped). Not the block's output: with
+    (D, grid_h, grid_w) feature map per image (prefix tokens dropped); for other blocks the layer
+    that gives the same (`tokens_entering_last_block`). Not the block's output: with
     CLS pooling the head reads only the CLS token of the last block, so the gradient on that block's
     output patches is zero; pytorch-grad-cam's ViT guide picks `blocks[-1].norm1` for this reason.
     Per image: weights = the mean over the patches of d logit[target] / d tokens, map =
@@ -318,7 +326,8 @@ def gradcam(
     params = list(model.parameters())
     saved = [(p.requires_grad, p.grad) for p in params]
     was_training = model.training
-    cam = GridGradCAM(model, [model.blocks[-1].norm1], reshape_transform=to_feature_map)  # sets eval mode
+    layer = tokens_entering_last_block(model)
+    cam = GridGradCAM(model, [layer], reshape_transform=to_feature_map)  # sets eval mode
     try:
         with torch.inference_mode(False), torch.enable_grad():
             model.requires_grad_(False)  # gradients reach the tokens through the input, not the weights
@@ -331,6 +340,20 @@ def gradcam(
             p.grad = grad
         model.train(was_training)
     return torch.from_numpy(maps).to(images.device), logits
+
+
+def tokens_entering_last_block(model: VisionTransformer) -> nn.Module:
+    """The layer whose output is the tokens the last block reads, normed as its attention reads
+    them: `norm1` (a pre-norm Block), `in_norm` (a parallel scaling block), the first branch's norm
+    (parallel branches); a post-norm block reads its input unnormed, the previous block's output."""
+    block = model.blocks[-1]
+    if isinstance(block, ParallelThingsBlock):
+        return block.attns[0].norm
+    if isinstance(block, ParallelScalingBlock):
+        return block.in_norm
+    if block.post_norm:
+        return model.blocks[-2] if len(model.blocks) > 1 else model.norm_pre
+    return block.norm1
 
 
 def rollout_maps(

@@ -79,7 +79,8 @@ class Sam(VisionTransformer):
     """timm's `VisionTransformerSAM`: forward_features gives the neck's (B, neck_chans, H, W) map,
     forward the pooled head's output (pooled features with num_classes=0, the SAM checkpoints' own).
     `model.load_state_dict(timm.create_model(name).state_dict())` is strict for its names.
-    `forward_with_attn` gives windowed blocks' weights per window (see vit.layers.Block)."""
+    `forward_with_attn` places windowed blocks' weights on the patch grid (zero between windows);
+    with `raw=True` it gives them per window, as the blocks computed them."""
 
     def __init__(self, config: SamConfig) -> None:
         super().__init__(replace(config, num_classes=0))
@@ -128,9 +129,11 @@ class Sam(VisionTransformer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
-    def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        tokens, attns, _ = self._run_blocks(*self._embed(x), return_attn=True, grid=self.patch_grid(x))
-        return self.forward_head(self.neck(self._to_map(tokens, x))), attns
+    def forward_with_attn(self, x: torch.Tensor, raw: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        grid = self.patch_grid(x)
+        tokens, attns, _ = self._run_blocks(*self._embed(x), return_attn=True, grid=grid)
+        logits = self.forward_head(self.neck(self._to_map(tokens, x)))
+        return logits, attns if raw else self.grid_attention(attns, grid)
 
     def forward_intermediates(
         self,

@@ -437,14 +437,21 @@ class VisionTransformer(nn.Module):
         x = self._run_blocks(*self._embed(x), last_num_queries, grid=self.patch_grid(x))[0]
         return self.forward_head(self.norm(x))
 
-    def forward_with_attn(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward_with_attn(self, x: torch.Tensor, raw: bool = False) -> tuple[torch.Tensor, list[Any]]:
         """Logits and every block's attention weights, each (B, heads, N, N) with N = prefix + patches.
 
         Uses the explicit attention path for this call only; the weights stay in the autograd graph
-        (for gradient-weighted rollout) unless called under `torch.no_grad()`.
+        unless called under `torch.no_grad()`. `raw`: each block's weights as its attention computed
+        them (a windowed block's per window, a parallel block's per branch), the tensors its output
+        was computed from, whose gradients gradient rollout takes; `grid_attention` places them.
         """
-        x, attns, _ = self._run_blocks(*self._embed(x), return_attn=True, grid=self.patch_grid(x))
-        return self.forward_head(self.norm(x)), attns
+        grid = self.patch_grid(x)
+        x, attns, _ = self._run_blocks(*self._embed(x), return_attn=True, grid=grid)
+        return self.forward_head(self.norm(x)), attns if raw else self.grid_attention(attns, grid)
+
+    def grid_attention(self, attns: list[Any], grid: tuple[int, int]) -> list[torch.Tensor]:
+        """`forward_with_attn(raw=True)`'s weights (or their gradients) -> (B, heads, N, N) each."""
+        return [block.grid_attention(a, grid) for block, a in zip(self.blocks, attns, strict=True)]
 
 
 Table = tuple[torch.Tensor, torch.Tensor]

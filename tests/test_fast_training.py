@@ -565,12 +565,15 @@ def test_with_rope_each_kept_patch_is_rotated_by_its_own_grid_position():
     x = torch.randn(3, 3, 16, 16)
     full, (cos, sin) = model.eval()._embed(x)
     kept, (kept_cos, kept_sin) = model.train()._embed(x)
-    assert kept.shape == (3, 1 + 8, 128) and kept_cos.shape == (3, 1, 8, cos.shape[-1])
+    # the tables cover the CLS token too, with the identity rotation (cos 1, sin 0)
+    assert kept.shape == (3, 1 + 8, 128) and kept_cos.shape == (3, 1, 1 + 8, cos.shape[-1])
+    assert (kept_cos[:, :, 0] == 1).all() and (kept_sin[:, :, 0] == 0).all()
+    cos, sin = cos[1:], sin[1:]
     for b in range(3):
         # which of the 16 patches each kept token is (tokens are the patches' embeddings, unchanged)
         where = [int((full[b, 1:] == token).all(dim=-1).nonzero()) for token in kept[b, 1:]]
         assert where == sorted(where) and len(set(where)) == 8
-        assert torch.equal(kept_cos[b, 0], cos[where]) and torch.equal(kept_sin[b, 0], sin[where])
+        assert torch.equal(kept_cos[b, 0, 1:], cos[where]) and torch.equal(kept_sin[b, 0, 1:], sin[where])
     logits = model.train()(x)
     logits.sum().backward()  # trains: every block runs on 8 rotated patches and the CLS token
     assert logits.shape == (3, 10) and model.patch_embed.proj.weight.grad.abs().sum() > 0

@@ -114,6 +114,37 @@ def test_num_queries_is_slicing_the_output_for_less_work(fused):
         Block(BlockConfig(embed_dim=24, num_heads=3), causal=True)(x, num_queries=1)
 
 
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_mean_from_is_the_mean_of_the_output_for_less_work(mlp):
+    """Average pooling straight after a block: fc2 on the mean hidden state gives the mean of the
+    block's outputs and the same gradients; in training with drop path, under the same seed, too."""
+    block = Block(BlockConfig(embed_dim=24, num_heads=3, init_values=0.5, mlp=mlp))
+    x = torch.randn(4, 7, 24, requires_grad=True)
+    for training in (False, True):
+        block.train(training)
+        if training:
+            block.drop_path1 = block.drop_path2 = DropPath(0.5)
+        torch.manual_seed(0)
+        pooled = block(x, mean_from=2)
+        (pooled_grad,) = torch.autograd.grad(pooled.square().sum(), x)
+        torch.manual_seed(0)
+        full = block(x)[:, 2:].mean(dim=1)
+        (full_grad,) = torch.autograd.grad(full.square().sum(), x)
+        torch.testing.assert_close(pooled, full, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(pooled_grad, full_grad, atol=1e-6, rtol=1e-5)
+    flops = []
+    for kwargs in ({"mean_from": 2}, {}):
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            block(x, **kwargs)
+        flops.append(counter.get_total_flops())
+    assert flops[0] < 0.8 * flops[1]  # fc2 once an image, not once a token
+    refused = [Block(BlockConfig(embed_dim=24, num_heads=3, post_norm=True)),
+               Block(BlockConfig(embed_dim=24, num_heads=3, proj_drop_rate=0.1)).train()]  # fmt: skip
+    for other in refused:
+        with pytest.raises(ValueError, match="mean_from needs"):
+            other(x, mean_from=0)
+
+
 def test_drop_path_drops_whole_samples_and_keeps_the_expectation():
     drop = DropPath(0.25)
     x = torch.ones(4000, 3, 2)

@@ -204,6 +204,27 @@ def test_training_gradients_match_timm_although_the_last_block_skips_unused_toke
         torch.testing.assert_close(p.grad, theirs_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("name", ["naflexvit_base_patch16_gap", "eva02_tiny_patch14_224"])
+def test_average_pooled_models_run_the_last_blocks_fc2_on_the_pooled_state_with_timms_gradients(name):
+    """Average pooling with no norm between the last block and the pool: forward runs that block's fc2
+    once an image; the logits, every gradient and the last block's hooks are as without the shortcut."""
+    theirs = _perturbed_timm(name, num_classes=5, img_size=32, depth=2)
+    ours = create_model(name, num_classes=5, img_size=32, depth=2)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours._pools_last_block()
+    x, y = torch.randn(3, 3, 32, 32), torch.tensor([0, 4, 2])
+    seen = []
+    ours.blocks[-1].register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    for model in (ours, theirs):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert seen == [(3, ours.embed_dim)]  # the block was called as a module: its hooks ran
+    theirs_grads = dict(theirs.named_parameters())
+    for name_, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs_grads[name_].grad, atol=1e-5, rtol=1e-4, msg=name_)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ours.forward_head(ours.forward_features(x)), atol=1e-5, rtol=1e-5)
+
+
 # -- timm's options: registers, pos-embed without prefix, pre/final norm, pools, padding --------
 
 SMALL = dict(img_size=32, patch_size=8, embed_dim=64, depth=3, num_heads=4, num_classes=5)

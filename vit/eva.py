@@ -121,7 +121,7 @@ class Eva(VisionTransformer):
         grid, head_dim = self.patch_grid(images), c.embed_dim // c.num_heads
         if c.rope_type == "mixed":
             cos, sin = self.rope(grid, c.rope_grid_indexing)
-            return [keep_rope((cos[i], sin[i]), kept, images.device) for i in range(len(cos))]
+            return [keep_rope((cos[i], sin[i]), kept, images.device, self.num_prefix_tokens) for i in range(len(cos))]
         if c.rope_type == "dinov3":
             scale = None
             if self.training and c.rope_rescale_coords is not None:
@@ -136,7 +136,7 @@ class Eva(VisionTransformer):
                 grid, head_dim, c.rope_temperature, c.rope_grid_offset, c.rope_grid_indexing, c.ref_feat_shape,
                 c.rope_rotate_half,
             )  # fmt: skip
-        return keep_rope(tables, kept, images.device)
+        return keep_rope(tables, kept, images.device, self.num_prefix_tokens)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """As the ViT's, except that the attention-pool head reads the prefix tokens too (timm's Eva)."""

@@ -829,8 +829,15 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before fc2: forward(x) is output(hidden(x))."""
+        return self.norm(self.drop1(self.act(self.fc1(x))))
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(h))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
+        return self.output(self.hidden(x))
 
 
 class SwiGLU(nn.Module):
@@ -859,14 +866,21 @@ class SwiGLU(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before fc2: forward(x) is output(hidden(x))."""
         if hasattr(self, "fc1_g"):
             value, gate = self.fc1_x(x), self.fc1_g(x)
         else:
             value, gate = self.fc1(x).chunk(2, dim=-1)
             if self.gate_first:
                 value, gate = gate, value
-        return self.drop2(self.fc2(self.norm(self.drop1(self.act(gate) * value))))
+        return self.norm(self.drop1(self.act(gate) * value))
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden(x))
 
 
 def swiglu_hidden_dim(mlp_hidden_dim: int, multiple_of: int = 8) -> int:
@@ -1227,11 +1241,17 @@ class Block(nn.Module):
         num_queries: int | None = None,
         return_attn: bool = False,
         grid: tuple[int, int] | None = None,
+        mean_from: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`return_attn=True` also returns this block's attention weights, (B, heads, N, N).
         `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost.
+        `mean_from=s` returns `block(x)[:, s:].mean(1)`, (B, dim), for average pooling straight after
+        the block (`can_mean`): fc2, the LayerScale and the drop path are linear per image, so fc2
+        runs once on the mean hidden state instead of on every token (a third of the MLP's work).
         `attn_mask`, `rope`, `kv_cache`: see Attention.forward (per window with window_size).
         `grid`: the tokens' patch grid when it is not the built one (windows, relative positions)."""
+        if mean_from is not None and not self.can_mean():
+            raise ValueError("mean_from needs a pre-norm block without windows, a dense MLP, no dropout after fc2")
         grid = self.grid if grid is None else grid
         y = x if self.post_norm else self.norm1(x)
         if self.window_size:
@@ -1252,9 +1272,23 @@ class Block(nn.Module):
             x = x + self.drop_path2(self.norm2(self.mlp(x)))
             return (x, attn) if return_attn else x
         x = x + self.drop_path1(self.ls1(y) if self.gamma_1 is None else self.gamma_1 * y)
-        y = self.mlp(self.norm2(x))
+        if mean_from is not None:
+            x = x[:, mean_from:]
+            y = self.mlp.output(self.mlp.hidden(self.norm2(x)).mean(dim=1))
+            x = x.mean(dim=1)
+        else:
+            y = self.mlp(self.norm2(x))
         x = x + self.drop_path2(self.ls2(y) if self.gamma_2 is None else self.gamma_2 * y)
         return (x, attn) if return_attn else x
+
+    def can_mean(self) -> bool:
+        """Whether forward takes `mean_from`: a pre-norm block without windows, a dense MLP, and no
+        dropout after fc2 while training (a per-token mask does not commute with the mean)."""
+        mlp = self.mlp
+        return (
+            not self.post_norm and not self.window_size and isinstance(mlp, (Mlp, SwiGLU))
+            and not (self.training and mlp.drop2.p > 0)
+        )  # fmt: skip
 
     def grid_attention(self, attn: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """forward's `return_attn` weights -> (B, heads, N, N) over the block's tokens: a windowed

@@ -197,9 +197,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     turn = rotate_half if half else rotate_pairs
     if n == x.shape[-2]:
-        return x * cos + turn(x) * sin
+        return torch.addcmul(x * cos, turn(x), sin)  # x cos + turn(x) sin, one pass fewer
     prefix, rest = x[..., :-n, :], x[..., -n:, :]
-    return torch.cat([prefix, rest * cos + turn(rest) * sin], dim=-2)
+    return torch.cat([prefix, torch.addcmul(rest * cos, turn(rest), sin)], dim=-2)
 
 
 # -- relative positions ----------------------------------------------------------------------------

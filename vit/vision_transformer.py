@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vit.layers import (
     AttentionPoolLatent,
+    Block,
     BlockConfig,
     HybridEmbed,
     PatchDropout,
@@ -235,7 +236,7 @@ class VisionTransformer(nn.Module):
         if self.config.posemb != "rope":
             return None
         tables = rope_2d(self.patch_grid(images), self.embed_dim // self.config.num_heads)
-        return keep_rope(tables, kept, images.device)
+        return keep_rope(tables, kept, images.device, self.num_prefix_tokens)
 
     def _embed(self, images: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         """Images -> [CLS, registers] + patch tokens with their positions, as the blocks take them,
@@ -292,18 +293,23 @@ class VisionTransformer(nn.Module):
         depth: int | None = None,
         attn_mask: torch.Tensor | None = None,
         grid: tuple[int, int] | None = None,
+        last_mean_from: int | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The first `depth` blocks (all by default) in order: the output, the attention weights of
         every block if `return_attn`, and the outputs of the blocks numbered in `take`. The last block
-        returns only its first `last_num_queries` tokens if given. `rope`: one table for every block,
+        returns only its first `last_num_queries` tokens if given, or with `last_mean_from` the mean of
+        its tokens from that one on, (B, D) (Block's `mean_from`). `rope`: one table for every block,
         or a list of one per block (mixed RoPE); `attn_mask`: every block's (a shared bias); `grid`:
         the tokens' patch grid, for blocks with relative positions or windows (None: the built one)."""
         kwargs = {"grid": grid} if grid is not None and self._grid_blocks() else {}  # only such Blocks take it
         attns, taken = [], []
         blocks = self.blocks[:depth] if depth is not None else self.blocks
         for i, block in enumerate(blocks):
-            num_queries = last_num_queries if i == len(blocks) - 1 else None
+            last = i == len(blocks) - 1
+            num_queries = last_num_queries if last else None
             table = rope[i] if isinstance(rope, list) else rope
+            if last and last_mean_from is not None:
+                kwargs["mean_from"] = last_mean_from
             if self.grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(
                     block, x, attn_mask, table, None, num_queries, return_attn, use_reentrant=False, **kwargs
@@ -431,11 +437,27 @@ class VisionTransformer(nn.Module):
 
         With CLS pooling the head reads one token, so the last block computes attention, projection
         and MLP for the CLS token only (its keys and values still come from every token): about 3/4 of
-        that block's work, which timm spends on outputs it throws away, is skipped.
+        that block's work, which timm spends on outputs it throws away, is skipped. With average
+        pooling straight after the blocks (the norm after pooling) the last block's fc2 runs on the
+        pooled hidden state only (Block's `mean_from`).
         """
+        grid = self.patch_grid(x)
+        if self._pools_last_block():
+            start = 0 if self.config.pool_include_prefix else self.num_prefix_tokens
+            pooled = self._run_blocks(*self._embed(x), grid=grid, last_mean_from=start)[0]
+            return self.head(self.head_drop(self.fc_norm(pooled)))
         last_num_queries = 1 + int(self.config.distilled) if self.global_pool == "token" else None
-        x = self._run_blocks(*self._embed(x), last_num_queries, grid=self.patch_grid(x))[0]
+        x = self._run_blocks(*self._embed(x), last_num_queries, grid=grid)[0]
         return self.forward_head(self.norm(x))
+
+    def _pools_last_block(self) -> bool:
+        """Whether the head reads the plain mean of the last block's tokens (average pooling, no norm
+        between them, no distillation head), which the last block's forward_mean computes cheaper."""
+        last = self.blocks[-1] if len(self.blocks) else None
+        return (
+            self.global_pool == "avg" and isinstance(self.norm, nn.Identity) and self.head_dist is None
+            and isinstance(last, Block) and last.can_mean()
+        )  # fmt: skip
 
     def forward_with_attn(self, x: torch.Tensor, raw: bool = False) -> tuple[torch.Tensor, list[Any]]:
         """Logits and every block's attention weights, each (B, heads, N, N) with N = prefix + patches.
@@ -458,17 +480,24 @@ Table = tuple[torch.Tensor, torch.Tensor]
 Rope = Table | list[Table] | None  # the rotary (cos, sin) tables: for every block, one per block, none
 
 
-def keep_rope(tables: Table, kept: torch.Tensor | None, device: torch.device) -> Table:
+def keep_rope(tables: Table, kept: torch.Tensor | None, device: torch.device, num_prefix_tokens: int = 0) -> Table:
     """Rotary tables (..., N, head_dim) on `device`, after patch dropout the rows of each image's kept
-    patches: (B, 1 or heads, kept, head_dim), the heads' axis where the attention broadcasts them."""
+    patches: (B, 1 or heads, kept, head_dim), the heads' axis where the attention broadcasts them.
+
+    `num_prefix_tokens` rows of the identity rotation (cos 1, sin 0) go in front, for the prefix tokens,
+    which stay as they are: the table then covers every token, and apply_rope rotates q and k whole
+    instead of slicing off the prefix and concatenating it back in every block (fwd and bwd)."""
     cos, sin = (t.to(device) for t in tables)
-    if kept is None:
-        return cos, sin
+    if kept is not None:
 
-    def gather(t: torch.Tensor) -> torch.Tensor:  # (N, d) -> (B, 1, kept, d); (heads, N, d) -> (B, heads, kept, d)
-        return t[kept][:, None] if t.ndim == 2 else t[..., kept, :].movedim(-3, 0)
+        def gather(t: torch.Tensor) -> torch.Tensor:  # (N, d) -> (B, 1, kept, d); (heads, N, d) -> (B, heads, kept, d)
+            return t[kept][:, None] if t.ndim == 2 else t[..., kept, :].movedim(-3, 0)
 
-    return gather(cos), gather(sin)
+        cos, sin = gather(cos), gather(sin)
+    if num_prefix_tokens:
+        pad = (0, 0, num_prefix_tokens, 0)
+        cos, sin = F.pad(cos, pad, value=1.0), F.pad(sin, pad, value=0.0)
+    return cos, sin
 
 
 def _take_indices(num_blocks: int, indices: int | list[int] | None) -> list[int]:

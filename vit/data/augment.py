@@ -249,7 +249,7 @@ def resize_crops_together(
     lie as (B, H, 3, W) so that both products are plain batched products (no broadcast copies).
     In `dtype`, the result float32: float32 equals resizing one at a time up to float rounding
     (the sums run in another order; within a quarter of a level where matmuls may use TF32, as
-    the CLI allows); float16 within about a tenth of a level on average. Images longer than
+    the CLI allows); float16 within 0.03 of a level on average, a quarter at most. Images longer than
     TOGETHER_SIDE x size (rare in photos) are resized one at a time, in float32."""
     device, limit = images[0].device, TOGETHER_SIDE * size
     alone = [i for i, image in enumerate(images) if max(image.shape[1:]) > limit]

@@ -456,6 +456,13 @@ def test_gradcam_is_the_gradcam_formula_on_the_tokens_entering_the_last_block():
     assert not any(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("pool", ["max", "avgmax"])
+def test_max_pooled_models_are_refused_with_the_reason(pool):
+    model = _nano(global_pool=pool, class_token=False)
+    with pytest.raises(ValueError, match=f"global_pool='{pool}' reads each channel from whichever token"):
+        attention_rollout(model, torch.randn(1, 3, 16, 16))
+
+
 def test_a_non_vit_is_refused_by_name():
     with pytest.raises(TypeError, match=r"CifarResNet, not a vit\.VisionTransformer"):
         attention_rollout(create_model("resnet20", num_classes=10), torch.randn(1, 3, 32, 32))

@@ -154,7 +154,11 @@ def joint_to_map(
             raise ValueError("global_pool='map' needs the MAP head's attention (pool_row)")
         row = (pool_row[:, None].to(joint.dtype) @ joint[:, -pool_row.shape[1] :])[:, 0, p:]
     else:
-        raise ValueError(f"global_pool must be 'token', 'avg' or 'map', got {global_pool!r}")
+        raise ValueError(
+            f"attention maps read the pooled token's row of the attention; global_pool={global_pool!r} reads each "
+            "channel from whichever token is largest there (avgmax: half of it), so no row describes it "
+            "(explained: 'token', 'avg', 'map')"
+        )
     return row.reshape(joint.shape[0], *grid_size)
 
 

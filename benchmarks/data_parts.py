@@ -71,7 +71,14 @@ def main() -> None:
     from lightning_utilities.core.apply_func import apply_to_collection
     from torch.utils.data import DataLoader
 
-    from vit.data.augment import TRAIN_RESIZE_DTYPE, Augment, crop_resize_flip, normalize, rand_augment
+    from vit.data.augment import (
+        TRAIN_RESIZE_DTYPE,
+        Augment,
+        crop_resize_flip,
+        normalize,
+        rand_augment,
+        resize_crops_together,
+    )
     from vit.data.device import EncodedFiles, collate_encoded, decode_batch
     from vit.data.images import scan_image_folder
     from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -160,6 +167,10 @@ def main() -> None:
         print("\n| part | the GPU's longest kernels, ms per batch |\n|---|---|")
         for name, kernels in longest.items():
             print(f"| {name} | {kernels} |")
+    # the GPU's batched resize (on this device) in float16 against float32, in pixel levels
+    together = [resize_crops_together(images, drawn.box, drawn.flip, args.size, dtype=d) for d in (half, torch.float32)]
+    error = (together[0] - together[1]).abs()
+    print(f"\nCrops resized together in float16 vs float32: mean {error.mean():.3f}, max {error.max():.3f} levels")
 
 
 if __name__ == "__main__":

@@ -452,7 +452,7 @@ class VisionTransformer(nn.Module):
 
     def _pools_last_block(self) -> bool:
         """Whether the head reads the plain mean of the last block's tokens (average pooling, no norm
-        between them, no distillation head), which the last block's forward_mean computes cheaper."""
+        between them, no distillation head), which the last block computes cheaper (Block's `mean_from`)."""
         last = self.blocks[-1] if len(self.blocks) else None
         return (
             self.global_pool == "avg" and isinstance(self.norm, nn.Identity) and self.head_dist is None

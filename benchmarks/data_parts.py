@@ -5,6 +5,8 @@ host's CPU time and, on a GPU, the device's busy time. Work that keeps the GPU b
 behind a model's step on the same GPU; work that keeps the host busy can, in another thread (the
 data path runs its stages beside the model: vit.data.prefetch); here the parts run one after
 another in one thread.
+Last, on any machine, what the GPU's batched steps dispatch for the batch: kernels and bytes written
+(`benchmarks.report.OpCount`), which their GPU time follows (small, memory-bound kernels).
 Run it alone: `flock /tmp/vit-bench.lock python -m benchmarks.data_parts [--batch 128 --workers 10]`."""
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.report import OpCount
 
 
 def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> tuple[float, float]:
@@ -167,6 +171,19 @@ def main() -> None:
         print("\n| part | the GPU's longest kernels, ms per batch |\n|---|---|")
         for name, kernels in longest.items():
             print(f"| {name} | {kernels} |")
+    # the GPU's steps for this batch, counted on this device (on the CPU crop + resize runs them only here)
+    steps = {
+        "crop + resize + flip: two batched products in float16": lambda: resize_crops_together(
+            images, drawn.box, drawn.flip, args.size, dtype=half
+        ),
+        "RandAugment, 2 ops at magnitude 9": lambda: rand_augment(cropped, drawn.rand_augment),
+        "normalise": lambda: normalize(cropped, IMAGENET_MEAN, IMAGENET_STD),
+    }
+    print(f"\n| the GPU's step, batch of {args.batch} | kernels | MB written |\n|---|---:|---:|")
+    for name, step in steps.items():
+        with OpCount() as ops:
+            step()
+        print(f"| {name} | {ops.kernels} | {ops.written / 1e6:,.0f} |")
     # the GPU's batched resize (on this device) in float16 against float32, in pixel levels
     together = [resize_crops_together(images, drawn.box, drawn.flip, args.size, dtype=d) for d in (half, torch.float32)]
     error = (together[0] - together[1]).abs()

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.report import OpCount
 
 RECIPES = {"configs/imagenet_vit_b16.yaml": "vit_tiny_patch16_224", "configs/imagenet_resnet50.yaml": "resnet18"}
 MODES = {
@@ -26,18 +27,6 @@ MODES = {
     "in the training process, a thread a batch ahead": ["--data.data_process", "false", "--data.device_prefetch", "1"],
     "data process": ["--data.data_process", "true", "--data.device_prefetch", "1"],
 }
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the torch ops dispatched in the threads it is entered in."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def counted(stage: Callable[[Any, torch.device], Any], counter: list[int]) -> Callable[[Any, torch.device], Any]:

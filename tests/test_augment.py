@@ -11,7 +11,14 @@ import pytest
 import torch
 from scipy import stats
 
-from vit.data.augment import LIGHTNESS, RA_COLUMNS, RA_OPS, draw_rand_augment, rand_augment
+from vit.data.augment import (
+    LIGHTNESS,
+    RA_COLUMNS,
+    RA_OPS,
+    draw_rand_augment,
+    rand_augment,
+    rand_augment_ranges,
+)
 from vit.data.transforms import rand_augment_ops
 from vit.tools.data_check import synthetic_photo
 
@@ -55,6 +62,27 @@ def test_each_randaugment_op_equals_the_per_sample_op_at_the_same_strength(op):
     difference = np.abs(ours - theirs)
     assert np.abs(theirs - IMAGE).mean() > 5  # the op changes the image
     assert difference.max() <= 1 and difference.mean() < 0.05, (difference.max(), difference.mean())
+
+
+@pytest.mark.parametrize("op", RA_OPS)
+def test_each_op_leaves_whole_levels_within_0_to_255_at_every_strength(op):
+    """As the per-sample path's uint8 images after each op: each op rounds or clips what its own
+    arithmetic can move off whole levels or out of range, across its strengths at magnitude 10, on a
+    photo, black, white and an image of black and white pixels, from uint8 and from float input."""
+    rng = np.random.default_rng(1)
+    photo = torch.from_numpy(IMAGE.copy()).permute(2, 0, 1).float()
+    speckle = torch.from_numpy(rng.integers(0, 2, size=photo.shape) * 255.0).float()
+    images = torch.stack([photo, torch.zeros_like(photo), torch.full_like(photo, 255), speckle])
+    low, high = rand_augment_ranges(10.0)[op]
+    strengths = np.arange(low, high + 1) if op == "posterize" else np.linspace(low, high, 7)
+    params = np.full((len(strengths) * len(images), RA_COLUMNS), np.nan)
+    params[:, RA_OPS.index(op)], params[:, LIGHTNESS] = np.repeat(strengths, len(images)), 0.75
+    batch = images.repeat(len(strengths), 1, 1, 1)
+    for x in (batch, batch.to(torch.uint8)):
+        out = rand_augment(x, torch.from_numpy(params))
+        assert out.dtype == torch.float32 and torch.equal(out, out.round()), op
+        assert out.min() >= 0 and out.max() <= 255, (op, out.min(), out.max())
+    assert not torch.equal(out, batch)  # the op did something
 
 
 COLOUR = {  # each colour op at a strong setting, and albumentations' at the same

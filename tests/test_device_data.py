@@ -25,6 +25,7 @@ from vit.data.augment import (
     rand_augment,
     random_resized_crop_box,
     resize_crops_together,
+    resize_weights,
 )
 from vit.data.device import (
     EncodedFiles,
@@ -333,6 +334,28 @@ def test_crops_resized_together_equal_crops_resized_one_at_a_time():
     assert half.dtype == torch.float32
     assert float((half - expected).abs().mean()) < 0.1 and float((half - expected).abs().max()) < 0.5
     assert float((half - expected).abs().mean()) > 0  # the products did run in float16
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_resize_weights_are_what_f_interpolate_gives_each_pixel_of_the_crop(mode):
+    """Row o of the weights is what F.interpolate (antialiased) takes into output pixel o from each
+    pixel of the crop, read off by resizing each pixel alone: crops shrunk up to TOGETHER_SIDE,
+    enlarged, at either end of the span, one pixel long; zero outside the crop; rows reversed for a
+    mirrored image."""
+    size, span = 16, int(TOGETHER_SIDE * 16)
+    crops = [(0, 40), (3, 37), (5, 16), (10, 7), (24, 16), (0, 1), (39, 1)]  # (start, length)
+    starts, lengths = (torch.tensor(column, dtype=torch.float32) for column in zip(*crops, strict=True))
+    flip = torch.arange(len(crops)) % 2 == 1
+    weights = resize_weights(starts, lengths, size, span, mode, flip=flip)
+    assert weights.shape == (len(crops), size, span)
+    for b, (start, length) in enumerate(crops):
+        alone = torch.eye(length)[:, None, None, :]  # each pixel of the crop alone, in a row of one
+        taken = torch.nn.functional.interpolate(alone, size=(1, size), mode=mode, antialias=True)[:, 0, 0]
+        expected = torch.zeros(size, span)
+        expected[:, start : start + length] = taken.T
+        torch.testing.assert_close(weights[b], expected.flip(0) if flip[b] else expected, rtol=0, atol=1e-6)
+    half = resize_weights(starts, lengths, size, span, mode, torch.float16, flip)
+    assert torch.equal(half, weights.half())
 
 
 def test_corrupt_files_are_named_and_skipped_with_skip_corrupt(tmp_path, caplog):

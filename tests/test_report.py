@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.report import machine, markdown_table, write_report
+from benchmarks.report import OpCount, machine, markdown_table, write_report
 from tests.conftest import ROOT
 
 
@@ -45,6 +45,20 @@ def test_regenerated_report_keeps_the_notes_below_the_marker(tmp_path):
     assert path.read_text() == "# v2\n<!-- notes -->\nRead this row with care.\n"
     write_report(path, "# plain\n")  # no marker: the whole file is the report
     assert path.read_text() == "# plain\n"
+
+
+def test_op_count_counts_the_kernels_that_run_and_the_bytes_they_write():
+    """What the data benchmarks read as a GPU's cost: views cost nothing, an in-place op writes its
+    tensor, an indexed write only the rows it writes, a foreach op a kernel a tensor."""
+    with OpCount() as ops:
+        x = torch.zeros(4, 8)  # 128 bytes
+        x[1:3].add_(1)  # a view (no kernel), then 2 rows written: 64 bytes
+        x[torch.tensor([0, 3])] = torch.ones(2, 8)  # the ones (64 bytes), 2 rows written (64); the index is the host's
+        torch._foreach_mul_([x[0], x[1]], 2.0)  # two kernels, 64 bytes
+        y = x.sum(0)  # 32 bytes
+    assert y.tolist() == [6.0] * 8
+    assert (ops.kernels, ops.written) == (7, 128 + 64 + 64 + 64 + 64 + 32)
+    assert ops.count > ops.kernels  # the views were dispatched too
 
 
 def test_machine_line_names_the_vector_unit_threads_and_versions():

@@ -244,7 +244,7 @@ def resize_crops_together(
     """crop_resize_flip as two batched matrix products: the images copied into one tensor, padded
     to the largest, then (rows' weights) @ image @ (columns' weights)^T, with F.interpolate's
     antialiased weights over each crop (`resize_weights`) and a flipped image's columns
-    reversed: a copy an image (queued from one call) and about 20 more kernels a batch, where
+    reversed: a copy an image (queued from one call) and about 100 more kernels a batch, where
     resizing each crop alone takes two kernels and five Python-level calls an image. The images
     lie as (B, H, 3, W) so that both products are plain batched products (no broadcast copies).
     In `dtype`, the result float32: float32 equals resizing one at a time up to float rounding
@@ -271,9 +271,8 @@ def resize_crops_together(
     # one copy the host does not wait for: top, left, height, width, flip
     boxes = torch.cat([box, flip[:, None]], 1).float().to(device, non_blocking=True)
     tops, lefts, heights, widths, flipped = boxes.unbind(1)
-    rows = resize_weights(tops, heights, size, height, mode).to(dtype)
-    columns = resize_weights(lefts, widths, size, width, mode)
-    columns = torch.where(flipped[:, None, None] > 0, columns.flip(1), columns).to(dtype)
+    rows = resize_weights(tops, heights, size, height, mode, dtype)
+    columns = resize_weights(lefts, widths, size, width, mode, dtype, flip=flipped > 0)
     resized_rows = torch.bmm(rows, padded.view(batch, height, 3 * width))  # (B, size, 3 W)
     out = torch.bmm(resized_rows.view(batch, size * 3, width), columns.transpose(1, 2))  # (B, size 3, size)
     out = out.view(batch, size, 3, size).transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
@@ -281,24 +280,44 @@ def resize_crops_together(
 
 
 def resize_weights(
-    starts: torch.Tensor, lengths: torch.Tensor, size: int, span: int, mode: str = "bilinear"
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    size: int,
+    span: int,
+    mode: str = "bilinear",
+    dtype: torch.dtype = torch.float32,
+    flip: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, size, span) float32: row o of image b weighs its input pixels starts[b] ..
+    """(B, size, span) in `dtype`: row o of image b weighs its input pixels starts[b] ..
     starts[b] + lengths[b] - 1 into output pixel o, as F.interpolate(mode=`mode`, antialias=True,
     align_corners=False) resizes that crop: its triangle ("bilinear") or cubic ("bicubic", a = -0.5
-    as PIL's) filter, stretched by the scale when shrinking; each row summing to 1."""
+    as PIL's) filter, stretched by the scale when shrinking; each row summing to 1 (in float32);
+    the rows in reverse order where `flip` is set.
+
+    Worked out on the few pixels each row's filter reaches, then placed in a zeroed matrix by one
+    scatter: on a GPU this is bound by the bytes written, and the whole matrix is written once."""
+    reach = 1.0 if mode == "bilinear" else 2.0  # the filter's half-width in output pixels
+    taps = math.ceil(2 * reach * max(1.0, span / size)) + 3  # more than any row's filter reaches
+    arange = functools.partial(torch.arange, device=lengths.device, dtype=torch.float32)
     scale = (lengths / size)[:, None, None]
     stretch = scale.clamp(min=1.0)
-    centres = scale * (torch.arange(size, device=lengths.device, dtype=torch.float32)[None, :, None] + 0.5)
-    pixels = torch.arange(span, device=lengths.device, dtype=torch.float32)[None, None, :] - starts[:, None, None]
+    centres = scale * (arange(size)[None, :, None] + 0.5)
+    first = (centres - reach * stretch - 0.5).floor_().clamp_(min=0)
+    pixels = first + arange(taps)  # (B, size, taps), from the crop's first pixel
     x = ((pixels + 0.5 - centres) / stretch).abs()
     if mode == "bilinear":
         weights = (1 - x).clamp_(min=0)
     else:  # Keys' cubic with a = -0.5, zero from |x| = 2 on
         near, far = (1.5 * x - 2.5) * x * x + 1, ((-0.5 * x + 2.5) * x - 4) * x + 2
         weights = torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
-    weights *= (pixels >= 0) & (pixels < lengths[:, None, None])
-    return weights / weights.sum(-1, keepdim=True)
+    weights *= pixels < lengths[:, None, None]
+    weights = weights / weights.sum(-1, keepdim=True)
+    index = (pixels + starts[:, None, None]).long()
+    if flip is not None:
+        weights, index = (torch.where(flip[:, None, None], t.flip(1), t) for t in (weights, index))
+    # taps past the crop (weight 0) land in `taps` spare columns, so no two taps of a row share a column
+    dense = torch.zeros(len(lengths), size, span + taps, dtype=dtype, device=lengths.device)
+    return dense.scatter_(2, index, weights.to(dtype))[..., :span]
 
 
 def batch_augment(
@@ -401,9 +420,13 @@ def rand_augment(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     each colour op runs on the images that take it. Which images take what is read on the host, and
     nothing here waits for the device (no host syncs): on a GPU the host queues every op while the
     first ones run, a few kernels an op (the host's launching sets the pace there). The images and
-    strengths of all steps cross to the device in two copies."""
+    strengths of all steps cross to the device in two copies. Each op rounds or clips only where its
+    arithmetic can leave whole levels in 0..255: on a GPU these ops are bound by the bytes they move."""
     params, device = params.detach().to("cpu", torch.float64).numpy(), images.device
-    images = images.to(torch.float32, copy=True).round_().clamp_(0, 255)
+    if images.dtype == torch.uint8:
+        images = images.float()
+    else:  # round() makes the copy the ops below write into
+        images = images.float().round().clamp_(0, 255)
     steps = _warp_passes(params, images.shape[-1])
     chosen = np.isfinite(params)
     for op in range(len(WARPS), len(RA_OPS)):
@@ -419,7 +442,7 @@ def rand_augment(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     values_all = torch.from_numpy(np.concatenate([values for _, _, values in steps]).astype(np.float32))
     index_all, values_all = (t.to(device, non_blocking=True).split(lengths) for t in (index_all, values_all))
     for (function, _, _), index, values in zip(steps, index_all, values_all, strict=True):
-        images[index] = function(images[index], values).round_().clamp_(0, 255)
+        images[index] = function(images[index], values)
     return images
 
 
@@ -464,10 +487,14 @@ def _warp_matrices(op: np.ndarray, strength: np.ndarray, side: int) -> np.ndarra
     return np.concatenate([inverse, offset], axis=2)
 
 
+# Each op below takes and returns whole levels in 0..255 (float), as the per-sample path's uint8 images.
+
+
 def _warp(images: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
-    """Bilinear warp of square images by (n, 6) flattened affine_grid matrices, black outside."""
+    """Bilinear warp of square images by (n, 6) flattened affine_grid matrices, black outside (a
+    mean of levels with weights summing to at most 1: within 0..255 before rounding)."""
     grid = F.affine_grid(matrices.view(-1, 2, 3), list(images.shape), align_corners=False)
-    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False).round_()
 
 
 def _grey(images: torch.Tensor) -> torch.Tensor:
@@ -476,17 +503,17 @@ def _grey(images: torch.Tensor) -> torch.Tensor:
 
 
 def _brightness(images: torch.Tensor, factor: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-    return (images * factor.view(-1, 1, 1, 1)).trunc()  # albumentations' uint8 multiply truncates
+    return (images * factor.view(-1, 1, 1, 1)).trunc_().clamp_(max=255)  # albumentations' uint8 multiply truncates
 
 
 def _contrast(images: torch.Tensor, factor: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
     factor = factor.view(-1, 1, 1, 1)
-    return (images * factor + _grey(images).mean((1, 2, 3), keepdim=True) * (1 - factor)).trunc()
+    return (images * factor + _grey(images).mean((1, 2, 3), keepdim=True) * (1 - factor)).trunc_().clamp_(0, 255)
 
 
 def _saturation(images: torch.Tensor, factor: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
     factor = factor.view(-1, 1, 1, 1)
-    return images * factor + _grey(images) * (1 - factor)
+    return (images * factor + _grey(images) * (1 - factor)).round_().clamp_(0, 255)
 
 
 def _sharpen(images: torch.Tensor, alpha: torch.Tensor, lightness: torch.Tensor) -> torch.Tensor:
@@ -496,7 +523,8 @@ def _sharpen(images: torch.Tensor, alpha: torch.Tensor, lightness: torch.Tensor)
     kernels = -alpha.view(-1, 1, 1) * torch.ones(b, 3, 3, device=images.device)
     kernels[:, 1, 1] = 1 - alpha + alpha * (8 + lightness)
     padded = F.pad(images.reshape(1, b * c, h, w), (1, 1, 1, 1), mode="reflect")
-    return F.conv2d(padded, kernels.repeat_interleave(c, 0).unsqueeze(1), groups=b * c).view(b, c, h, w)
+    out = F.conv2d(padded, kernels.repeat_interleave(c, 0).unsqueeze(1), groups=b * c).view(b, c, h, w)
+    return out.round_().clamp_(0, 255)
 
 
 def _posterize(images: torch.Tensor, bits: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
@@ -512,39 +540,44 @@ def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor) -> torc
     """Per-channel histogram stretch, each value read as a bin of `hist` (as albumentations' lookup
     tables are): v -> 255 x (pixels in bins lo..v, less bin lo's) / (pixels in bins lo..hi, less bin
     lo's), where lo and hi are the first and last bins used; 0 below, 255 above; a channel with one
-    bin used, or none (autocontrast leaves 255 out: a channel all 255), is left as it is."""
+    bin used, or none (autocontrast leaves 255 out: a channel all 255), is left as it is. Worked out
+    as a (rows, 256) table, then read once at every pixel."""
     used = hist > 0
     lo = used.float().argmax(1, keepdim=True)
     hi = hist.shape[1] - 1 - used.flip(1).float().argmax(1, keepdim=True)
     cdf = hist.cumsum(1)
     at_lo, at_hi = cdf.gather(1, lo), cdf.gather(1, hi)
-    stretched = ((cdf.gather(1, values) - at_lo) * 255 / (at_hi - at_lo).clamp(min=1)).round()
-    out = torch.where(values < lo, 0.0, torch.where(values > hi, 255.0, stretched.clamp(0, 255)))
-    return torch.where((hi > lo) & used.any(1, keepdim=True), out, values.float()).view(images.shape)
+    levels = torch.arange(256, device=hist.device)[None]
+    stretched = ((cdf - at_lo) * 255 / (at_hi - at_lo).clamp(min=1)).round()
+    table = torch.where(levels < lo, 0.0, torch.where(levels > hi, 255.0, stretched.clamp(0, 255)))
+    table = torch.where((hi > lo) & used.any(1, keepdim=True), table, levels.float())
+    return table.gather(1, values).view(images.shape)
 
 
-def _histogram(bins: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(rows, 256) counts of each row's `bins` where `keep`: one index_add_ over row-offset bins."""
-    rows = bins.shape[0]
-    offset = bins + 256 * torch.arange(rows, device=bins.device)[:, None]
-    counts = torch.zeros(rows * 256, device=bins.device)  # index_add_, not bincount: that reads the max on the host
-    return counts.index_add_(0, offset.flatten(), keep.flatten().float()).view(rows, 256)
+def _histogram(bins: torch.Tensor) -> torch.Tensor:
+    """(rows, 256) counts of each row's `bins`, leaving bin 256 out: one index_add_ over
+    row-offset bins (not bincount: that reads the largest bin on the host)."""
+    rows, columns = bins.shape[0], 257
+    offset = (bins + columns * torch.arange(rows, device=bins.device)[:, None]).flatten()
+    counts = torch.zeros(rows * columns, device=bins.device)
+    counts.index_add_(0, offset, torch.ones(len(offset), device=bins.device))
+    return counts.view(rows, columns)[:, :256]
 
 
 def _equalize(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
     """Histogram equalisation of each channel, as OpenCV's equalizeHist (albumentations' Equalize)."""
     b, c, h, w = images.shape
     values = images.reshape(b * c, h * w).long()
-    return _lut(images, _histogram(values, torch.ones_like(values)), values)
+    return _lut(images, _histogram(values), values)
 
 
 def _autocontrast(images: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
     """albumentations' AutoContrast (its default "cdf" method): the same stretch over a histogram
-    of range (0, 255) in 256 bins, which puts value v in bin floor(v x 256 / 255) and leaves 255 out."""
+    of range (0, 255) in 256 bins, which puts value v in bin floor(v x 256 / 255) and leaves 255 out
+    (its bin would be 256)."""
     b, c, h, w = images.shape
     values = images.reshape(b * c, h * w).long()
-    bins = (values * 256 // 255).clamp(max=255)
-    return _lut(images, _histogram(bins, values < 255), values)
+    return _lut(images, _histogram(values * 256 // 255), values)
 
 
 _COLOUR_OPS = {

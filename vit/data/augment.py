@@ -596,12 +596,13 @@ _RA_FUNCTIONS = {
 
 
 def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """uint8 or float 0..255 (B, C, H, W) -> float, (x / 255 - mean) / std, as albumentations' Normalize."""
-    mean_t, std_t = (
-        (torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1) * 255.0).to(images.device, non_blocking=True)
-        for v in (mean, std)
+    """uint8 or float 0..255 (B, C, H, W) -> float32, (x / 255 - mean) / std, as albumentations'
+    Normalize: x * scale + shift in one op (a pass over the batch, reading the input's own dtype)."""
+    scale, shift = (
+        torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1).to(images.device, non_blocking=True)
+        for values in ([1 / (255 * s) for s in std], [-m / s for m, s in zip(mean, std, strict=True)])
     )  # made on the host and copied without waiting for the device
-    return (images.float() - mean_t) / std_t
+    return torch.addcmul(shift, images, scale)
 
 
 def resize_batch(images: torch.Tensor, size: int) -> torch.Tensor:

@@ -171,7 +171,7 @@ def main() -> None:
         print("\n| part | the GPU's longest kernels, ms per batch |\n|---|---|")
         for name, kernels in longest.items():
             print(f"| {name} | {kernels} |")
-    # the GPU's steps for this batch, counted on this device (on the CPU crop + resize runs them only here)
+    # the GPU's steps for this batch, counted on this device (on the CPU, training crops one image at a time)
     steps = {
         "crop + resize + flip: two batched products in float16": lambda: resize_crops_together(
             images, drawn.box, drawn.flip, args.size, dtype=half

@@ -58,6 +58,7 @@ def write_report(path: str | Path, text: str, notes_marker: str | None = None) -
 
 # In-place ops that write only where an index points, with the argument holding what they write.
 _WRITES_FROM = {"aten.index_put_.default": 2, "aten.index_add_.default": 3, "aten.scatter_.src": 3}
+_METADATA = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_scalar_dense.default"}
 
 
 class OpCount(TorchDispatchMode):
@@ -89,6 +90,3 @@ class OpCount(TorchDispatchMode):
         self.kernels += len(tensors) if name.startswith("aten._foreach") else 1
         self.written += sum(t.numel() * t.element_size() for t in tensors)
         return out
-
-
-_METADATA = {"aten.detach.default", "aten.lift_fresh.default", "aten._local_scalar_dense.default"}

@@ -541,16 +541,13 @@ def _lut(images: torch.Tensor, hist: torch.Tensor, values: torch.Tensor) -> torc
     tables are): v -> 255 x (pixels in bins lo..v, less bin lo's) / (pixels in bins lo..hi, less bin
     lo's), where lo and hi are the first and last bins used; 0 below, 255 above; a channel with one
     bin used, or none (autocontrast leaves 255 out: a channel all 255), is left as it is. Worked out
-    as a (rows, 256) table, then read once at every pixel."""
-    used = hist > 0
-    lo = used.float().argmax(1, keepdim=True)
-    hi = hist.shape[1] - 1 - used.flip(1).float().argmax(1, keepdim=True)
+    as a (rows, 256) table, then read once at every pixel: the cumulative count is below bin lo's
+    count before lo and the total after hi, so clipping to 0..255 gives the 0 and 255 there."""
     cdf = hist.cumsum(1)
-    at_lo, at_hi = cdf.gather(1, lo), cdf.gather(1, hi)
-    levels = torch.arange(256, device=hist.device)[None]
-    stretched = ((cdf - at_lo) * 255 / (at_hi - at_lo).clamp(min=1)).round()
-    table = torch.where(levels < lo, 0.0, torch.where(levels > hi, 255.0, stretched.clamp(0, 255)))
-    table = torch.where((hi > lo) & used.any(1, keepdim=True), table, levels.float())
+    total = cdf[:, -1:]
+    at_lo = torch.where(cdf > 0, cdf, total).amin(1, keepdim=True)  # the first bin used holds that many
+    stretched = ((cdf - at_lo) * 255 / (total - at_lo).clamp(min=1)).round_().clamp_(0, 255)
+    table = torch.where(total > at_lo, stretched, torch.arange(256, device=hist.device, dtype=hist.dtype))
     return table.gather(1, values).view(images.shape)
 
 

@@ -66,6 +66,40 @@ def test_the_data_process_makes_the_batches_the_training_process_makes(jpegs, st
     assert all(loader._data_process is None for loader in there._loaders)
 
 
+def _refused(*args: object) -> None:
+    raise RuntimeError("pidfd_getfd: Operation not permitted")
+
+
+@pytest.mark.parametrize("where", ["mapped in the training process", "sent by the data process"])
+def test_buffers_that_cannot_be_shared_leave_the_batches_to_the_training_process(jpegs, where, monkeypatch, caplog):
+    """Where the ring's buffers cannot be mapped in the training process (as CUDA IPC is refused in
+    a container without ptrace permission, with expandable segments) or its message cannot be sent,
+    the loader says why once and makes the same batches itself, that epoch and the next."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    monkeypatch.setattr(DataProcess, "start_method", "fork")  # the refusal below reaches the child
+    if where == "mapped in the training process":
+        monkeypatch.setattr(reductions, "rebuild_storage_fd", _refused)
+    else:
+        monkeypatch.setitem(ForkingPickler._extra_reducers, torch.UntypedStorage, _refused)
+    here, there = (
+        _module(jpegs, data_process=False).train_dataloader(),
+        _module(jpegs, data_process=True).train_dataloader(),
+    )
+    with caplog.at_level("WARNING", logger="vit"):
+        for epoch in range(2):
+            here.sampler.set_epoch(epoch), there.sampler.set_epoch(epoch)
+            for (x, y), (x2, y2) in zip(_batches(here), _batches(there), strict=True):
+                assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert caplog.text.count("could not share its batch buffers") == 1
+    assert "data.data_process false" in caplog.text
+    reason = "pidfd_getfd: Operation not permitted" if where.startswith("mapped") else "did not arrive"
+    assert reason in caplog.text
+    assert there._data_process is None and not there.process
+
+
 def test_an_epoch_left_early_is_dropped_and_a_resumed_one_starts_at_its_next_batch(jpegs):
     module = _module(jpegs, data_process=True)
     loader = module.train_dataloader()

@@ -15,6 +15,7 @@ batches are the same either way: each image's augmentation comes from the loader
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -27,7 +28,9 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from vit.data.process import DataProcess, sampler_state
+from vit.data.process import BufferSharingError, DataProcess, sampler_state
+
+log = logging.getLogger(__name__)
 
 _DONE = object()
 Stage = Callable[[Any, torch.device], Any]
@@ -111,7 +114,7 @@ class PreparedLoader(DataLoader):
         state = sampler_state(self.sampler)
         if hasattr(self.sampler, "begin_epoch"):  # the child's sampler starts the epoch: this one moves on with it
             self.sampler.begin_epoch()
-        return self._taken(self._data_process.epoch(state))
+        return self._taken(self._data_process.epoch(state), state)
 
     def close(self) -> None:
         """Stops this loader's threads and its data process, if running."""
@@ -121,12 +124,27 @@ class PreparedLoader(DataLoader):
             self._data_process.close()
             self._data_process = None
 
-    def _taken(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _taken(self, batches: Iterator[Any], state: dict[str, Any]) -> Iterator[Any]:
+        """The data process's batches; if its buffers cannot reach this process, the loader makes
+        them itself from then on (the same batches: the sampler's `state` from before the epoch)."""
+        handed_out = False
         while True:
             asked = time.perf_counter()
-            item = next(batches, _DONE)
+            try:
+                item = next(batches, _DONE)
+            except BufferSharingError as e:
+                if handed_out:
+                    raise
+                log.warning("%s: this loader makes its batches in the training process instead "
+                            "(data.data_process false), as fast on the CPU, slower on a GPU", e)  # fmt: skip
+                self.close()
+                self.process = False
+                vars(self.sampler).update(state)
+                yield from iter(self)
+                return
             if item is _DONE:
                 return
+            handed_out = True
             batch, stage_times = item
             self.times.waited.append(time.perf_counter() - asked)
             for k, (wall, cpu) in enumerate(stage_times):

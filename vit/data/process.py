@@ -37,6 +37,20 @@ log = logging.getLogger(__name__)
 POLL = 0.5  # seconds between checks that the other process is alive while waiting on a queue
 
 
+class BufferSharingError(RuntimeError):
+    """The data process's batch buffers did not reach the training process (raised before the
+    first batch is handed out, so its loader can make that epoch itself instead)."""
+
+
+def _sharing_failed(reason: str) -> BufferSharingError:
+    return BufferSharingError(
+        f"the data process could not share its batch buffers with the training process ({reason}). "
+        "On a GPU they are shared by CUDA IPC, which needs both processes to map the same GPU; with "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it also needs ptrace permission between them "
+        "(pidfd_getfd), which some containers withhold"
+    )
+
+
 def sampler_state(sampler: Any) -> dict[str, Any]:
     """The sampler's plain fields (epoch, resume position, seed, rank, ...): what makes its order,
     without the dataset it holds."""
@@ -109,6 +123,8 @@ class DataProcess:
                     self.free.put(message[2])
                 continue
             if kind == "batch":
+                if self.slots is None:  # the ring's message was lost on its way: the data process logged why
+                    raise _sharing_failed("its message with the buffers did not arrive")
                 _, _, slot, count, times = message
                 yield self._take(slot, count), times
             elif kind == "end":
@@ -150,8 +166,12 @@ class DataProcess:
         assert self._process is not None
         self._release(wait=len(self._pending) >= self.ring)
         while True:
-            with contextlib.suppress(queue.Empty):
+            try:
                 return self.ready.get(timeout=POLL)
+            except queue.Empty:
+                pass
+            except Exception as e:  # only the ring's message carries tensors, to be mapped here
+                raise _sharing_failed(f"{type(e).__name__}: {e}") from e
             self._release()  # copies done since: the child may be waiting for a buffer
             if not self._process.is_alive():
                 code = self._process.exitcode

@@ -30,7 +30,8 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 def dali_training(root: Path, batch: int, threads: int, size: int, randaugment: bool, steps: int, warmup: int) -> dict:
     """img/s of DALI's CPU pipeline with our recipes' training augmentation (random resized crop of
     8-100% of the area at aspect 3/4-4/3, decoded as a region; bilinear antialiased resize; RandAugment;
-    flip; normalise to float CHW), and the process's and the calling thread's CPU ms a batch."""
+    flip; normalise to float CHW; no Mixup/CutMix, which ours adds to the ViT-B/16 recipe), and the
+    process's and the calling thread's CPU ms a batch."""
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.auto_aug import rand_augment
     from nvidia.dali.plugin.pytorch import DALIGenericIterator

@@ -31,6 +31,6 @@ timeout 70 python3 scripts/benchmark.py --device cuda --dtype bf16 --sections vi
   --models vit_small_patch16_dinov3:256:128,naflexvit_base_patch16_gap:128:64 --out "$OUT/families" \
   >"$OUT/families.txt" 2>&1
 echo "families exit $?" >>"$OUT/status.txt"
-# a data process whose buffers CUDA IPC would not share left its rows to the training process: say so
-grep -l "could not share its batch buffers" "$OUT"/*.txt | sed 's/^/data process fell back in: /' >>"$OUT/status.txt"
+# a data process that could not serve the training process left its rows to it: say so
+grep -l "the data process cannot serve the training process" "$OUT"/*.txt | sed 's/^/data process fell back in: /' >>"$OUT/status.txt"
 cat "$OUT/status.txt"

@@ -70,33 +70,57 @@ def _refused(*args: object) -> None:
     raise RuntimeError("pidfd_getfd: Operation not permitted")
 
 
-@pytest.mark.parametrize("where", ["mapped in the training process", "sent by the data process"])
-def test_buffers_that_cannot_be_shared_leave_the_batches_to_the_training_process(jpegs, where, monkeypatch, caplog):
-    """Where the ring's buffers cannot be mapped in the training process (as CUDA IPC is refused in
-    a container without ptrace permission, with expandable segments) or its message cannot be sent,
-    the loader says why once and makes the same batches itself, that epoch and the next."""
+def _busy(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
+
+
+def _exit(*args: object, **kwargs: object) -> None:
+    os._exit(3)
+
+
+# How a data process fails to serve the training process, and what the warning then says
+UNAVAILABLE = {
+    "its buffers refused where they are mapped (CUDA IPC in a container without ptrace)": "pidfd_getfd",
+    "its buffers refused where they are sent": "did not arrive",
+    "its start refused (an exclusive-process GPU)": "all CUDA-capable devices are busy",
+    "it exits before its first batch": "it exited (exit code 3) before its first batch",
+    "its loader does not pickle (spawned, as on a GPU)": "its loader could not be sent to it",
+}
+
+
+@pytest.mark.parametrize("failure", UNAVAILABLE)
+def test_a_data_process_that_cannot_serve_leaves_the_batches_to_the_training_process(
+    jpegs, failure, monkeypatch, caplog
+):
+    """The loader says why once and makes the same batches itself, that epoch and the next,
+    whichever way the data process cannot serve it before its first batch."""
     from multiprocessing.reduction import ForkingPickler
 
     from torch.multiprocessing import reductions
 
-    monkeypatch.setattr(DataProcess, "start_method", "fork")  # the refusal below reaches the child
-    if where == "mapped in the training process":
-        monkeypatch.setattr(reductions, "rebuild_storage_fd", _refused)
-    else:
-        monkeypatch.setitem(ForkingPickler._extra_reducers, torch.UntypedStorage, _refused)
     here, there = (
         _module(jpegs, data_process=False).train_dataloader(),
         _module(jpegs, data_process=True).train_dataloader(),
     )
+    monkeypatch.setattr(DataProcess, "start_method", "fork")  # the refusals below reach the child
+    if failure.startswith("its buffers refused where they are mapped"):
+        monkeypatch.setattr(reductions, "rebuild_storage_fd", _refused)
+    elif failure.startswith("its buffers refused where they are sent"):
+        monkeypatch.setitem(ForkingPickler._extra_reducers, torch.UntypedStorage, _refused)
+    elif failure.startswith("its start refused"):
+        monkeypatch.setattr(PreparedLoader, "__init__", _busy)  # the loaders here are made: the child's is not
+    elif failure.startswith("it exits"):
+        monkeypatch.setattr(PreparedLoader, "__init__", _exit)
+    else:
+        monkeypatch.setattr(DataProcess, "start_method", "spawn")
+        there.dataset.note = lambda: None
     with caplog.at_level("WARNING", logger="vit"):
         for epoch in range(2):
             here.sampler.set_epoch(epoch), there.sampler.set_epoch(epoch)
             for (x, y), (x2, y2) in zip(_batches(here), _batches(there), strict=True):
                 assert torch.equal(x, x2) and torch.equal(y, y2)
-    assert caplog.text.count("could not share its batch buffers") == 1
-    assert "data.data_process false" in caplog.text
-    reason = "pidfd_getfd: Operation not permitted" if where.startswith("mapped") else "did not arrive"
-    assert reason in caplog.text
+    assert caplog.text.count("the data process cannot serve the training process") == 1
+    assert UNAVAILABLE[failure] in caplog.text and "data.data_process false" in caplog.text
     assert there._data_process is None and not there.process
 
 

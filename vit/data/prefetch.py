@@ -28,7 +28,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from vit.data.process import BufferSharingError, DataProcess, sampler_state
+from vit.data.process import DataProcess, DataProcessUnavailable, sampler_state
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +125,15 @@ class PreparedLoader(DataLoader):
             self._data_process = None
 
     def _taken(self, batches: Iterator[Any], state: dict[str, Any]) -> Iterator[Any]:
-        """The data process's batches; if its buffers cannot reach this process, the loader makes
-        them itself from then on (the same batches: the sampler's `state` from before the epoch)."""
+        """The data process's batches; if it cannot serve this process (it did not start, or its
+        buffers cannot reach this process), the loader makes them itself from then on (the same
+        batches: the sampler's `state` from before the epoch)."""
         handed_out = False
         while True:
             asked = time.perf_counter()
             try:
                 item = next(batches, _DONE)
-            except BufferSharingError as e:
+            except DataProcessUnavailable as e:
                 if handed_out:
                     raise
                 log.warning("%s: this loader makes its batches in the training process instead "

@@ -37,17 +37,26 @@ log = logging.getLogger(__name__)
 POLL = 0.5  # seconds between checks that the other process is alive while waiting on a queue
 
 
-class BufferSharingError(RuntimeError):
-    """The data process's batch buffers did not reach the training process (raised before the
-    first batch is handed out, so its loader can make that epoch itself instead)."""
+class DataProcessUnavailable(RuntimeError):
+    """The data process cannot serve the training process: it did not start, or its batch buffers
+    did not reach the training process. Raised before the first batch is handed out, so its loader
+    can make that epoch itself instead."""
 
 
-def _sharing_failed(reason: str) -> BufferSharingError:
-    return BufferSharingError(
-        f"the data process could not share its batch buffers with the training process ({reason}). "
-        "On a GPU they are shared by CUDA IPC, which needs both processes to map the same GPU; with "
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it also needs ptrace permission between them "
-        "(pidfd_getfd), which some containers withhold"
+def _unavailable(reason: str) -> DataProcessUnavailable:
+    return DataProcessUnavailable(f"the data process cannot serve the training process: {reason}")
+
+
+def _not_started(error: BaseException, cuda: bool) -> DataProcessUnavailable:
+    hint = " (it needs a CUDA context of its own, which a GPU in exclusive-process compute mode refuses)"
+    return _unavailable(f"it did not start: {type(error).__name__}: {error}{hint if cuda else ''}")
+
+
+def _not_shared(reason: str) -> DataProcessUnavailable:
+    return _unavailable(
+        f"its batch buffers could not be shared ({reason}). On a GPU they are shared by CUDA IPC, which "
+        "needs both processes to map the same GPU; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "it also needs ptrace permission between them (pidfd_getfd), which some containers withhold"
     )
 
 
@@ -91,7 +100,11 @@ class DataProcess:
         args = (self.make_loader, self.device, self.ring, self.batch_size, self.orders, self.free, self.ready, level)
         # Not a daemon: a daemon may not start the loader's worker processes. It exits when this one does.
         self._process = context.Process(target=_serve, args=args, name="vit-data", daemon=False)
-        self._process.start()
+        try:  # spawn pickles the loader here
+            self._process.start()
+        except Exception as e:
+            self._process = None
+            raise _unavailable(f"its loader could not be sent to it: {type(e).__name__}: {e}") from e
         weakref.finalize(self, _stop, self._process, self.orders)
 
     @property
@@ -115,6 +128,9 @@ class DataProcess:
         while True:
             message = self._next_message()
             kind, sent_for = message[0], message[1]
+            if kind == "not started":
+                self.close()
+                raise _not_started(message[2], self.device.type == "cuda") from message[2]
             if kind == "ring":  # sent once, with whichever epoch made the first batch
                 self.slots = message[2]
                 continue
@@ -124,7 +140,7 @@ class DataProcess:
                 continue
             if kind == "batch":
                 if self.slots is None:  # the ring's message was lost on its way: the data process logged why
-                    raise _sharing_failed("its message with the buffers did not arrive")
+                    raise _not_shared("its message with the buffers did not arrive")
                 _, _, slot, count, times = message
                 yield self._take(slot, count), times
             elif kind == "end":
@@ -171,11 +187,13 @@ class DataProcess:
             except queue.Empty:
                 pass
             except Exception as e:  # only the ring's message carries tensors, to be mapped here
-                raise _sharing_failed(f"{type(e).__name__}: {e}") from e
+                raise _not_shared(f"{type(e).__name__}: {e}") from e
             self._release()  # copies done since: the child may be waiting for a buffer
             if not self._process.is_alive():
                 code = self._process.exitcode
                 self._process = None
+                if self.slots is None:  # before its first batch: the loader can still make the epoch
+                    raise _unavailable(f"it exited (exit code {code}) before its first batch")
                 raise RuntimeError(f"the data process exited (exit code {code}) before its epoch's last batch")
 
 
@@ -200,10 +218,16 @@ def _serve(
     logging.basicConfig(format="[vit data process] %(message)s")
     logging.getLogger("vit").setLevel(log_level)
     torch.set_num_threads(1)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.empty(1, device=device)  # its CUDA context, refused here by an exclusive-process GPU
+        loader = make_loader()
+    except Exception as e:  # the training process makes its batches itself instead
+        ready.put(("not started", 0, _picklable(e)))
+        return
     parent = multiprocessing.parent_process()
-    server = _Server(make_loader(), device, ring, batch_size, orders, free, ready, parent)
+    server = _Server(loader, device, ring, batch_size, orders, free, ready, parent)
     order = server.wait_for_order()
     while order is not None and order[0] == "epoch":
         order = server.run_epoch(order[1], order[2])

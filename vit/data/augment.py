@@ -593,7 +593,7 @@ _RA_FUNCTIONS = {
 
 
 def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """uint8 or float 0..255 (B, C, H, W) -> float32, (x / 255 - mean) / std, as albumentations'
+    """uint8, float16 or float32 0..255 (B, C, H, W) -> float32, (x / 255 - mean) / std, as albumentations'
     Normalize: x * scale + shift in one op (a pass over the batch, reading the input's own dtype)."""
     scale, shift = (
         torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1).to(images.device, non_blocking=True)

@@ -77,6 +77,79 @@ def test_the_grid_is_timms_for_the_same_budget():
                 assert sequence_grid(height, width, budget) == (h // 16, w // 16), (height, width, budget)
 
 
+def listed_grid(height: int, width: int, max_patches: int) -> tuple[int, int]:
+    """The grid as every candidate listed: each whole number of rows, then of columns, up to the budget."""
+    by_rows = [(r, -(-width * r // height)) for r in range(1, max_patches + 1)]
+    by_columns = [(-(-height * c // width), c) for c in range(1, max_patches + 1)]
+    return max(grid for grid in by_rows + by_columns if grid[0] * grid[1] <= max_patches)
+
+
+def test_the_grid_is_found_without_lists_as_long_as_the_budget():
+    """Every candidate listed costs memory and time in proportion to the budget for each image (a
+    budget of 10^6: 25 s and 270 MB an image; 10^8: the OOM killer). Bisection gives the same grids
+    in a few dozen steps for any budget."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    for height, width in [(1, 1), (1, 9000), (9000, 1), (3, 7), (375, 500), *rng.integers(1, 5000, (60, 2))]:
+        for budget in (1, 2, 3, 7, 16, 100, 256, 576, 1000, 4097):
+            assert sequence_grid(int(height), int(width), budget) == listed_grid(int(height), int(width), budget)
+    tracemalloc.start()
+    grid = sequence_grid(375, 500, 10**6)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert grid == (866, 1154) and peak < 10_000, peak  # 999,364 patches; listed: 273 MB at its peak
+    rows, columns = sequence_grid(375, 500, 10**8)
+    assert rows * columns <= 10**8 < (rows + 1) * -(-500 * (rows + 1) // 375)
+
+
+def test_a_budget_beyond_what_a_model_attends_over_is_refused_in_one_line(tmp_path, capsys):
+    """--data.naflex.max_patches 100000000 ran until the kernel's OOM killer ended it (exit 137, no
+    message). Above 2^16 patches one image's padding mask alone holds 2^32 entries: refused before
+    any work, one line, exit 2."""
+    data = write_aspect_folder(tmp_path / "data", per_class=1)
+    with pytest.raises(SystemExit) as stop:
+        main(recipe(data, tmp_path / "run", "--data.naflex.max_patches", "100000000"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and sum(line.startswith("error") for line in err) == 1
+    assert err[-1] == (
+        "error: --data.naflex.max_patches: got 100000000, expected at most 65,536 patches an image (e.g. 256, "
+        "576): the model's padding mask holds max_patches^2 entries an image"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_batch_padded_to_the_budget_that_cannot_fit_in_memory_is_refused_naming_its_size(
+    tmp_path, capsys, monkeypatch
+):
+    """One batch is batch_size x max_patches patches of 3 x p x p float32 pixels built in RAM by the
+    loader, and without CUDA the model's padding mask of max_patches^2 entries an image (at least 2
+    bytes each) is in RAM too: a batch that cannot fit in the free RAM is refused, saying what it takes."""
+    import vit.data.memory
+
+    root = write_aspect_folder(tmp_path / "data", per_class=1)
+    monkeypatch.setattr(vit.data.memory, "_available_memory", lambda: 10**9)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    naflex = {"max_patches": 4096, "patch_size": 16}
+    with pytest.raises(ValueError) as refused:
+        ImageFolderDataModule(str(root), batch_size=64, naflex=naflex)  # 0.8 GB of patches, 2.1 GB of mask
+    assert str(refused.value) == (
+        "data.naflex.max_patches: got 4096, expected a budget whose padded batch fits in memory: a batch of 64 "
+        "takes 0.8 GB of float32 patches and 2.1 GB of attention mask, and 1.0 GB of RAM is free"
+    )
+    ImageFolderDataModule(str(root), batch_size=8, naflex=naflex)  # 0.1 GB and 0.3 GB fit
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the mask is then on the GPU
+    alone = "a batch of 400 takes 5.0 GB of float32 patches, and 1.0 GB of RAM is free"
+    with pytest.raises(ValueError, match=re.escape(alone)):
+        ImageFolderDataModule(str(root), batch_size=400, naflex=naflex)
+    ImageFolderDataModule(str(root), batch_size=64, naflex=naflex)
+    with pytest.raises(SystemExit) as stop:
+        main(recipe(root, tmp_path / "run", "--data.naflex.max_patches", "4096", "--data.naflex.patch_size", "16",
+                    "--data.batch_size", "400"))  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and err[-1].startswith("error: --data.naflex.max_patches: got 4096, expected a ")
+
+
 def test_evaluation_resizes_as_the_square_eval_transform_and_keeps_the_whole_image():
     rng = np.random.default_rng(1)
     square = rng.integers(0, 256, (100, 100, 3), dtype=np.uint8)

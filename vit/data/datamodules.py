@@ -165,6 +165,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
             self.eval_transform = eval_transform(img_size, eval_crop_pct, mean, std)
         else:
             check_naflex_options(crop, eval_crop_pct, self.mixup, in_memory, device_decode)
+            self.naflex.check_batch(batch_size)
             self.train_transform = SequenceTrainTransform(self.naflex, augment, mean, std)
             self.eval_transform = SequenceEvalTransform(self.naflex, mean, std)
         self.val_holdout = val_holdout

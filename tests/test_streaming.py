@@ -501,3 +501,79 @@ def test_training_from_a_conversion_that_did_not_finish_says_so(tmp_path, capsys
             main(fit)
         assert stop.value.code == 1
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {line}"
+
+
+def _stored(split: Path) -> dict[str, int]:
+    """Each stored image's source path and label."""
+    stored = open_streaming(str(split))
+    return {stored[i]["path"]: stored[i]["label"] for i in range(len(stored))}
+
+
+def test_a_kept_split_whose_source_changed_is_refused_naming_the_changes_and_overwrite_converts_it_again(
+    tmp_path, capsys
+):
+    """Chunks cannot be updated file by file (the training split is shuffled across them): a rerun
+    over a split whose source changed (an image moved to another class, one rewritten, one added,
+    one removed) is refused before any work, naming the changes; --overwrite converts that split
+    again, the unchanged split is kept, and a rerun after that keeps both."""
+    source, stream = _source(tmp_path, train=2), tmp_path / "stream"
+    (source / "train/class0/0.jpg").rename(source / "train/class0/a.jpg")
+    convert_image_folder(source, stream)
+    (source / "train/class0/a.jpg").rename(source / "train/class1/a.jpg")  # mv keeps its size and time
+    Image.new("RGB", (40, 40), (250, 0, 0)).save(source / "train/class2/1.jpg")
+    Image.new("RGB", (40, 40), (0, 0, 250)).save(source / "train/class3/new.jpg")
+    (source / "train/class3/0.jpg").unlink()
+    before = {p: p.stat().st_mtime_ns for p in stream.rglob("*")}
+    with pytest.raises(ValueError) as refused:
+        convert_main([str(source), str(stream), "--workers", "1"])
+    assert str(refused.value) == (
+        f"4 change(s) in {source / 'train'} since {stream / 'train'} was written (train/class0/a.jpg moved to "
+        "train/class1/, train/class2/1.jpg rewritten, train/class3/new.jpg added, ...): delete "
+        f"{stream / 'train'} or pass --overwrite to convert it again"
+    )
+    assert {p: p.stat().st_mtime_ns for p in stream.rglob("*")} == before  # nothing done
+    capsys.readouterr()
+    convert_main([str(source), str(stream), "--workers", "1", "--overwrite"])
+    assert capsys.readouterr().out == (
+        f"{stream / 'train'}: 8 images, converted again (4 change(s) in its source)\n"
+        f"{stream / 'val'}: already converted (8 images, no --max-side), kept\n"
+    )
+    stored = _stored(stream / "train")
+    _, samples = scan_image_folder(source / "train")
+    assert stored == {str(Path(s.path).relative_to(source)): s.label for s in samples}
+    assert stored["train/class1/a.jpg"] == 1 and "train/class0/a.jpg" not in stored  # in one class: its new one
+    images = StreamingImages(str(stream / "train"))
+    rewritten = next(i for i in range(len(images)) if images.name(i).endswith("(train/class2/1.jpg)"))
+    assert images.read_bytes(rewritten) == (source / "train/class2/1.jpg").read_bytes()
+    assert sorted(p.name for p in stream.iterdir()) == ["train", "val"]  # the old split gone, no temporary left
+    assert convert_image_folder(source, stream) == {
+        "train": {"kept": 8, "options": "no --max-side"}, "val": {"kept": 8, "options": "no --max-side"}
+    }  # fmt: skip
+
+
+def test_a_split_whose_classes_changed_or_written_before_sources_were_recorded_is_compared_as_it_can_be(tmp_path):
+    """A class folder added changes every split's labels: each kept split is refused. A split that
+    an older version wrote records no sources: the source's files and folders newer than its index
+    are named."""
+    source, stream = _source(tmp_path, train=2), tmp_path / "stream"
+    convert_image_folder(source, stream)
+    Image.new("RGB", (40, 40)).save((source / "train/class9").mkdir() or source / "train/class9/0.jpg")
+    with pytest.raises(ValueError, match=r"^1 change\(s\) in .* \(class folder class9 added\): delete "):
+        convert_image_folder(source, stream)
+    shutil.rmtree(source / "train/class9")
+    (stream / "val" / "sources.json").unlink()  # as older versions wrote it
+    for path in [source / "val", *(source / "val").rglob("*")]:  # made well before the conversion
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns - 10 * 10**9))
+    assert convert_image_folder(source, stream)["val"] == {"kept": 8, "options": "no --max-side"}
+    Image.new("RGB", (40, 40)).save(source / "val/class2/1.jpg")  # rewritten: the file and its folder are newer
+    with pytest.raises(ValueError) as refused:
+        convert_image_folder(source, stream)
+    assert str(refused.value) == (
+        f"1 change(s) in {source / 'val'} since {stream / 'val'} was written (val/class2/1.jpg modified): delete "
+        f"{stream / 'val'} or pass --overwrite to convert it again"
+    )
+    (source / "val/class2/1.jpg").rename(source / "val/class3/moved.jpg")
+    with pytest.raises(ValueError, match=r"^3 change\(s\) in .*\(val/class2 modified, val/class3 modified, val/"):
+        convert_image_folder(source, stream)
+    report = convert_image_folder(source, stream, overwrite=True)
+    assert report["val"]["written"] == 8 and (stream / "val" / "sources.json").is_file()

@@ -371,7 +371,7 @@ def test_patch_drop_schedule_follows_the_run_and_validation_sees_every_patch(tmp
 
 
 def test_patch_drop_schedule_needs_a_vit_and_rates_below_one():
-    with pytest.raises(ValueError, match=r"rates must be in \[0, 1\), got \[\[0, 1.0\]\]"):
+    with pytest.raises(ValueError, match=r"model.patch_drop_schedule: got \[\[0, 1.0\]\], expected .*rate in \[0, 1\)"):
         ImageClassifier("vit_nano_patch4_16", num_classes=10, patch_drop_schedule=[[0, 1.0]])
     with pytest.raises(ValueError, match=r"patch_drop_schedule needs a ViT .* resnet20 has none"):
         ImageClassifier("resnet20", num_classes=10, patch_drop_schedule=[[0, 0.5]])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib
@@ -155,6 +156,9 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
     group = re.search(r'Parser key "([\w.]+)"', message)
     if unknown and group:
         class_path, option = unknown[1], unknown[2] or unknown[3] or unknown[4]
+        nested = _nested_arg(message)
+        if nested is not None and nested[0].endswith(f".{option}"):  # a group's field: name it from the class
+            class_path, option = re.search(r"Problem with given class_path '([\w.]+)'", message)[1], nested[0]
         try:
             cls = _class(class_path)
         except (ImportError, AttributeError):
@@ -179,7 +183,7 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
         close = difflib.get_close_matches(option.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
         hint = f"; did you mean {leaves[close[0]]}?" if close else ""
         return f"--{group[1]}.{option} is not an option of {class_path}{hint}"
-    typed = _type_error(message)
+    typed = _nested_value_error(message) or _type_error(message)
     if typed is not None:
         return typed
     unrecognized = re.search(r"unrecognized arguments: (.*)", message, re.IGNORECASE)
@@ -194,7 +198,46 @@ def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | N
 
 # jsonargparse's names of the types an option expects, as a user reads them.
 _TYPE_NAMES = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text",
-               "tuple": "a list in brackets", "list": "a list in brackets"}  # fmt: skip
+               "tuple": "a list in brackets", "list": "a list in brackets",
+               "dict": "a mapping such as {name: value}"}  # fmt: skip
+
+
+def _nested_arg(message: str) -> tuple[str, str] | None:
+    """The (dotted option, text) a class's option was given as on the command line: jsonargparse's
+    NestedArg, the outermost (last) one of its message."""
+    given = re.findall(r"^\s*Given value: NestedArg\(key='([\w.]+)', val=(.*)\)\s*$", message, re.M)
+    if not given:
+        return None
+    key, text = given[-1]
+    try:
+        return key, str(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+        return key, text
+
+
+def _nested_value_error(message: str) -> str | None:
+    """`--data.data_process: got 'sometimes', expected true or false, or null` for a value of the
+    wrong type given to a class's option or a group's field on the command line, or None."""
+    group, nested = re.match(r'Parser key "(\w+)":', message), _nested_arg(message)
+    if group is None or nested is None:
+        return None
+    (key, value), option = nested, f"{group[1]}.{nested[0]}"
+    start = message.rfind(f'Parser key "{key.rsplit(".", 1)[-1]}"')
+    if start < 0:
+        return None
+    section = message[start : message.find("Given value type", start) % (len(message) + 1)]
+    class_path = re.search(r"Problem with given class_path '([\w.]+)'", message)
+    cls = _class(class_path[1]) if class_path else None
+    if cls is not None and key in option_groups(cls):
+        return f"--{option}: got {value!r}, expected its options one by one (--{option}.NAME VALUE), or null"
+    kinds = list(dict.fromkeys(re.findall(r"Expected a <class '(\w+)'>", section)))
+    if not kinds:
+        return None
+    names = [_TYPE_NAMES.get(kind, kind) for kind in kinds if kind != "NoneType"]
+    expected = " or ".join(names) + (", or null" if "NoneType" in kinds else "")
+    if "dict" in kinds and re.search(r":\S", value):  # YAML reads `{depth:0}` as one key, not a mapping
+        expected += " (YAML needs a space after each colon: {depth: 0})"
+    return f"--{option}: got {value!r}, expected {expected}"
 
 
 def _type_error(message: str) -> str | None:

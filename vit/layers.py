@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vit.options import number, require, whole
 from vit.position import RelPosBias, RelPosMlp, apply_rope, decomposed_rel_pos_bias
 
 
@@ -1110,8 +1111,13 @@ class BlockConfig:
     window_size: int = 0  # attention within windows of this many patches a side (SAM, ViTDet); 0: global
 
     def __post_init__(self) -> None:
-        if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        whole(self.embed_dim, 1, "embed_dim", "the width of the tokens")
+        whole(self.num_heads, 1, "num_heads", "attention heads")
+        require(self.embed_dim % self.num_heads == 0, "num_heads", self.num_heads,
+                f"a divisor of embed_dim {self.embed_dim} (each head takes an equal share of the width)")  # fmt: skip
+        number(self.mlp_ratio, "mlp_ratio", "the MLP's width over the tokens', above 0", 0, math.inf, open_low=True)
+        for name in ("proj_drop_rate", "attn_drop_rate"):
+            number(getattr(self, name), name, "a dropout rate in [0, 1)", 0, 1, open_high=True)
         if isinstance(self.num_kv_heads, list):  # from a YAML or JSON config
             self.num_kv_heads = tuple(self.num_kv_heads)
         kv_heads = self.num_kv_heads if isinstance(self.num_kv_heads, tuple) else (self.num_kv_heads,)

@@ -9,6 +9,7 @@ layer-wise lr decay and frozen parts for fine-tuning; optional weight EMA. What 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -25,10 +26,11 @@ from vit.data.images import MISSING, same_class_names
 from vit.fault_tolerance import CheckpointConflictError
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
 from vit.naflex import NaFlexConfig
-from vit.options import OptionError, set_option_groups
+from vit.options import OptionError, is_number, number, require, set_option_groups, whole
 from vit.registry import create_model, model_config
 from vit.schedule import stepwise, training_progress
 from vit.training import Optimizer, Schedule, TrainingTask, param_groups
+from vit.vision_transformer import ViTConfig, check_grid
 
 
 class EMA(AveragedModel):
@@ -96,6 +98,14 @@ class FineTune:
     freeze_backbone: bool = False
     freeze_blocks: int = 0
 
+    def __post_init__(self) -> None:
+        name = "model.finetune."
+        if self.layer_decay is not None:
+            number(self.layer_decay, name + "layer_decay", "a decay in (0, 1] (BEiT, MAE: 0.75)", 0, 1, open_low=True)
+        if self.head_lr is not None:
+            number(self.head_lr, name + "head_lr", "a learning rate above 0", 0, math.inf, open_low=True)
+        whole(self.freeze_blocks, 0, name + "freeze_blocks", "the first blocks frozen, 0 for none")
+
 
 @dataclasses.dataclass(frozen=True)
 class Distillation:
@@ -121,10 +131,11 @@ class Distillation:
     tau: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.teacher:
-            raise ValueError("distillation needs a teacher (distillation.teacher: a checkpoint file or timm:<name>)")
-        if self.kind not in ("hard", "soft"):
-            raise ValueError(f"distillation.kind must be 'hard' or 'soft', got {self.kind!r}")
+        name = "model.distillation."
+        require(bool(self.teacher), name + "teacher", self.teacher, "a checkpoint file or timm:<name>")
+        require(self.kind in ("hard", "soft"), name + "kind", self.kind, "hard or soft")
+        number(self.alpha, name + "alpha", "the teacher term's weight, from 0 to 1 (DeiT: 0.5)", 0, 1)
+        number(self.tau, name + "tau", "a temperature above 0", 0, math.inf, open_low=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +152,20 @@ class Speed:
     compile: bool = False
     channels_last: bool = False
     grad_checkpointing: bool = False
+
+
+def check_recipe(label_smoothing: Any, ema_decay: Any, aux_loss_weight: Any, patch_drop_schedule: Any) -> None:
+    """OptionError naming the first of ImageClassifier's own recipe options set out of its range."""
+    number(label_smoothing, "model.label_smoothing", "a share of the target in [0, 1) (ImageNet recipes: 0.1)",
+           0, 1, open_high=True)  # fmt: skip
+    if ema_decay is not None:  # 1 would never move the average off the first weights
+        number(ema_decay, "model.ema_decay", "a decay in [0, 1) (e.g. 0.999), or null for no average",
+               0, 1, open_high=True)  # fmt: skip
+    number(aux_loss_weight, "model.aux_loss_weight", "a weight of at least 0", 0, math.inf)
+    for entry in patch_drop_schedule or []:
+        ok = isinstance(entry, list | tuple) and len(entry) == 2 and is_number(entry[0], 0, 1)
+        require(ok and is_number(entry[1], 0, 1, open_high=True), "model.patch_drop_schedule", patch_drop_schedule,
+                "[[progress from 0 to 1, rate in [0, 1)], ...]")  # fmt: skip
 
 
 class ImageClassifier(TrainingTask):
@@ -225,8 +250,7 @@ class ImageClassifier(TrainingTask):
         optimizer, schedule, finetune, distillation, speed = set_option_groups(
             self, optimizer=optimizer, schedule=schedule, finetune=finetune, distillation=distillation, speed=speed
         )  # the hyperparameters hold the groups as plain dicts
-        if patch_drop_schedule is not None and not all(0 <= rate < 1 for _, rate in patch_drop_schedule):
-            raise ValueError(f"patch_drop_schedule rates must be in [0, 1), got {patch_drop_schedule}")
+        check_recipe(label_smoothing, ema_decay, aux_loss_weight, patch_drop_schedule)
         if (model_kwargs or {}).get("distilled") and self.distillation is None:
             raise ValueError(
                 "model_kwargs.distilled trains a distillation head, which needs a teacher (model.distillation.teacher)"
@@ -261,7 +285,7 @@ class ImageClassifier(TrainingTask):
                 raise ValueError("num_classes is not set and there is no datamodule with a num_classes to take it from")
             hp.num_classes = datamodule.num_classes
         self.model_kwargs = self._resolved_model_kwargs()
-        self.model = create_model(hp.model_name, **self.model_kwargs)
+        self.model = self._create_model()
         if self.speed.channels_last:
             self.model.to(memory_format=torch.channels_last)
         self.has_aux_loss = any(isinstance(m, MoE) for m in self.model.modules())
@@ -316,6 +340,21 @@ class ImageClassifier(TrainingTask):
         if self._teacher is not None:
             self._teacher.to(self.device)
 
+    def _create_model(self) -> nn.Module:
+        """The model of model_name and the resolved kwargs. An option it does not take is named as the
+        config names it; the data's img_size (one not the name's own) must be whole patches."""
+        hp, kwargs = self.hparams, self.model_kwargs
+        from_data = {name for name in ("num_classes", "img_size") if hp[name] is not None}
+        try:
+            config = model_config(hp.model_name, **kwargs)
+            own_size = isinstance(config, ViTConfig) and config.img_size == model_config(hp.model_name).img_size
+            if "img_size" in from_data and isinstance(config, ViTConfig) and config.backbone is None and not own_size:
+                check_grid(config.img_size, config.patch_size, config.dynamic_img_pad, whole_patches=True)
+            return create_model(hp.model_name, **kwargs)
+        except OptionError as error:
+            raise error.placed(f"data.{error.name}" if error.name in from_data else
+                               f"model.model_kwargs.{error.name}") from None  # fmt: skip
+
     def _resolved_model_kwargs(self) -> dict[str, Any]:
         """model_kwargs with num_classes and img_size filled in; each value must be given once, or agree."""
         hp = self.hparams
@@ -345,6 +384,26 @@ class ImageClassifier(TrainingTask):
             )
         if getattr(data, "naflex", None) is not None:
             self._check_patch_sequences(data.naflex.patch_size)
+        if getattr(data, "train_sizes", None):
+            self._check_train_sizes([size for _, size in data.train_sizes])
+
+    def _check_train_sizes(self, sizes: list[int]) -> None:
+        """A ViT trained at other sizes (`data.train_sizes`) takes each as whole patches, with positions
+        for each grid: refused by name before the run, not at the step where the size changes."""
+        config = model_config(self.hparams.model_name, **self.model_kwargs)
+        if not isinstance(config, ViTConfig) or config.backbone is not None:
+            return
+        for size in sizes:
+            try:
+                check_grid(size, config.patch_size, config.dynamic_img_pad, whole_patches=True)
+            except OptionError as error:
+                raise OptionError("data.train_sizes", sizes, f"sizes {error.expected}") from None
+        built = (config.img_size,) * 2 if isinstance(config.img_size, int) else tuple(config.img_size)
+        other = [size for size in sizes if (size, size) != built]
+        if other and config.posemb == "learn" and not config.dynamic_img_size:
+            raise OptionError("model.model_kwargs.dynamic_img_size", False,
+                              f"true to train at {other} px (data.train_sizes): the position embedding is "
+                              f"resampled from the {config.img_size} px grid to each")  # fmt: skip
 
     def _check_patch_sequences(self, patch_size: int) -> None:
         """With `data.naflex` every step's input is a dict of patch sequences: a NaFlexVit with a
@@ -374,8 +433,9 @@ class ImageClassifier(TrainingTask):
             if not any(p.requires_grad for p in self.model.parameters()):
                 raise ValueError(f"freeze_backbone: {name} has no head named {' / '.join(HEAD_NAMES)}")
         if options.freeze_blocks:
-            if not hasattr(self.model, "blocks"):
-                raise ValueError(f"freeze_blocks needs a model with transformer blocks, not {name}")
+            blocks = len(getattr(self.model, "blocks", ()))
+            require(0 < options.freeze_blocks <= blocks, "model.finetune.freeze_blocks", options.freeze_blocks,
+                    f"at most the {blocks} transformer blocks of {name}")  # fmt: skip
             embedding = self.model.embeds if hasattr(self.model, "embeds") else self.model.patch_embed  # NaFlexVit's
             frozen = [embedding, *self.model.blocks[: options.freeze_blocks]]
             for module in frozen:

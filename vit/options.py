@@ -91,8 +91,13 @@ class OptionError(ValueError):
     exits 2, as for its other option errors, before any work."""
 
     def __init__(self, name: str, value: Any, expected: str) -> None:
-        self.name = name
+        self.name, self.value, self.expected = name, value, expected
         super().__init__(f"{name}: got {value!r}, expected {expected}")
+
+    def placed(self, name: str) -> OptionError:
+        """The same error for the option as the config names it (a model's `depth` is
+        `model.model_kwargs.depth` there)."""
+        return OptionError(name, self.value, self.expected)
 
     def option_line(self) -> str:
         """The error as the command line names the option."""
@@ -111,8 +116,15 @@ def whole(value: Any, low: int, name: str, what: str) -> None:
     require(ok, name, value, f"a whole number of at least {low} ({what})")
 
 
-def number(value: Any, name: str, expected: str, low: float, high: float, open_low: bool = False) -> None:
-    """`value` must be a finite number in [low, high], or (low, high] with `open_low`."""
+def is_number(value: Any, low: float, high: float, open_low: bool = False, open_high: bool = False) -> bool:
+    """Whether `value` is a finite number in [low, high] (bools are not numbers here); `open_low` /
+    `open_high` leave out that end."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if open_low else value >= low) and value <= high
-    require(ok, name, value, expected)
+    return ok and (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
+
+
+def number(
+    value: Any, name: str, expected: str, low: float, high: float, open_low: bool = False, open_high: bool = False
+) -> None:
+    """`value` must be a finite number in [low, high]; `open_low` / `open_high` leave out that end."""
+    require(is_number(value, low, high, open_low, open_high), name, value, expected)

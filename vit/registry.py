@@ -9,12 +9,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import numbers
+import types
+import typing
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from vit.options import require
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,9 @@ def model_config(name: str, **overrides: Any) -> Any:
     """The config dataclass `create_model(name, **overrides)` would build the model from."""
     entry = _entry(name)
     _check_fields(name, entry.config_cls, overrides)
+    hints = typing.get_type_hints(entry.config_cls)
+    for field, value in overrides.items():
+        require(_fits(value, hints[field]), field, value, _described(hints[field]))
     return entry.config_cls(**{**entry.defaults, **overrides})
 
 
@@ -80,6 +88,40 @@ def _check_fields(name: str, config_cls: type, kwargs: dict[str, Any]) -> None:
             f"model {name!r} has no option(s) {', '.join(unknown)}; "
             f"{config_cls.__name__} fields are: {', '.join(sorted(fields))}"
         )
+
+
+# A config field's plain types as a user reads them (YAML gives lists where a field holds a tuple).
+_TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "text", type(None): "null",
+               tuple: "a list", list: "a list", dict: "a mapping"}  # fmt: skip
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether `value` is of the config field type `hint` (plain types, unions, tuples and lists of
+    them, dicts); a type named otherwise is not checked here."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if hint in (int, float) or hint is bool:
+        number = isinstance(value, numbers.Integral if hint is int else numbers.Real)
+        return isinstance(value, bool) if hint is bool else number and not isinstance(value, bool)
+    if hint in (str, type(None)):
+        return isinstance(value, hint)
+    if (origin or hint) in (tuple, list):
+        if not isinstance(value, tuple | list):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args, strict=True))
+        return not args or all(_fits(v, args[0]) for v in value)
+    if (origin or hint) is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _described(hint: Any) -> str:
+    """A config field's type as a user reads it: `a whole number or a list`."""
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    names = dict.fromkeys(_TYPE_NAMES.get(typing.get_origin(k) or k, str(k)) for k in kinds)
+    return " or ".join(names)
 
 
 def register_timm_names(

@@ -39,7 +39,7 @@ from vit.fault_tolerance import (
     trainer_checkpoint_dir,
 )
 from vit.optim import MuonAdamW, split_muon_groups
-from vit.options import upgrade
+from vit.options import OptionError, is_number, number, require, upgrade, whole
 from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
 from vit.seeds import Purpose, RunSeed, global_seed, step_seed
 
@@ -71,9 +71,18 @@ class Optimizer:
     momentum: float = 0.9
 
     def __post_init__(self) -> None:
-        if self.name not in ("adamw", "sgd", "muon"):
-            raise ValueError(f"optimizer.name must be 'adamw', 'sgd' or 'muon', got {self.name!r}")
-        object.__setattr__(self, "betas", tuple(self.betas))  # a list when read from YAML
+        name = "model.optimizer."
+        require(self.name in ("adamw", "sgd", "muon"), name + "name", self.name, "adamw, sgd or muon")
+        number(self.lr, name + "lr", "a learning rate above 0", 0, math.inf, open_low=True)
+        if self.lr_base_batch_size is not None:
+            whole(self.lr_base_batch_size, 1, name + "lr_base_batch_size", "the batch lr is given for; null: none")
+        number(self.weight_decay, name + "weight_decay", "a decay of at least 0 (0 for none)", 0, math.inf)
+        betas = self.betas
+        pair = isinstance(betas, list | tuple) and len(betas) == 2
+        require(pair and all(is_number(b, 0, 1, open_high=True) for b in betas), name + "betas", betas,
+                "[beta1, beta2], each in [0, 1) (AdamW's: [0.9, 0.999])")  # fmt: skip
+        object.__setattr__(self, "betas", tuple(betas))  # a list when read from YAML
+        number(self.momentum, name + "momentum", "a momentum in [0, 1) (SGD's: 0.9)", 0, 1, open_high=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,18 @@ class Schedule:
     warmup_fraction: float | None = None
     min_lr: float = 0.0
     decay_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        name = "model.schedule."
+        number(self.warmup_epochs, name + "warmup_epochs", "epochs of warmup, at least 0", 0, math.inf)
+        if self.warmup_steps is not None:
+            whole(self.warmup_steps, 0, name + "warmup_steps", "optimizer steps of warmup")
+        if self.warmup_fraction is not None:
+            number(self.warmup_fraction, name + "warmup_fraction", "the share of the run spent warming up, in [0, 1)",
+                   0, 1, open_high=True)  # fmt: skip
+        number(self.min_lr, name + "min_lr", "the rate at the end, from 0 to the peak lr", 0, math.inf)
+        if self.decay_steps is not None:
+            whole(self.decay_steps, 1, name + "decay_steps", "the step the cosine ends at")
 
 
 class TrainingTask(L.LightningModule):
@@ -227,9 +248,18 @@ class TrainingTask(L.LightningModule):
             )
 
     def configure_optimizers(self) -> dict[str, Any]:
-        lr = self.peak_lr()
+        lr, min_lr = self.peak_lr(), self.schedule.min_lr
+        require(min_lr <= self.optimizer.lr, "model.schedule.min_lr", min_lr,
+                f"at most model.optimizer.lr {self.optimizer.lr:g}: the rate decays to it")  # fmt: skip
+        if min_lr > lr:  # lr_base_batch_size scaled the peak below it: keep the decay's shape
+            rank_zero_warn(
+                f"the peak lr {lr:g} (model.optimizer.lr {self.optimizer.lr:g} x global batch "
+                f"{self.global_batch_size()} / lr_base_batch_size {self.optimizer.lr_base_batch_size}) is below "
+                f"model.schedule.min_lr {min_lr:g}: the rate decays to {min_lr * self.lr_scale():g}, scaled alike"
+            )
+            min_lr *= self.lr_scale()
         optimizer = self.make_optimizer(lr)
-        min_ratio = self.schedule.min_lr / lr if lr > 0 else 0.0
+        min_ratio = min_lr / lr
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_schedule(min_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -261,6 +291,11 @@ class TrainingTask(L.LightningModule):
             return adamw(groups, lr, options.betas, self.trainer)
         if options.name == "muon":
             hidden = {p for name, p in self.model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
+            if not any(p.requires_grad for p in hidden):
+                raise OptionError(
+                    "model.optimizer.name", "muon", f"adamw or sgd: {self.hparams.model_name} trains no weight matrix "
+                    "of transformer blocks for Muon to orthogonalise (it has none, or they are frozen)",
+                )  # fmt: skip
             return MuonAdamW(split_muon_groups(groups, hidden), lr, options.betas, fused=can_fuse(self.trainer))
         return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, nesterov=True)
 
@@ -278,13 +313,20 @@ class TrainingTask(L.LightningModule):
                 )
             warmup = self._cap_warmup(schedule.warmup_fraction or 0.0, 1.0)
             return lambda step: warmup_cosine(budget.progress(), warmup, min_ratio)
-        total = schedule.decay_steps or int(self.trainer.estimated_stepping_batches)
+        run = self.trainer.estimated_stepping_batches
+        total = schedule.decay_steps or int(run)
         warmup = schedule.warmup_steps
         if schedule.warmup_fraction is not None:
             warmup = round(schedule.warmup_fraction * total)
         elif warmup is None:
             warmup = round(schedule.warmup_epochs * self._steps_per_epoch())
         warmup = self._cap_warmup(warmup, total)
+        if schedule.decay_steps is not None and math.isfinite(run) and 0 < run < schedule.decay_steps:
+            end = warmup_cosine_steps(int(run) - 1, warmup, total, min_ratio)
+            rank_zero_warn(
+                f"model.schedule.decay_steps ({schedule.decay_steps}) is past the run's last step ({int(run)}): "
+                f"the rate ends at {end:.3g} of the peak, not at min_lr"
+            )
         return lambda step: warmup_cosine_steps(step, warmup, total, min_ratio)
 
     def _steps_per_epoch(self) -> int:

@@ -30,6 +30,7 @@ from vit.layers import (
     mimetic_init_,
     moe_aux_loss,
 )
+from vit.options import OptionError, number, whole
 from vit.position import rope_2d, sincos_2d
 from vit.registry import register_model
 
@@ -92,6 +93,12 @@ class ViTConfig(BlockConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        whole(self.depth, 1, "depth", "transformer blocks")
+        for name in ("drop_rate", "pos_drop_rate", "drop_path_rate", "patch_drop_rate"):
+            number(getattr(self, name), name, "a rate in [0, 1)", 0, 1, open_high=True)
+        whole(self.reg_tokens, 0, "reg_tokens", "register tokens, 0 for none")
+        if self.backbone is None:  # a hybrid's patch_size is over its backbone's feature map
+            check_grid(self.img_size, self.patch_size, self.dynamic_img_pad, whole_patches=False)
         if self.posemb not in ("learn", "sincos2d", "rope", "none"):
             raise ValueError(f"posemb must be 'learn', 'sincos2d', 'rope' or 'none', got {self.posemb!r}")
         if self.weight_init not in ("", "mimetic"):
@@ -120,6 +127,23 @@ class ViTConfig(BlockConfig):
                     f"backbone must be a dict with 'name' one of {sorted(HYBRID_BACKBONES)} and that constructor's "
                     f"arguments, got {self.backbone!r}"
                 )
+
+
+def check_grid(
+    img_size: int | tuple[int, int], patch_size: int | tuple[int, int], pad: bool, whole_patches: bool
+) -> None:
+    """OptionError unless each side of img_size holds a patch (padded to whole patches with `pad`)
+    and, with `whole_patches`, is whole patches: a patchify conv drops the pixels past the last
+    whole patch (as timm's, and as some of its weights were trained: SigLIP so400m/14 at 384)."""
+    sides, patches = ((v, v) if isinstance(v, int) else tuple(v) for v in (img_size, patch_size))
+    for side, patch in zip(sides, patches, strict=True):
+        whole(patch, 1, "patch_size", "a patch's side in pixels")
+        whole(side, 1, "img_size", "the image side in pixels")
+        if not pad and (side < patch or (whole_patches and side % patch)):
+            near = sorted({patch * max(1, side // patch), patch * -(-side // patch)})
+            raise OptionError(
+                "img_size", img_size, f"a multiple of the patch size {patch} ({' or '.join(map(str, near))})"
+            )
 
 
 class VisionTransformer(nn.Module):

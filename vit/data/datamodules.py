@@ -172,6 +172,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         self.in_memory, self.cache_dir = in_memory, cache_dir
         self.eval_crop_pct, self.mean, self.std = eval_crop_pct, mean, std
         self.train_sizes = sorted((float(p), int(size)) for p, size in train_sizes) if train_sizes else None
+        check_augment_fits(augment, min([img_size, *(size for _, size in train_sizes or [])]))
         require(in_memory or not augment.cutout, "data.augment.cutout", augment.cutout,
                 "0 unless --data.in_memory true (cutout augments whole batches)")  # fmt: skip
         require(in_memory or not train_sizes, "data.train_sizes", train_sizes,
@@ -320,6 +321,18 @@ def check_loader_options(
     if device_prefetch is not None:
         whole(device_prefetch, 0, "data.device_prefetch", "batches decoded ahead; 0 decodes each in its step")
     number(worker_decode, "data.worker_decode", "a share of device_decode's JPEGs, from 0 to 1", 0, 1)
+
+
+def check_augment_fits(augment: Augment, side: int) -> None:
+    """OptionError if the augmentation would leave images of `side` pixels mostly blank: padding
+    beyond half the side lets pad_crop's crops hold more padding than image; a cutout beyond the side
+    blanks the whole image."""
+    name = "data.augment."
+    if augment.crop == "pad_crop" and augment.crop_padding is not None:
+        require(augment.crop_padding <= side // 2, name + "crop_padding", augment.crop_padding,
+                f"at most half the image side ({side // 2} of {side} px; CIFAR: 4 of 32)")  # fmt: skip
+    require(augment.cutout <= side, name + "cutout", augment.cutout,
+            f"at most the image side ({side} px; CIFAR: 16 of 32)")  # fmt: skip
 
 
 def check_naflex_options(crop: Any, eval_crop_pct: Any, mixup: Mixup, in_memory: Any, device_decode: Any) -> None:

@@ -149,18 +149,23 @@ def test_options_that_do_not_go_together_are_refused_before_training(tmp_path, c
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
-def test_a_min_lr_above_the_batch_scaled_peak_is_scaled_alike_and_said(tmp_path):
+def test_a_min_lr_above_the_batch_scaled_peak_is_scaled_alike_and_said(tmp_path, caplog):
     """lr 2e-3 at batch 8 of lr_base_batch_size 256 peaks at 6.25e-5, below min_lr 1e-3: the rate
-    decays from the peak to min_lr x 8/256 (3.125e-5) instead of rising to min_lr."""
+    decays from the peak to min_lr x 8/256 (3.125e-5) instead of rising to min_lr. The rates the run
+    trains at are said as it starts, the parameter groups' range with layer decay."""
     said = re.escape("the peak lr 6.25e-05 (model.optimizer.lr 0.002 x global batch 8 / lr_base_batch_size 256) "
                      "is below model.schedule.min_lr 0.001: the rate decays to 3.125e-05, scaled alike")  # fmt: skip
     with pytest.warns(UserWarning, match=said):
         cli = main(["fit", "--config", "configs/default.yaml", "--trainer.default_root_dir", str(tmp_path),
                     "--trainer.max_steps", "4", "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
                     "--data.batch_size", "8", "--model.optimizer.lr_base_batch_size", "256",
-                    "--model.schedule.min_lr", "1e-3", "--model.schedule.warmup_epochs", "0"])  # fmt: skip
+                    "--model.schedule.min_lr", "1e-3", "--model.schedule.warmup_epochs", "0",
+                    "--model.finetune.layer_decay", "0.5"])  # fmt: skip
     rates = cli.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
-    assert rates == pytest.approx([3.125e-5] * len(rates))
+    assert max(rates) == pytest.approx(3.125e-5)  # the last blocks' and the head's; earlier blocks less
+    # vit_nano_patch4_16: 4 blocks, the embeddings at 0.5^5 of the peak
+    assert "learning rate: peak 6.25e-05 = model.optimizer.lr 0.002 x global batch 8 / lr_base_batch_size 256; " \
+           "parameter groups from 1.95e-06 to 6.25e-05; the peak decays to 3.13e-05" in caplog.messages  # fmt: skip
 
 
 def test_a_decay_past_the_runs_end_is_said_with_the_rate_it_ends_at(tmp_path):

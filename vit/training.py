@@ -259,6 +259,8 @@ class TrainingTask(L.LightningModule):
             )
             min_lr *= self.lr_scale()
         optimizer = self.make_optimizer(lr)
+        if self.trainer.is_global_zero:
+            log.info(self._rates_line(lr, min_lr, [group["lr"] for group in optimizer.param_groups]))
         min_ratio = min_lr / lr
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_schedule(min_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -280,6 +282,14 @@ class TrainingTask(L.LightningModule):
         if train is not None:
             per_device = min(per_device, math.ceil(len(train) / world))
         return per_device * world * self.trainer.accumulate_grad_batches
+
+    def _rates_line(self, lr: float, min_lr: float, rates: list[float]) -> str:
+        """The rates the run trains at, as it starts: a scaled peak shows its sum, groups their range."""
+        base = self.optimizer.lr_base_batch_size
+        how = (f" = model.optimizer.lr {self.optimizer.lr:g} x global batch {self.global_batch_size()} / "
+               f"lr_base_batch_size {base}") if base else ""  # fmt: skip
+        spread = f"; parameter groups from {min(rates):.3g} to {max(rates):.3g}" if min(rates) != max(rates) else ""
+        return f"learning rate: peak {lr:.3g}{how}{spread}; the peak decays to {min_lr:.3g}"
 
     def param_groups(self, lr: float) -> list[dict[str, Any]]:
         """The optimizer's parameter groups (vit.training.param_groups); a task may shape the rates."""

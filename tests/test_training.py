@@ -116,9 +116,10 @@ def test_a_missing_data_root_is_the_last_line_the_user_sees(tmp_path, capsys):
               "--data.root", str(tmp_path / "nowhere"), "--data.val_dir", "test"])  # fmt: skip
     assert exit_info.value.code == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last == f"error: image folder {tmp_path / 'nowhere' / 'train'} does not exist; expected " + str(
-        tmp_path / "nowhere" / "train" / "<class name>" / "<image files>"
-    )
+    root = tmp_path / "nowhere"
+    assert last == f"error: image folder {root / 'train'} does not exist: expected {root}/train/<class>/<images> " \
+        f"and {root}/test/<class>/<images>, or {root}/<class>/<images> (or train/ alone) with --data.val_holdout 0.1 " \
+        "to hold out a stratified 10% for validation"  # fmt: skip
 
 
 def _last_error_line(args: list[str], capsys, code: int) -> str:

@@ -212,8 +212,10 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         train, val = self.load_splits()
         test = val
         if self.val_holdout:
+            no_val_split = val is train  # validation and test then both read the held-out images
             train_idx, val_idx = holdout_indices(train.labels, self.val_holdout)
             train, val = train.subset(train_idx, self.train_transform), train.subset(val_idx, self.eval_transform)
+            test = val if no_val_split else test
         self.train_set, self.val_set, self.test_set = train, val, test
 
     def describe_transforms(self) -> tuple[str, str]:
@@ -439,7 +441,10 @@ class CIFARDataModule(ImageDataModule):
 
 
 class ImageFolderDataModule(ImageDataModule):
-    """ImageNet-style trees: `root/<train_dir>/<class>/*` and `root/<val_dir>/<class>/*`.
+    """ImageNet-style trees: `root/<train_dir>/<class>/*` and `root/<val_dir>/<class>/*`; or a
+    folder of class folders as it is, `root/<class>/*`, with `val_holdout` (a stratified share held
+    out for validation, the same images every run). With `val_holdout`, `<val_dir>` is not needed:
+    validation and test read the held-out images.
 
     The crop follows the image size unless it is given (`augment.crop`). Small images (img_size <=
     64: CIFAR, digits, Tiny-ImageNet-sized) get the CIFAR module's augmentation: resize, pad by
@@ -469,17 +474,39 @@ class ImageFolderDataModule(ImageDataModule):
         set_option_groups(self, augment=augment)
         super().__init__(**folder_crop(img_size, self.augment, eval_crop_pct, kwargs), **kwargs)
         self.root, self.train_dir, self.val_dir = Path(root), train_dir, val_dir
+        train = self._train_folder()
         # Scan the class folders now: the CLI links num_classes to the model's at instantiation (vit.cli).
-        self.classes, self._train_samples = scan_image_folder(self.root / train_dir)
+        self.classes, self._train_samples = scan_image_folder(train)
         self.num_classes = len(self.classes)
         self.class_names = readable_class_names(self.classes, self.root)
 
+    def _train_folder(self) -> Path:
+        """`root/<train_dir>`, or root itself when it holds the class folders and val_holdout is set."""
+        root, train, val = self.root, self.root / self.train_dir, self.root / self.val_dir
+        layouts = _FOLDER_LAYOUTS.format(root=root, train=self.train_dir, val=self.val_dir)
+        if train.is_dir():
+            if not self.val_holdout and not val.is_dir():
+                raise FileNotFoundError(f"{val} does not exist: {layouts}")
+            return train
+        if root.is_dir() and not val.is_dir() and self.val_holdout:
+            return root  # root/<class>/*
+        if root.is_dir() and not val.is_dir():
+            raise FileNotFoundError(f"{root} has no {self.train_dir}/ folder: {layouts}")
+        raise FileNotFoundError(f"image folder {train} does not exist: {layouts}")
+
     def load_splits(self) -> tuple[ImageFiles, ImageFiles]:
+        train = ImageFiles(self._train_samples, self.train_transform, self.skip_corrupt)
+        if self.val_holdout and not (self.root / self.val_dir).is_dir():
+            return train, train  # validation and test: the images setup holds out
         _, val_samples = scan_image_folder(self.root / self.val_dir, classes=self.classes)
-        return (
-            ImageFiles(self._train_samples, self.train_transform, self.skip_corrupt),
-            ImageFiles(val_samples, self.eval_transform, self.skip_corrupt),
-        )
+        return train, ImageFiles(val_samples, self.eval_transform, self.skip_corrupt)
+
+
+# The image folder layouts, for an error naming a missing split.
+_FOLDER_LAYOUTS = (
+    "expected {root}/{train}/<class>/<images> and {root}/{val}/<class>/<images>, or {root}/<class>/<images> "
+    "(or {train}/ alone) with --data.val_holdout 0.1 to hold out a stratified 10% for validation"
+)
 
 
 def folder_crop(

@@ -1,5 +1,7 @@
-"""README's and the docs pages' Python examples run as written (each page's ```python blocks, in
-order, in one namespace), and their links to files in the repository lead somewhere."""
+"""README's and the docs pages' Python examples run as written: each ```python block by itself, as a
+reader who copies one would run it, except a block whose first line is `# continues the block above`,
+which runs after the blocks it continues, in their namespace. Their links to files in the repository
+lead somewhere."""
 
 from __future__ import annotations
 
@@ -12,25 +14,56 @@ from tests.conftest import ROOT
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def python_blocks(path) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M)
+CONTINUES = "# continues the block above"
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+def examples(text: str) -> list[list[str]]:
+    """The page's blocks as a reader runs them: each block starts an example of its own, unless its
+    first line is CONTINUES, when it joins the example above."""
+    runs: list[list[str]] = []
+    for block in python_blocks(text):
+        if block.startswith(CONTINUES + "\n"):
+            assert runs, f"the first block says {CONTINUES!r}: there is none above"
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return runs
+
+
+def run_example(blocks: list[str], name: str) -> dict:
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, name, "exec"), namespace)
+    return namespace
+
+
+def test_a_block_runs_by_itself_unless_it_says_it_continues_the_block_above():
+    page = "```python\nx = 2\n```\n\n```python\n{}y = x + 1\n```\n"
+    with pytest.raises(NameError, match="'x' is not defined"):
+        for blocks in examples(page.format("")):
+            run_example(blocks, "page.md")
+    (blocks,) = examples(page.format(CONTINUES + "\n"))
+    assert run_example(blocks, "page.md")["y"] == 3
 
 
 def test_every_python_block_of_the_readme_runs():
-    blocks = python_blocks(ROOT / "README.md")
-    assert blocks, "README has no ```python block"
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)
+    runs = examples((ROOT / "README.md").read_text())
+    assert runs, "README has no ```python block"
+    namespace = {}
+    for blocks in runs:
+        namespace = run_example(blocks, "README.md")
     attns, logits = namespace["attns"], namespace["logits"]
     assert logits.shape == (2, 10) and len(attns) == 12 and attns[0].shape == (2, 6, 197, 197)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES[1:] if python_blocks(p)], ids=lambda p: p.name)
-def test_every_python_block_of_a_docs_page_runs(page):
-    namespace: dict = {}
-    for block in python_blocks(page):
-        exec(compile(block, str(page), "exec"), namespace)
+@pytest.mark.parametrize("page", [p for p in PAGES[1:] if python_blocks(p.read_text())], ids=lambda p: p.name)
+def test_every_python_block_of_a_docs_page_runs_by_itself_or_after_the_blocks_it_continues(page):
+    for blocks in examples(page.read_text()):
+        run_example(blocks, str(page))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

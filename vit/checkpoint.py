@@ -377,17 +377,69 @@ class PretrainedDownloadError(RuntimeError):
 
 
 def _timm_pretrained(name: str) -> dict[str, torch.Tensor]:
+    """timm's pretrained weights for `name` from the Hugging Face cache or hub. Without a network the
+    hub's client retries for a minute before it gives up: where the hub cannot be reached, the cache
+    is read alone (as with HF_HUB_OFFLINE=1), so a missing file is said at once."""
     import timm
+    from huggingface_hub import constants
+
+    offline = constants.HF_HUB_OFFLINE or not hub_reachable(constants.ENDPOINT)
+    try:
+        with _hub_offline(offline):
+            return timm.create_model(name, pretrained=True).state_dict()
+    except OSError as e:  # huggingface_hub's errors (LocalEntryNotFoundError offline, HfHubHTTPError) and urllib's
+        raise PretrainedDownloadError(f"{timm_weights_unavailable(name, e, offline)} and pass the file: "
+                                      "--model.finetune.init_from /path/to/model.safetensors", name) from e  # fmt: skip
+
+
+def timm_weights_unavailable(name: str, cause: BaseException, offline: bool) -> str:
+    """Why timm's weights for `name` could not be had, and where to download them (the hub repository
+    of the name's default tag: vit_base_patch16_224 -> timm/vit_base_patch16_224.augreg2_in21k_ft_in1k)."""
+    import timm
+    from huggingface_hub import constants
 
     try:
-        return timm.create_model(name, pretrained=True).state_dict()
-    except OSError as e:  # huggingface_hub's errors (LocalEntryNotFoundError offline, HfHubHTTPError) and urllib's
-        raise PretrainedDownloadError(
-            f"could not get timm's pretrained weights for {name!r} ({type(e).__name__}: {e}). Offline, download "
-            f"them elsewhere (e.g. https://huggingface.co/timm/{name}, model.safetensors) and pass the file: "
-            "--model.finetune.init_from /path/to/model.safetensors",
-            name,
-        ) from e
+        repo = timm.models.get_pretrained_cfg(name).hf_hub_id or f"timm/{name}"
+    except (AttributeError, RuntimeError):  # an unknown name or tag
+        repo = f"timm/{name}"
+    why = " ".join(f"{type(cause).__name__}: {cause}".split())
+    if offline:
+        where = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{constants.ENDPOINT} cannot be reached"
+        why = f"{where}, and they are not in the cache {constants.HF_HUB_CACHE}"
+    return (
+        f"could not get timm's pretrained weights for {name!r} ({why}). Download model.safetensors from "
+        f"{constants.ENDPOINT}/{repo} (HF_HUB_OFFLINE=1 reads the cache without trying the network)"
+    )
+
+
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether a connection to the hub's host opens within `timeout` seconds; True behind a proxy,
+    which the hub's client goes through and a direct connection would not."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlsplit(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """huggingface_hub reads the cache alone while its HF_HUB_OFFLINE constant is true."""
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = saved or offline
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
 
 
 def load_npz(path: str | Path, model: VisionTransformer) -> dict[str, torch.Tensor]:

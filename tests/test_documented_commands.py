@@ -171,3 +171,31 @@ def test_each_documented_command_takes_the_options_it_is_shown_with(target, sub,
     wrong = sorted({(c.where, o) for c in COMMANDS if c.target == target and tuple(c.sub) == sub
                     for o in c.options if o not in known})  # fmt: skip
     assert not wrong, f"{target} {' '.join(sub)} does not take: {wrong}"
+
+
+RUN_FILE = re.compile(r"\bruns/([\w.-]+)/(?:checkpoints/)?[\w.-]+\.(?:ckpt|onnx|safetensors)\b")
+
+
+def _writers(run: str) -> list[str]:
+    """What, named in a page, makes the run folder runs/<run>: a config whose default_root_dir it is,
+    the override that sets it, or (for runs/default) README's `make train`."""
+    configs = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "configs").rglob("*.yaml"))
+               if re.search(rf"^\s*default_root_dir:\s*runs/{re.escape(run)}\s*$", path.read_text(), re.M)]  # fmt: skip
+    return [*configs, f"default_root_dir runs/{run}", *(["make train"] if run == "default" else [])]
+
+
+def test_a_command_that_reads_a_runs_checkpoint_comes_after_what_makes_that_run():
+    """A reader who runs a page's commands in order has each run's checkpoint before a command reads it:
+    the page names the config (or `make train`) that writes runs/<name> before the first command that
+    reads a checkpoint there (runs/x is a placeholder)."""
+    unstated = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for block in SHELL_BLOCK.finditer(text):
+            for match in RUN_FILE.finditer(block[1]):
+                if match[1] in ("x", "..."):
+                    continue
+                at = block.start(1) + match.start()
+                if not any(writer in text[:at] for writer in _writers(match[1])):
+                    unstated.append(f"{doc.relative_to(ROOT)}:{text.count(chr(10), 0, at) + 1} reads runs/{match[1]}")
+    assert not unstated, f"commands read a run's checkpoint before the page says what makes the run: {unstated}"

@@ -17,14 +17,15 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import timm
 import torch
 from torch import nn
 
 from vit.layers import AttentionPoolLatent
 from vit.position import MixedRope, rope_2d, rope_2d_dinov3
 from vit.registry import register_timm_names
-from vit.timm_args import record_timm_builder
-from vit.vision_transformer import Rope, VisionTransformer, ViTConfig, keep_rope
+from vit.timm_args import record_timm_builder, timm_arg_names
+from vit.vision_transformer import Rope, VisionTransformer, ViTConfig, keep_rope, rescale_block_outputs_
 
 ROPE_TYPES = ("cat", "dinov3", "mixed")
 
@@ -53,6 +54,7 @@ class EvaConfig(ViTConfig):
     attn_pool_num_heads: int | None = None  # global_pool="map": the head's heads; None: num_heads
     attn_pool_mlp_ratio: float | None = None  # and its MLP ratio; None: mlp_ratio
     head_init_scale: float = 0.001  # the head starts at this fraction of timm's init
+    fix_init: bool = True  # timm's Eva init always rescales the blocks' outputs (BEiT's)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,17 +96,15 @@ class Eva(VisionTransformer):
 
     def init_weights(self) -> None:
         """timm's Eva init: trunc-normal(0.02) for Linear weights, position embedding and prefix
-        tokens; zero biases; each block's output projections divided by sqrt(2 x its number) (BEiT);
+        tokens; zero biases; each block's output projections divided by sqrt(2 x its number) (BEiT, fix_init);
         the head scaled by head_init_scale; LayerScale at init_values, q and v biases at zero."""
         _init_linears(self)
         for p in (self.pos_embed, self.cls_token, self.reg_token):
             if isinstance(p, nn.Parameter):
                 nn.init.trunc_normal_(p, std=0.02)
+        if self.config.fix_init:
+            rescale_block_outputs_(self.blocks)
         with torch.no_grad():
-            for i, block in enumerate(self.blocks):
-                for layer in (block.attn.proj, getattr(block.mlp, "fc2", None)):
-                    if layer is not None:
-                        layer.weight.div_(math.sqrt(2.0 * (i + 1)))
             if isinstance(self.head, nn.Linear):
                 self.head.weight.mul_(self.config.head_init_scale)
                 self.head.bias.mul_(self.config.head_init_scale)
@@ -163,11 +163,11 @@ _REFUSED = {
 }
 
 
-def timm_eva_args(name: str) -> dict:
-    """The kwargs timm's `create_model(name)` builds its Eva with (vit.timm_args.record_timm_builder)."""
+def timm_eva_args(name: str, **kwargs: object) -> dict:
+    """The kwargs timm's `create_model(name, **kwargs)` builds its Eva with (vit.timm_args.record_timm_builder)."""
     import timm.models.eva as timm_eva
 
-    return record_timm_builder(name, timm_eva, "_create_eva")
+    return record_timm_builder(name, timm_eva, "_create_eva", **kwargs)
 
 
 def from_timm_eva_args(args: dict) -> dict:
@@ -217,4 +217,7 @@ def from_timm_eva_args(args: dict) -> dict:
     return out
 
 
-register_timm_names("EVA", [("*", "eva")], Eva, EvaConfig, lambda name: from_timm_eva_args(timm_eva_args(name)))
+register_timm_names(
+    "EVA", [("*", "eva")], Eva, EvaConfig, lambda name, **kw: from_timm_eva_args(timm_eva_args(name, **kw)),
+    timm_arg_names(timm.models.eva.Eva),
+)  # fmt: skip

@@ -13,7 +13,6 @@ import, as vit.timm_args does for ViTs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +21,8 @@ from torch import nn
 
 from vit.layers import ACTIVATIONS, AttentionPoolLatent, _pair, check_divisible
 from vit.registry import register_timm_names
-from vit.timm_args import record_timm_builder, timm_norm
-from vit.vision_transformer import VisionTransformer, ViTConfig
+from vit.timm_args import record_timm_builder, timm_arg_names, timm_norm
+from vit.vision_transformer import VisionTransformer, ViTConfig, rescale_block_outputs_
 
 POS_EMBEDS = ("learned", "factorized", "none")
 
@@ -49,7 +48,7 @@ class NaFlexConfig(ViTConfig):
     pos_embed_align_corners: bool = False
     attn_pool_num_heads: int | None = None  # global_pool="map": the head's heads; None: num_heads
     attn_pool_mlp_ratio: float | None = None  # and its MLP ratio; None: mlp_ratio
-    fix_init: bool = True  # each block's output projections start divided by sqrt(2 x its number)
+    fix_init: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -320,10 +319,7 @@ class NaFlexVit(VisionTransformer):
                     nn.init.zeros_(m.bias)
         self.embeds.reset_parameters()
         if self.config.fix_init:
-            with torch.no_grad():
-                for i, block in enumerate(self.blocks):
-                    block.attn.proj.weight.div_(math.sqrt(2.0 * (i + 1)))
-                    block.mlp.fc2.weight.div_(math.sqrt(2.0 * (i + 1)))
+            rescale_block_outputs_(self.blocks)
 
     def no_weight_decay(self) -> set[str]:
         return {"embeds.pos_embed", "embeds.cls_token", "embeds.reg_token", "attn_pool.latent"}
@@ -446,12 +442,20 @@ _EVA_ONLY = ("rope_temperature", "rope_ref_feat_shape", "rope_grid_offset", "rop
              "rope_mrope_section", "qkv_fused", "swiglu_align_to")  # fmt: skip
 
 
-def timm_naflex_args(name: str) -> dict:
-    """The kwargs timm's `create_model(name)` builds its NaFlexVit with: its NaFlexVitCfg (`cfg`) and the
-    pretrained config's (vit.timm_args.record_timm_builder)."""
+def timm_naflex_args(name: str, **kwargs: object) -> dict:
+    """The kwargs timm's `create_model(name, **kwargs)` builds its NaFlexVit with: its NaFlexVitCfg (`cfg`),
+    other kwargs and the pretrained config's (vit.timm_args.record_timm_builder)."""
     import timm.models.naflexvit as timm_naflex
 
-    return record_timm_builder(name, timm_naflex, "_create_naflexvit")
+    return record_timm_builder(name, timm_naflex, "_create_naflexvit", **kwargs)
+
+
+def _timm_naflex_arg_names() -> frozenset[str]:
+    """The arguments timm's NaFlexVit takes by name: its NaFlexVitCfg's fields and its own (in_chans, ...)."""
+    import timm.models.naflexvit as timm_naflex
+
+    cfg = {f.name for f in dataclasses.fields(timm_naflex.NaFlexVitCfg)}
+    return timm_arg_names(timm_naflex.NaFlexVit) - {"cfg"} | cfg
 
 
 def from_timm_naflex_args(args: dict) -> dict:
@@ -480,5 +484,6 @@ def from_timm_naflex_args(args: dict) -> dict:
 
 register_timm_names(
     "NaFlexVit", [("*", "naflexvit")], NaFlexVit, NaFlexConfig,
-    lambda name: from_timm_naflex_args(timm_naflex_args(name)),
+    lambda name, **kw: from_timm_naflex_args(timm_naflex_args(name, **kw)),
+    _timm_naflex_arg_names(),
 )  # fmt: skip

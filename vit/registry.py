@@ -15,11 +15,22 @@ import typing
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from torch import nn
 
-from vit.options import require
+from vit.options import OptionError, require
+
+
+@dataclass(frozen=True)
+class TimmArgs:
+    """timm's arguments for a name: `names`, those its timm model class takes, and `fields(**kwargs)`,
+    the config's fields (all of them) that `timm.create_model(name, **kwargs)` means; a ValueError names
+    an argument without an equivalent here."""
+
+    names: frozenset[str]
+    fields: Callable[..., dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -27,17 +38,22 @@ class ModelEntry:
     build: Callable[[Any], nn.Module]  # takes the config, returns the model
     config_cls: type
     defaults: dict[str, Any]
+    timm_args: TimmArgs | None = None
 
 
 _MODELS: dict[str, ModelEntry] = {}
 _UNSUPPORTED: dict[str, str] = {}  # names we know of (timm's) but do not build, and why
 
 
-def register_model(name: str, build: Callable[[Any], nn.Module], config_cls: type, **defaults: Any) -> None:
+def register_model(
+    name: str, build: Callable[[Any], nn.Module], config_cls: type, timm_args: TimmArgs | None = None, **defaults: Any
+) -> None:
+    """`name` builds `build(config_cls(**defaults, **overrides))`; with `timm_args`, the overrides may
+    also be timm's arguments of the name (those that are not config fields), with timm's meaning."""
     if name in _MODELS:
         raise ValueError(f"model {name!r} is registered twice")
     _check_fields(name, config_cls, defaults)
-    _MODELS[name] = ModelEntry(build, config_cls, defaults)
+    _MODELS[name] = ModelEntry(build, config_cls, defaults, timm_args)
 
 
 def register_unsupported(name: str, reason: str) -> None:
@@ -56,13 +72,28 @@ def list_models(pattern: str = "*") -> list[str]:
 
 
 def model_config(name: str, **overrides: Any) -> Any:
-    """The config dataclass `create_model(name, **overrides)` would build the model from."""
+    """The config dataclass `create_model(name, **overrides)` would build the model from. An override
+    that is not a config field but one of timm's arguments for the name (`pos_embed="none"`,
+    `num_reg_tokens=2`) sets the fields timm's meaning gives it; the config's own names win."""
     entry = _entry(name)
-    _check_fields(name, entry.config_cls, overrides)
+    timm_args = entry.timm_args
+    fields = {f.name for f in dataclasses.fields(entry.config_cls)}
+    theirs = {k: v for k, v in overrides.items() if k not in fields and timm_args and k in timm_args.names}
+    overrides = {k: v for k, v in overrides.items() if k not in theirs}
+    _check_fields(name, entry.config_cls, overrides, timm_args is not None)
+    defaults = entry.defaults
+    if theirs:
+        try:
+            defaults = timm_args.fields(**theirs)
+        except OptionError:
+            raise
+        except ValueError as e:
+            raise ValueError(f"model {name!r}: {e}") from None
+    changed = {k: v for k, v in defaults.items() if k not in entry.defaults or entry.defaults[k] != v}
     hints = typing.get_type_hints(entry.config_cls)
-    for field, value in overrides.items():
+    for field, value in {**changed, **overrides}.items():
         require(_fits(value, hints[field]), field, value, _described(hints[field]))
-    return entry.config_cls(**{**entry.defaults, **overrides})
+    return entry.config_cls(**{**defaults, **overrides})
 
 
 def create_model(name: str, **overrides: Any) -> nn.Module:
@@ -80,13 +111,14 @@ def _entry(name: str) -> ModelEntry:
     return _MODELS[name]
 
 
-def _check_fields(name: str, config_cls: type, kwargs: dict[str, Any]) -> None:
+def _check_fields(name: str, config_cls: type, kwargs: dict[str, Any], takes_timms: bool = False) -> None:
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
+        timms = " (or timm's arguments of the same model)" if takes_timms else ""
         raise ValueError(
             f"model {name!r} has no option(s) {', '.join(unknown)}; "
-            f"{config_cls.__name__} fields are: {', '.join(sorted(fields))}"
+            f"{config_cls.__name__} fields are: {', '.join(sorted(fields))}{timms}"
         )
 
 
@@ -129,17 +161,21 @@ def register_timm_names(
     modules: list[tuple[str, str]],
     build: Callable[[Any], nn.Module],
     config_cls: type,
-    fields_of: Callable[[str], dict[str, Any]],
+    fields_of: Callable[..., dict[str, Any]],
+    timm_names: Collection[str],
     skip: Collection[str] = (),
 ) -> None:
     """Register timm's names of a family, (pattern, module) pairs of timm's, that we build
     identically: `fields_of(name)` gives the config's fields, or ValueError when timm's arguments
-    have no equal here (the name is listed unsupported, with the reason). Reading the arguments
-    relies on timm's private builders: where an installed timm changed them, the names affected (or
-    every name) are listed unsupported with the error and one warning says so; `import vit` stands."""
+    have no equal here (the name is listed unsupported, with the reason); `fields_of(name, **kwargs)`
+    those of `timm.create_model(name, **kwargs)`, which `create_model(name, **kwargs)` builds for
+    `timm_names`, the arguments of timm's model class (TimmArgs). Reading the arguments relies on
+    timm's private builders: where an installed timm changed them, the names affected (or every
+    name) are listed unsupported with the error and one warning says so; `import vit` stands."""
     import timm
 
     changed, names = [], []
+    timm_names = frozenset(timm_names)
     for pattern, module in modules:
         try:
             names += timm.list_models(pattern, module=module)
@@ -149,7 +185,7 @@ def register_timm_names(
         if name in skip:
             continue
         try:
-            register_model(name, build, config_cls, **fields_of(name))
+            register_model(name, build, config_cls, TimmArgs(timm_names, partial(fields_of, name)), **fields_of(name))
         except ValueError as e:
             register_unsupported(name, str(e))
         except Exception as e:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
+import timm
 import torch
 from torch import nn
 
 from vit.position import RelPosBias, RelPosMlp
 from vit.registry import register_timm_names
-from vit.timm_args import record_timm_builder, timm_norm
+from vit.timm_args import record_timm_builder, timm_arg_names, timm_norm
 from vit.vision_transformer import Rope, VisionTransformer, ViTConfig
 
 
@@ -76,12 +77,12 @@ class VisionTransformerRelPos(VisionTransformer):
 # -- timm's names, read from timm's model functions ------------------------------------------------
 
 
-def timm_relpos_args(name: str) -> dict:
-    """The kwargs timm's `create_model(name)` builds its VisionTransformerRelPos with (its model
+def timm_relpos_args(name: str, **kwargs: object) -> dict:
+    """The kwargs timm's `create_model(name, **kwargs)` builds its VisionTransformerRelPos with (its model
     function's, read with timm's builder swapped for a recorder, and its pretrained config's)."""
     import timm.models.vision_transformer_relpos as timm_relpos
 
-    return record_timm_builder(name, timm_relpos, "_create_vision_transformer_relpos")
+    return record_timm_builder(name, timm_relpos, "_create_vision_transformer_relpos", **kwargs)
 
 
 def from_timm_relpos_args(args: dict) -> dict:
@@ -93,7 +94,7 @@ def from_timm_relpos_args(args: dict) -> dict:
     theirs = {  # timm's kwargs of the same name that mean the same
         "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "embed_dim", "depth", "num_heads",
         "mlp_ratio", "qkv_bias", "qk_norm", "init_values", "class_token", "fc_norm", "shared_rel_pos", "drop_rate",
-        "proj_drop_rate", "attn_drop_rate", "drop_path_rate",
+        "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "fix_init",
     }  # fmt: skip
     out: dict = {}
     for key, value in args.items():
@@ -121,5 +122,6 @@ def from_timm_relpos_args(args: dict) -> dict:
 
 register_timm_names(
     "relative-position ViT", [("*", "vision_transformer_relpos")], VisionTransformerRelPos, RelPosConfig,
-    lambda name: from_timm_relpos_args(timm_relpos_args(name)),
+    lambda name, **kw: from_timm_relpos_args(timm_relpos_args(name, **kw)),
+    timm_arg_names(timm.models.vision_transformer_relpos.VisionTransformerRelPos),
 )  # fmt: skip

@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
+import timm
 import torch
 from timm.layers import resample_abs_pos_embed
 from torch import nn
 
 from vit.layers import LayerNorm2d
 from vit.registry import register_timm_names
-from vit.timm_args import record_timm_builder
+from vit.timm_args import record_timm_builder, timm_arg_names
 from vit.vision_transformer import VisionTransformer, ViTConfig, _take_indices
 
 SAM_POOLS = ("avg", "max", "avgmax", "")
@@ -184,19 +185,24 @@ class Sam(VisionTransformer):
 # -- timm's names, read from timm's model functions ------------------------------------------------
 
 
-def timm_sam_args(name: str) -> dict:
-    """The kwargs timm's `create_model(name)` builds its VisionTransformerSAM with (its model function's,
+def timm_sam_args(name: str, **kwargs: object) -> dict:
+    """The kwargs timm's `create_model(name, **kwargs)` builds its VisionTransformerSAM with (its model function's,
     read with timm's builder swapped for a recorder, and its pretrained config's)."""
     import timm.models.vision_transformer_sam as timm_sam
 
-    return record_timm_builder(name, timm_sam, "_create_vision_transformer")
+    return record_timm_builder(name, timm_sam, "_create_vision_transformer", **kwargs)
 
 
-# timm's VisionTransformerSAM kwargs we have no equal for, when set away from timm's default, and why.
+# timm's VisionTransformerSAM kwargs we have no equal for, when set away from timm's default: what they
+# are, and what to use instead.
 _REFUSED = {
-    "use_rope": (False, "rotary positions in windows (use_rope)"),
-    "head_hidden_size": (None, "a NormMlpClassifierHead (head_hidden_size)"),
-    "ref_feat_shape": (None, "rotary positions at a reference grid"),
+    "use_rope": (
+        False,
+        "rotary positions in every block",
+        "SAM's relative positions are use_rel_pos; rotary ViTs are the EVA family's (eva02_*, use_rot_pos_emb)",
+    ),
+    "head_hidden_size": (None, "timm's NormMlpClassifierHead", "the head is one Linear over the pooled neck features"),
+    "ref_feat_shape": (None, "the grid use_rope's positions are scaled to", "use_rope has none either"),
 }
 
 
@@ -211,9 +217,11 @@ def from_timm_sam_args(args: dict) -> dict:
     out: dict = {}
     for key, value in args.items():
         if key in _REFUSED:
-            default, what = _REFUSED[key]
+            default, what, instead = _REFUSED[key]
             if value != default:
-                raise ValueError(f"timm's VisionTransformerSAM {key} ({what}) has no equivalent here")
+                raise ValueError(
+                    f"timm's VisionTransformerSAM {key}={value!r} ({what}) has no equivalent here: {instead}"
+                )
         elif key == "use_rel_pos":
             out["rel_pos_type"] = "decomposed" if value else ""
         elif key == "use_abs_pos":
@@ -231,5 +239,7 @@ def from_timm_sam_args(args: dict) -> dict:
 
 
 register_timm_names(
-    "SAM", [("*", "vision_transformer_sam")], Sam, SamConfig, lambda name: from_timm_sam_args(timm_sam_args(name))
-)
+    "SAM", [("*", "vision_transformer_sam")], Sam, SamConfig,
+    lambda name, **kw: from_timm_sam_args(timm_sam_args(name, **kw)),
+    timm_arg_names(timm.models.vision_transformer_sam.VisionTransformerSAM),
+)  # fmt: skip

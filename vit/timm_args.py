@@ -4,10 +4,12 @@ Reading: timm's model functions pass their arguments to private builders (`_crea
 `_create_eva`, ...); `record_timm_builder` calls a model function with its builder swapped for a
 recorder, so nothing is built, and the family modules (eva, relpos, sam, naflex) turn what it records
 into their configs (with `timm_norm`). The ViT's, DeiT's and the hybrids' names are read and
-registered here (`timm_model_args`, `from_timm_args`). Where an installed timm changed its builders,
-vit.registry.register_timm_names lists the names affected as unsupported with the error, and the
-name-count tests (tests/test_vision_transformer.py, tests/test_relpos_sam.py) fail naming them;
-`import vit` stands.
+registered here (`timm_model_args`, `from_timm_args`), and our size table's (VIT_MODELS). The same
+reading gives `create_model(name, **kwargs)` timm's meaning of timm's arguments (vit.registry.TimmArgs):
+a timm name's model function is called again with them; a table name takes them one by one. Where an
+installed timm changed its builders, vit.registry.register_timm_names lists the names affected as
+unsupported with the error, and the name-count tests (tests/test_vision_transformer.py,
+tests/test_relpos_sam.py) fail naming them; `import vit` stands.
 
 Writing: `timm_kwargs(config)`, the kwargs of timm's VisionTransformer that builds our config (the
 tests' and the benchmark's reference model, Google's `.npz` reader).
@@ -28,8 +30,15 @@ import timm
 from torch import nn
 
 from vit.layers import ACTIVATIONS, BlockConfig
-from vit.registry import register_timm_names
-from vit.vision_transformer import HYBRID_BACKBONES, VIT_MODELS, VisionTransformer, ViTConfig, build_backbone
+from vit.registry import TimmArgs, register_model, register_timm_names
+from vit.vision_transformer import (
+    HYBRID_BACKBONES,
+    VIT_MODELS,
+    VIT_SIZES,
+    VisionTransformer,
+    ViTConfig,
+    build_backbone,
+)
 
 # Activation classes in timm's backbone arguments, by the name timm's constructors also take.
 _ACT_NAMES = {nn.GELU: "gelu", nn.ReLU: "relu", nn.SiLU: "silu"}
@@ -65,9 +74,9 @@ def _backbone_recorder(name: str, build: Callable) -> Callable[..., _RecordedBac
     return record
 
 
-def timm_model_args(name: str) -> dict:
-    """The kwargs timm's `create_model(name)` builds its VisionTransformer with: those its model function
-    passes (read by calling it with the builders, of the ViT, of DeiT and of the hybrids, and the
+def timm_model_args(name: str, **kwargs: object) -> dict:
+    """The kwargs timm's `create_model(name, **kwargs)` builds its VisionTransformer with: those its model
+    function passes (read by calling it with the builders, of the ViT, of DeiT and of the hybrids, and the
     hybrids' backbone constructors swapped for recorders, so nothing is built) and the defaults its
     builder takes from the name's pretrained config (image size, classes). A DeiT built as
     VisionTransformerDistilled records distilled=True; a hybrid records timm's `embed_layer`, a
@@ -96,7 +105,7 @@ def timm_model_args(name: str) -> dict:
             recorder = _backbone_recorder(ours, getattr(timm_hybrid, attr))
             patches.enter_context(mock.patch.object(timm_hybrid, attr, recorder))
         try:
-            timm.models.model_entrypoint(name)()
+            timm.models.model_entrypoint(name)(**kwargs)
         except _Recorded:
             pass
         else:
@@ -106,24 +115,30 @@ def timm_model_args(name: str) -> dict:
     return timm_pretrained_defaults(name) | recorded
 
 
-def record_timm_builder(name: str, module: object, builder: str) -> dict:
-    """The kwargs timm's `create_model(name)` passes to `module.builder`, the private function that builds
-    the model (called with it swapped for a recorder, so nothing is built), with the defaults it takes
-    from the name's pretrained config (image size, classes)."""
+def record_timm_builder(name: str, module: object, builder: str, **kwargs: object) -> dict:
+    """The kwargs timm's `create_model(name, **kwargs)` passes to `module.builder`, the private function
+    that builds the model (called with it swapped for a recorder, so nothing is built), with the defaults
+    it takes from the name's pretrained config (image size, classes)."""
     recorded: dict = {}
 
-    def record(variant: str, pretrained: bool = False, **kwargs: object) -> None:
-        recorded.update(kwargs)
+    def record(variant: str, pretrained: bool = False, **passed: object) -> None:
+        recorded.update(passed)
         raise _Recorded
 
     with mock.patch.object(module, builder, record):
         try:
-            timm.models.model_entrypoint(name)()
+            timm.models.model_entrypoint(name)(**kwargs)
         except _Recorded:
             pass
         else:
             raise ValueError(f"timm's {name} does not build its model through timm's {builder}")
     return timm_pretrained_defaults(name) | recorded
+
+
+def timm_arg_names(cls: type) -> frozenset[str]:
+    """The arguments timm's model class takes by name (not where to build it: device, dtype)."""
+    parameters = inspect.signature(cls).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD and p.name not in ("device", "dtype"))
 
 
 def timm_pretrained_defaults(name: str) -> dict:
@@ -198,8 +213,8 @@ def from_timm_args(args: dict) -> dict:
         if key == "embed_layer" and func is TimmHybridEmbed:
             out.update(_from_timm_hybrid_embed(keywords))
             continue
-        if key == "norm_layer" and timm_norm(value):
-            out["norm"], out["norm_eps"] = timm_norm(value)
+        if key == "norm_layer" and (value is None or timm_norm(value)):
+            out["norm"], out["norm_eps"] = timm_norm(value) if value else ("layernorm", 1e-6)  # timm's default
         elif key == "embed_norm_layer" and (value is None or timm_norm(value)):
             embed_norm = value and timm_norm(value)
         elif key == "act_layer" and (value in ACTIVATIONS or func in (nn.SiLU, nn.GELU)):
@@ -241,10 +256,24 @@ def _from_timm_hybrid_embed(keywords: dict[str, Any]) -> dict[str, Any]:
     return {"backbone": backbone.spec, **({"backbone_proj": False} if keywords.get("proj") is False else {})}
 
 
+def _vit_table_fields(defaults: dict[str, Any], **kwargs: object) -> dict[str, Any]:
+    """A VIT_MODELS name's fields, `defaults`, with timm's VisionTransformer kwargs applied one by one."""
+    return {**defaults, **from_timm_args(kwargs)}
+
+
+_VIT_ARGS = timm_arg_names(timm.models.vision_transformer.VisionTransformer)
+
+# Our size table's names read no timm builder.
+for _name, (_size, _patch, _img) in VIT_MODELS.items():
+    _defaults = {**VIT_SIZES[_size], "patch_size": _patch, "img_size": _img}
+    _timm = TimmArgs(_VIT_ARGS, partial(_vit_table_fields, _defaults))
+    register_model(_name, VisionTransformer, ViTConfig, _timm, **_defaults)
+
 # timm's ViT names we build identically; the rest are named unsupported, with the reason.
 register_timm_names(
     "ViT", [("*", "vision_transformer"), ("deit*", "deit"), ("vit_*", "vision_transformer_hybrid")],
-    VisionTransformer, ViTConfig, lambda name: from_timm_args(timm_model_args(name)), skip=VIT_MODELS,
+    VisionTransformer, ViTConfig, lambda name, **kw: from_timm_args(timm_model_args(name, **kw)), _VIT_ARGS,
+    skip=VIT_MODELS,
 )  # fmt: skip
 
 
@@ -255,7 +284,7 @@ _TIMM_FIELDS = (
     "img_size", "patch_size", "in_chans", "num_classes", "global_pool", "class_token", "embed_dim", "depth",
     "num_heads", "mlp_ratio", "qkv_bias", "qk_norm", "init_values", "fc_norm", "drop_rate", "pos_drop_rate",
     "proj_drop_rate", "attn_drop_rate", "drop_path_rate", "dynamic_img_size", "patch_drop_rate", "reg_tokens",
-    "no_embed_class", "pre_norm", "final_norm", "dynamic_img_pad", "proj_bias", "pool_include_prefix",
+    "no_embed_class", "pre_norm", "final_norm", "dynamic_img_pad", "proj_bias", "pool_include_prefix", "fix_init",
 )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ functions in vit.timm_args; checkpoints of other layouts are fitted to the model
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +33,6 @@ from vit.layers import (
 )
 from vit.options import OptionError, number, whole
 from vit.position import rope_2d, sincos_2d
-from vit.registry import register_model
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "map", "")
 
@@ -81,6 +81,7 @@ class ViTConfig(BlockConfig):
     # +identity and W_v W_proj near -identity (vit.layers.mimetic_init_). The paper found it faster on
     # small datasets; in our 10-minute CIFAR-10 runs with Muon it cost 1.5 points (benchmarks/budget.md).
     weight_init: str = ""
+    fix_init: bool = False  # each block's attn.proj and mlp.fc2 start divided by sqrt(2 x its number, from 1) (timm)
     # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
     stem_channels: tuple[int, ...] | None = None
     # A hybrid with one of timm's CNNs as patch embedding (vit.layers.HybridEmbed; the ViT paper's
@@ -103,6 +104,8 @@ class ViTConfig(BlockConfig):
             raise ValueError(f"posemb must be 'learn', 'sincos2d', 'rope' or 'none', got {self.posemb!r}")
         if self.weight_init not in ("", "mimetic"):
             raise ValueError(f"weight_init must be '' (timm's default) or 'mimetic', got {self.weight_init!r}")
+        if self.fix_init and self.block_fn != "block":
+            raise ValueError("fix_init rescales a Block's attn.proj and mlp.fc2: it needs block_fn='block'")
         if self.weight_init == "mimetic" and (self.block_fn != "block" or self.attn_layer != "attn"):
             raise ValueError("weight_init='mimetic' is for a Block's plain attention (block_fn, attn_layer default)")
         if self.posemb == "rope" and self.attn_layer == "diff":
@@ -211,7 +214,8 @@ class VisionTransformer(nn.Module):
     def init_weights(self) -> None:
         """timm's default: trunc-normal(0.02) for pos-embed and Linear weights, zero biases,
         CLS and register tokens normal(1e-6), the distillation token trunc-normal(0.02) (DeiT); conv
-        and norms keep PyTorch's defaults. `weight_init="mimetic"` then re-initialises attention."""
+        and norms keep PyTorch's defaults. `weight_init="mimetic"` then re-initialises attention, and
+        `fix_init` rescales the blocks' output projections (rescale_block_outputs_)."""
         if isinstance(self.pos_embed, nn.Parameter):
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.dist_token is not None:
@@ -227,6 +231,8 @@ class VisionTransformer(nn.Module):
         if self.config.weight_init == "mimetic":
             for block in self.blocks:
                 mimetic_init_(block.attn)
+        if self.config.fix_init:
+            rescale_block_outputs_(self.blocks)
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names (besides norms and biases) that weight decay should skip."""
@@ -524,6 +530,16 @@ def keep_rope(tables: Table, kept: torch.Tensor | None, device: torch.device, nu
     return cos, sin
 
 
+def rescale_block_outputs_(blocks: nn.Sequential) -> None:
+    """Divide each block's attn.proj and mlp.fc2 weights by sqrt(2 x its number, from 1): timm's
+    fix_init (and EVA's init, after BEiT), so deeper blocks add less to the residual stream at init."""
+    with torch.no_grad():
+        for i, block in enumerate(blocks):
+            for layer in (block.attn.proj, getattr(block.mlp, "fc2", None)):
+                if layer is not None:
+                    layer.weight.div_(math.sqrt(2.0 * (i + 1)))
+
+
 def _take_indices(num_blocks: int, indices: int | list[int] | None) -> list[int]:
     """timm's block selection: None -> all, n -> the last n, a list -> those (negatives from the end)."""
     if indices is None or isinstance(indices, int):
@@ -549,7 +565,7 @@ VIT_SIZES: dict[str, dict[str, int]] = {
     "nano": dict(embed_dim=128, depth=4, num_heads=4),
 }
 
-# name -> (size, patch size, image size). ImageNet models carry timm's names.
+# name -> (size, patch size, image size), registered in vit.timm_args. ImageNet models carry timm's names.
 VIT_MODELS: dict[str, tuple[str, int, int]] = {
     "vit_tiny_patch16_224": ("Ti", 16, 224),
     "vit_small_patch16_224": ("S", 16, 224),
@@ -566,9 +582,6 @@ VIT_MODELS: dict[str, tuple[str, int, int]] = {
     # The offline default: 8x8 digits upsampled to 16x16, a 4x4 grid.
     "vit_nano_patch4_16": ("nano", 4, 16),
 }
-
-for _name, (_size, _patch, _img) in VIT_MODELS.items():
-    register_model(_name, VisionTransformer, ViTConfig, **VIT_SIZES[_size], patch_size=_patch, img_size=_img)
 
 
 # -- hybrids: one of timm's CNNs as patch embedding ---------------------------------------------------

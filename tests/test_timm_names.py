@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
+import timm
 import torch
 
 import vit
@@ -94,3 +96,40 @@ def test_fix_init_divides_each_blocks_output_projections_as_timms():
         torch.testing.assert_close(b.attn.proj.weight, a.attn.proj.weight / math.sqrt(2 * (i + 1)))
         torch.testing.assert_close(b.mlp.fc2.weight, a.mlp.fc2.weight / math.sqrt(2 * (i + 1)))
         torch.testing.assert_close(b.attn.qkv.weight, a.attn.qkv.weight)
+
+
+def _timms_default_class_count(name: str) -> int:
+    """The num_classes timm's builder gives `timm.create_model(name)`: its model function's, else its
+    pretrained config's (timm's _update_default_model_kwargs), read there, before anything is built."""
+    import timm.models._builder as builder
+
+    update = builder._update_default_model_kwargs
+
+    class Read(Exception):
+        pass
+
+    def read(pretrained_cfg, kwargs, kwargs_filter) -> None:
+        update(pretrained_cfg, kwargs, kwargs_filter)
+        raise Read(kwargs["num_classes"])
+
+    with mock.patch.object(builder, "_update_default_model_kwargs", read), torch.device("meta"):
+        try:
+            timm.models.model_entrypoint(name)()
+        except Read as e:
+            return e.args[0]
+    raise AssertionError(f"timm's {name} was built without its builder")
+
+
+def test_every_timm_name_has_timms_default_class_count():
+    names = [n for n in vit.list_models() if n in set(timm.list_models())]
+    assert len(names) == 293  # timm 1.0.31: the 290 ViT-family names and 3 ResNets
+    differ = {n: (vit.model_config(n).num_classes, _timms_default_class_count(n)) for n in names}
+    assert {n: counts for n, counts in differ.items() if counts[0] != counts[1]} == {}
+    assert vit.model_config("vit_huge_patch14_224").num_classes == 0  # timm's in21k weights: no head
+
+
+def test_vit_huge_loads_timms_default_state_dict_strictly():
+    with torch.device("meta"):
+        ours = vit.create_model("vit_huge_patch14_224")
+        theirs = timm.create_model("vit_huge_patch14_224", pretrained=False, weight_init="skip")
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}

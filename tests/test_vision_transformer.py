@@ -64,11 +64,11 @@ def test_parameter_counts_equal_timms_published_sizes():
     # At 1000 classes. timm: 86,567,656 / 304,326,632 / 632,045,800.
     assert _num_params("vit_base_patch16_224") == 86_567_656  # 86.6M
     assert _num_params("vit_large_patch16_224") == 304_326_632  # 304.3M
-    assert _num_params("vit_huge_patch14_224") == 632_045_800  # the paper's 632M
-    # timm's default vit_huge_patch14_224 is headless (its in21k weights): 630.8M
-    assert _num_params("vit_huge_patch14_224", num_classes=0) == 630_764_800
+    assert _num_params("vit_huge_patch14_224", num_classes=1000) == 632_045_800  # the paper's 632M
+    # timm's default vit_huge_patch14_224 is headless (its in21k weights), and so is ours: 630.8M
+    assert _num_params("vit_huge_patch14_224") == 630_764_800
     with torch.device("meta"):
-        assert _num_params("vit_huge_patch14_224") == sum(
+        assert _num_params("vit_huge_patch14_224", num_classes=1000) == sum(
             p.numel() for p in timm.create_model("vit_huge_patch14_224", num_classes=1000).parameters()
         )
 
@@ -376,7 +376,7 @@ def test_timm_names_have_timms_parameter_names_and_shapes():
     for name in TIMM_VIT_NAMES:
         if name not in vit.list_models():
             continue
-        with torch.device("meta"):  # one class count: a few of our table's names keep a 1000-class head
+        with torch.device("meta"):  # one class count for both, whatever each name's default
             ours = create_model(name, num_classes=7)  # timm's init, skipped: on meta it runs Python decompositions
             theirs = timm.create_model(name, num_classes=7, weight_init="skip")
         assert {k: v.shape for k, v in ours.state_dict().items()} == {

@@ -263,9 +263,10 @@ def _vit_table_fields(defaults: dict[str, Any], **kwargs: object) -> dict[str, A
 
 _VIT_ARGS = timm_arg_names(timm.models.vision_transformer.VisionTransformer)
 
-# Our size table's names read no timm builder.
+# Our size table's names read no timm builder; those timm has too take the defaults timm's builder takes
+# from the name's pretrained config, as every name read from timm does (ViT-H/14: no head, its in21k weights').
 for _name, (_size, _patch, _img) in VIT_MODELS.items():
-    _defaults = {**VIT_SIZES[_size], "patch_size": _patch, "img_size": _img}
+    _defaults = {**timm_pretrained_defaults(_name), **VIT_SIZES[_size], "patch_size": _patch, "img_size": _img}
     _timm = TimmArgs(_VIT_ARGS, partial(_vit_table_fields, _defaults))
     register_model(_name, VisionTransformer, ViTConfig, _timm, **_defaults)
 

@@ -16,8 +16,9 @@ from tests.faults import InterruptAt
 from vit.data import DigitsDataModule, ImageFiles
 from vit.data.augment import Augment, batch_augment, normalize
 from vit.data.datamodules import ImageFolderDataModule, holdout_indices
+from vit.data.host import available_memory
 from vit.data.images import CorruptImageError, ImageArrays, Sample
-from vit.data.memory import ResumableBatchSampler, TensorImages, _available_memory, to_tensor_images
+from vit.data.memory import ResumableBatchSampler, TensorImages, to_tensor_images
 from vit.data.transforms import train_transform
 from vit.layers import whiten_patch_embed_
 from vit.lit import ImageClassifier
@@ -246,18 +247,18 @@ def test_memory_check_counts_the_page_cache_as_available_and_keeps_to_a_cgroup_l
     proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
     proc.mkdir()
     (proc / "meminfo").write_text("MemTotal: 24000000 kB\nMemFree: 300000 kB\nMemAvailable: 20000000 kB\n")
-    assert _available_memory(proc, cgroup) == 20000000 * 1024
+    assert available_memory(proc, cgroup) == 20000000 * 1024
     cgroup.mkdir()
     (cgroup / "memory.max").write_text("max\n")
-    assert _available_memory(proc, cgroup) == 20000000 * 1024
+    assert available_memory(proc, cgroup) == 20000000 * 1024
     # a container's limit counts its own use less the cache it can drop
     (cgroup / "memory.max").write_text(f"{8 * 2**30}\n")
     (cgroup / "memory.current").write_text(f"{6 * 2**30}\n")
     (cgroup / "memory.stat").write_text(f"anon {2**30}\ninactive_file {5 * 2**30}\n")
-    assert _available_memory(proc, cgroup) == 7 * 2**30
+    assert available_memory(proc, cgroup) == 7 * 2**30
     (cgroup / "memory.stat").write_text("anon 0\ninactive_file 0\n")
-    assert _available_memory(proc, cgroup) == 2 * 2**30
-    assert _available_memory(tmp_path / "none", tmp_path / "none") is None
+    assert available_memory(proc, cgroup) == 2 * 2**30
+    assert available_memory(tmp_path / "none", tmp_path / "none") is None
 
 
 def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(tmp_path):

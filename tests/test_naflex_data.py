@@ -125,10 +125,10 @@ def test_a_batch_padded_to_the_budget_that_cannot_fit_in_memory_is_refused_namin
     """One batch is batch_size x max_patches patches of 3 x p x p float32 pixels built in RAM by the
     loader, and without CUDA the model's padding mask of max_patches^2 entries an image (at least 2
     bytes each) is in RAM too: a batch that cannot fit in the free RAM is refused, saying what it takes."""
-    import vit.data.memory
+    import vit.data.host
 
     root = write_aspect_folder(tmp_path / "data", per_class=1)
-    monkeypatch.setattr(vit.data.memory, "_available_memory", lambda: 10**9)
+    monkeypatch.setattr(vit.data.host, "available_memory", lambda: 10**9)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     naflex = {"max_patches": 4096, "patch_size": 16}
     with pytest.raises(ValueError) as refused:

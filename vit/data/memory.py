@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vit.data import host
 from vit.data.augment import EVAL_RESIZE
 from vit.data.images import ImageArrays, ImageFiles
 from vit.data.sampling import ResumableSampler
@@ -176,7 +177,7 @@ def _tensor_images(images: np.ndarray, labels: np.ndarray) -> TensorImages:
 
 def _decode(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -> tuple[np.ndarray, np.ndarray]:
     needed = 2 * len(dataset) * img_size * img_size * 3  # the decoded list, then the stacked copy
-    available = _available_memory()
+    available = host.available_memory()
     if available is not None and needed > available:
         raise MemoryError(
             f"in_memory: {len(dataset):,} images at {img_size}x{img_size} need about {needed / 2**30:.1f} GiB to "
@@ -198,27 +199,6 @@ def _decode(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -
     if not images:
         raise ValueError("no images could be decoded")
     return np.stack(images), np.asarray(labels, dtype=np.int64)
-
-
-def _available_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes a new allocation can take: the kernel's MemAvailable, capped by a cgroup v2 limit.
-
-    Free pages alone (sysconf's AVPHYS) leave out the page cache, which reading a dataset fills and
-    the kernel gives back on demand: after one pass over a folder they can read near zero.
-    """
-    available = None
-    with contextlib.suppress(OSError, ValueError):
-        for line in (proc / "meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    with contextlib.suppress(OSError, ValueError):
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-            used = int((cgroup / "memory.current").read_text()) - int(stat.get("inactive_file", 0))
-            in_group = max(int(limit) - used, 0)
-            available = in_group if available is None else min(available, in_group)
-    return available
 
 
 def _content_key(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vit.data import host
 from vit.naflex import pack
 from vit.options import OptionError, require, whole
 
@@ -57,9 +58,7 @@ class NaFlex:
         A lower bound on what a step takes: a budget refused here does not fit as the machine is. The GPU's
         memory is not asked: that would start CUDA in this process before the loaders fork, and a
         GPU out of memory says so itself, where the kernel's OOM killer ends a run unsaid."""
-        from vit.data.memory import _available_memory  # it imports the transforms, which import this module
-
-        available = _available_memory()
+        available = host.available_memory()
         patches = batch_size * self.max_patches * 3 * self.patch_size**2 * 4
         mask = 0 if torch.cuda.is_available() else batch_size * self.max_patches**2 * 2
         if available is None or patches + mask <= available:

@@ -398,3 +398,72 @@ def test_onnx_classifier_packs_images_into_the_files_sequences_and_says_what_doe
         OnnxClassifier(tmp_path / "bare.onnx")
     with pytest.raises(ValueError, match="inputs='patches' exports a NaFlexViT's patch-sequence form"):
         export_onnx(create_model("vit_nano_patch4_16"), tmp_path / "x.onnx", inputs="patches")
+
+
+def _default_opset(path) -> int:
+    return next(o.version for o in onnx.load(str(path)).opset_import if o.domain == "")
+
+
+def test_an_opset_the_graph_does_not_convert_to_is_refused_before_writing_naming_those_it_does(
+    tmp_path, monkeypatch, capsys
+):
+    """torch's exporter builds the graph at opset 18 and, where its conversion fails (a LayerNorm has
+    no opset below 17), keeps 18 and only logs why: the command said "opset 9" of an opset-18 file."""
+    from vit.tools.export import cli
+
+    weights = tmp_path / "w.pth"
+    torch.save(create_model("vit_nano_patch4_16", num_classes=5).state_dict(), weights)
+    out = tmp_path / "nano.onnx"
+    monkeypatch.setattr("sys.argv", ["vit-export", str(weights), "--model", "vit_nano_patch4_16", "--static",
+                                     "--opset", "9", "--out", str(out)])  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        cli()
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith(
+        "error: opset 9: torch's exporter cannot convert VisionTransformer's graph to it; this model exports at "
+        "opsets 17 to "
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.pth"]  # nothing written
+
+    diffs = export_main([str(weights), "--model", "vit_nano_patch4_16", "--static", "--opset", "17", "--out", str(out)])
+    assert _default_opset(out) == 17 and max(diffs.values()) < 1e-4
+    assert "opset 17" in capsys.readouterr().out
+
+
+def test_above_the_exporters_own_conversions_the_file_has_the_opset_asked(tmp_path):
+    """Above opset 25 torch's exporter keeps its graph at 18 (onnxscript's converter stops at 25); its graph
+    at 18 converts with onnx's converter, and onnxruntime gives the same logits."""
+    model = create_model("vit_nano_patch4_16", num_classes=5).eval()
+    path = export_onnx(model, tmp_path / "nano.onnx", dynamic=False, opset=26)
+    assert _default_opset(path) == 26
+    assert max_abs_diff(model, OnnxClassifier(path), torch.randn(2, 3, 16, 16)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("options", "code", "message"),
+    [
+        (["--max_patches", "0"], 2, "vit-export: error: argument --max_patches: must be a whole number of at least 1"),
+        (["--atol", "-1"], 2, "vit-export: error: argument --atol: must be a finite number of at least 0, got -1"),
+        (["--check_sizes", "16", "0"], 2, "vit-export: error: argument --check_sizes: must be a whole number of at"),
+        (["--batch_size", "0"], 2, "vit-export: error: argument --batch_size: must be a whole number of at least 1"),
+        (["--check_sizes", "18"], 1, "error: --check_sizes 18: image size 18x18 is not a positive multiple of the"),
+        (["--static", "--check_sizes", "24"], 1, "error: --check_sizes 24: a --static export takes 16 px only"),
+    ],
+    ids=["max_patches", "atol", "check_sizes 0", "batch_size", "check_sizes 18", "static check_sizes"],
+)
+def test_values_an_option_does_not_take_are_refused_before_anything_is_written(
+    tmp_path, monkeypatch, capsys, options, code, message
+):
+    from vit.tools.export import cli
+
+    weights = tmp_path / "w.pth"
+    torch.save(create_model("vit_nano_patch4_16", num_classes=5).state_dict(), weights)
+    argv = [str(weights), "--model", "vit_nano_patch4_16", "--out", str(tmp_path / "nano.onnx"), *options]
+    monkeypatch.setattr("sys.argv", ["vit-export", *argv])
+    with pytest.raises(SystemExit) as stop:
+        cli()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == code and lines[-1].startswith(message), lines
+    assert code == 2 or len(lines) == 1  # argparse's usage, or our one line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.pth"]

@@ -194,3 +194,43 @@ def test_bad_input_is_one_line_naming_it_and_exit_status_1(ckpt, photos, tmp_pat
     names = {"ckpt": ckpt, "photo": photos[0], "missing": tmp_path / "nowhere.png", "empty": tmp_path / "empty"}
     code, err = run_cli([a.format(**names) for a in argv], monkeypatch, capsys)
     assert code == 1 and err.startswith(message.format(**names)) and err.count("\n") == 1, err
+
+
+def test_a_full_disk_keeps_the_previous_predictions_and_names_the_file(
+    ckpt, photos, tmp_path, monkeypatch, capsys, file_size_limit
+):
+    """--out was written in place: a full disk left a CSV cut mid-row (or, fresh, a partial file) and an
+    error naming no file."""
+    import resource
+
+    out = tmp_path / "preds.csv"
+    predict.main([str(ckpt), *map(str, photos), "--out", str(out)])
+    previous = out.read_bytes()
+    assert len(previous) > 200
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))  # fills mid-file
+    for path in (out, tmp_path / "fresh.json"):
+        code, err = run_cli([str(ckpt), *map(str, photos), "--out", str(path)], monkeypatch, capsys)
+        assert code == 1 and err.count("\n") == 1 and f"could not write {path}: File too large" in err, err
+    assert out.read_bytes() == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.csv"]  # no partial or temporary file
+
+
+def test_broken_and_looping_links_in_a_folder_are_named_as_unreadable_images(
+    ckpt, photos, tmp_path, monkeypatch, capsys
+):
+    """The folder's scan left them out unsaid; given by name they were an error naming them."""
+    folder = tmp_path / "album"
+    folder.mkdir()
+    for path in photos[:2]:
+        (folder / path.name).write_bytes(path.read_bytes())
+    (folder / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    (folder / "loop.jpg").symlink_to(folder / "loop.jpg")
+    code, err = run_cli([str(ckpt), str(folder)], monkeypatch, capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: cannot read image {folder / 'gone.png'}: it is a broken symlink")
+
+    predictions = predict.main([str(ckpt), str(folder), "--skip-corrupt"])
+    assert [p.path.name for p in predictions] == ["a.png", "b.jpg"]
+    err = capsys.readouterr().err
+    assert f"skipped: cannot read image {folder / 'gone.png'}" in err and f"image {folder / 'loop.jpg'}" in err
+    assert "skipped 2 of 4 images" in err

@@ -35,13 +35,16 @@ both for any weights `vit.checkpoint.load_model` reads.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -328,25 +331,92 @@ def export_onnx(
     example, input_names, all_shapes = (images,), ["images"], (shapes,)
     if sequence is not None:
         example, input_names, all_shapes = _sequence_example(spec, batch)
-    # SDPA's math kernel: with a mask, the CPU's fused kernel is traced with an output layout its ONNX
-    # decomposition (math) does not keep, and the view after it fails (SAM's, relpos's biases).
-    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
-        for category in (UserWarning, DeprecationWarning, FutureWarning):  # the tracer's notes on torch internals
-            warnings.simplefilter("ignore", category)
-        try:
-            program = torch.onnx.export(
-                model, example, dynamo=True, dynamic_shapes=all_shapes, opset_version=opset,
-                input_names=input_names, output_names=["logits"], verbose=False,
-            )  # fmt: skip
-        except Exception as e:  # the exporter wraps torch.export's and the translator's errors
-            raise RuntimeError(f"ONNX export of {type(model).__name__} failed: {e}") from e
+    trace = functools.partial(_trace, model, example, all_shapes, input_names)
+    program = trace(opset)
+    if _opset_of(program.model) != opset:
+        # The exporter keeps its graph's own opset where its conversion fails, saying so in a log only. Above
+        # OPSET it translates at the opset asked; its graph at OPSET may still convert (onnx's converter).
+        native = program if opset < OPSET else trace(OPSET)
+        converted = _converted(native.model, opset)
+        if converted is None:
+            low, high = _opset_range(native.model)
+            raise ValueError(
+                f"opset {opset}: torch's exporter cannot convert {type(model).__name__}'s graph to it; this model "
+                f"exports at opsets {low} to {high}"
+            )
+        program = native
+        program.model = converted
     metadata = spec.metadata() | (sequence.metadata() if sequence is not None else {})
     if preprocess is not None:
         metadata.update(preprocess_metadata(preprocess))
     if class_names is not None:
         metadata["vit.class_names"] = json.dumps(list(class_names))
     program.model.metadata_props.update(metadata)
-    return _save_atomically(program, Path(path))
+    return save_atomically(Path(path), program.save)
+
+
+def _trace(model: nn.Module, example: tuple, shapes: tuple, input_names: list[str], opset: int) -> Any:
+    """torch's dynamo exporter's ONNXProgram of `model` on `example`; its graph may declare another opset
+    than the one asked (export_onnx checks)."""
+    # SDPA's math kernel: with a mask, the CPU's fused kernel is traced with an output layout its ONNX
+    # decomposition (math) does not keep, and the view after it fails (SAM's, relpos's biases).
+    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH), _conversion_logs_quiet():
+        for category in (UserWarning, DeprecationWarning, FutureWarning):  # the tracer's notes on torch internals
+            warnings.simplefilter("ignore", category)
+        try:
+            return torch.onnx.export(
+                model, example, dynamo=True, dynamic_shapes=shapes, opset_version=opset,
+                input_names=input_names, output_names=["logits"], verbose=False,
+            )  # fmt: skip
+        except Exception as e:  # the exporter wraps torch.export's and the translator's errors
+            raise RuntimeError(f"ONNX export of {type(model).__name__} failed: {e}") from e
+
+
+@contextlib.contextmanager
+def _conversion_logs_quiet() -> Iterator[None]:
+    """The exporter logs a failed opset conversion (with a traceback) and goes on with the graph's own
+    opset; export_onnx checks the opset itself and says so in one line."""
+    names = ("onnxscript.version_converter", "torch.onnx._internal.exporter._compat")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _opset_of(graph: Any) -> int | None:
+    """The ONNX opset (default domain) an exported onnx_ir model declares."""
+    return graph.opset_imports.get("")
+
+
+def _converted(graph: Any, opset: int) -> Any | None:
+    """A copy of an exported onnx_ir model converted to `opset` as the exporter converts (onnxscript's
+    converter, onnx's where that does not reach), or None where it cannot be."""
+    from onnxscript import ir
+    from onnxscript.version_converter import convert_version
+
+    converted = ir.from_proto(ir.to_proto(graph))
+    with _conversion_logs_quiet():
+        try:
+            convert_version(converted, opset, fallback=True)
+        except Exception:  # onnxscript's converter raises where an op has no adapter; onnx's is only logged
+            return None
+    return converted if _opset_of(converted) == opset else None
+
+
+def _opset_range(graph: Any) -> tuple[int, int]:
+    """The lowest and highest opsets an exported graph at OPSET converts to: the converters go one opset
+    at a time, so those it reaches are one run of opsets."""
+    low = high = _opset_of(graph)
+    while low > 1 and _converted(graph, low - 1) is not None:
+        low -= 1
+    while _converted(graph, high + 1) is not None:
+        high += 1
+    return low, high
 
 
 def _sequence_example(spec: ImageSpec, batch: torch.export.Dim) -> tuple[tuple, list[str], tuple]:
@@ -360,17 +430,18 @@ def _sequence_example(spec: ImageSpec, batch: torch.export.Dim) -> tuple[tuple, 
     return tuple(packed[n] for n in names), names, tuple({0: batch, 1: length} for _ in names)
 
 
-def _save_atomically(program: Any, path: Path) -> Path:
-    """Save into a temporary folder beside `path`, then move the file (and the weights file that
-    models over protobuf's 2 GB get beside it, named after it) into place: a full disk or a kill
-    leaves the previous file, never a truncated one, under the requested name."""
+def save_atomically(path: Path, save: Callable[[Path], Any]) -> Path:
+    """`save(file)` into a temporary folder beside `path`, then move what it wrote into place, `path`
+    last (an ONNX model over protobuf's 2 GB writes its weights beside it, named after it): a full
+    disk or a kill leaves the previous file, never a truncated one, under the requested name, and
+    no temporary file; a failure is an OSError naming `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        program.save(tmp / path.name)  # weights inside the file, unless they exceed protobuf's 2 GB
-        for written in sorted(tmp.iterdir(), key=lambda p: p.name == path.name):  # the .onnx last
+        save(tmp / path.name)
+        for written in sorted(tmp.iterdir(), key=lambda p: p.name == path.name):  # `path` last
             os.replace(written, path.parent / written.name)
     except OSError as e:
         raise OSError(e.errno, f"could not write {path}: {e.strerror or e}") from e

@@ -44,13 +44,18 @@ def non_negative_float(text: str) -> float:
 
 def image_files(paths: list[str]) -> list[Path]:
     """A command's IMAGES: files as given, folders searched recursively for images (sorted), in the
-    order given. A path that does not exist, or a folder without images, is an error naming it."""
+    order given. A path that does not exist, or a folder without images, is an error naming it. A
+    broken or looping link with an image's name is kept, given or found, so that reading it names it."""
     from vit.data.images import IMAGE_EXTENSIONS  # vit.data loads Lightning: only for the commands that read images
 
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if (f.is_file() or (f.is_symlink() and not f.exists())) and f.suffix.lower() in IMAGE_EXTENSIONS
+            )
             if not found:
                 raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {p}")
             files += found

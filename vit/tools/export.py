@@ -35,8 +35,9 @@ import torch
 
 from vit.checkpoint import Preprocess, PretrainedDownloadError, load_model_and_meta
 from vit.data.images import read_rgb
-from vit.export import INPUTS, OPSET, OnnxClassifier, export_onnx, image_spec, max_abs_diff
+from vit.export import INPUTS, OPSET, ImageSpec, OnnxClassifier, export_onnx, image_spec, max_abs_diff
 from vit.naflex import pack
+from vit.tools.args import non_negative_float, positive_int
 
 
 def default_out(source: str) -> Path:
@@ -50,7 +51,9 @@ def default_input(args: argparse.Namespace, meta: dict) -> tuple[str, int | None
     with data.naflex validated on patch sequences of its budget; any other source takes images."""
     budget = (meta.get("preprocess") or {}).get("max_patches")
     inputs = args.input or ("patches" if budget is not None else "images")
-    return inputs, args.max_patches or (budget if inputs == "patches" else None)
+    if args.max_patches is not None:
+        return inputs, args.max_patches
+    return inputs, budget if inputs == "patches" else None
 
 
 def file_preprocess(args: argparse.Namespace, meta: dict, size: int) -> Preprocess | None:
@@ -73,6 +76,22 @@ def file_preprocess(args: argparse.Namespace, meta: dict, size: int) -> Preproce
         )
         preprocess = dataclasses.replace(preprocess, max_patches=None, patch_size=None)
     return preprocess
+
+
+def check_sizes(args: argparse.Namespace, spec: ImageSpec) -> list[int]:
+    """The sizes onnxruntime and PyTorch are compared at: --check_sizes, each refused, saying why, where
+    the file will not take it (before anything is written); by default the export size and 1.5 times it."""
+    size, step = spec.img_size[0], max(spec.multiple)
+    if not args.check_sizes:
+        return [size] if args.static else [size, max(step, size * 3 // 2 // step * step)]
+    for check_size in args.check_sizes:
+        if args.static and check_size != size:
+            raise ValueError(f"--check_sizes {check_size}: a --static export takes {size} px only")
+        try:
+            spec.check((1, spec.in_chans, check_size, check_size))
+        except ValueError as e:
+            raise ValueError(f"--check_sizes {check_size}: {e}") from None
+    return args.check_sizes
 
 
 def check_batch(args: argparse.Namespace, size: int, in_chans: int, preprocess: Preprocess | None) -> torch.Tensor:
@@ -130,23 +149,31 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     parser.add_argument("--model_kwargs", type=json.loads, default={}, help="JSON, e.g. '{\"img_size\": 384}'")
     parser.add_argument("--ema", action="store_true", help="export a .ckpt's EMA weights")
     parser.add_argument("--out", type=Path, help="the .onnx file (default: the source's name, .onnx)")
-    parser.add_argument("--img_size", type=int, help="export size (default: the model's); the fixed one with --static")
+    parser.add_argument(
+        "--img_size", type=positive_int, help="export size (default: the model's); the fixed one with --static"
+    )
     parser.add_argument("--static", action="store_true", help="fix the image size (the batch stays dynamic)")
-    parser.add_argument("--opset", type=int, default=OPSET, help=f"ONNX opset (default {OPSET}, the least a ViT needs)")
-    parser.add_argument("--check_sizes", type=int, nargs="+", help="sizes to compare at (default: export size, 1.5x)")
-    parser.add_argument("--batch_size", type=int, default=2, help="random images per check")
+    parser.add_argument(
+        "--opset", type=positive_int, default=OPSET, help=f"ONNX opset (default {OPSET}, the least a ViT needs)"
+    )
+    parser.add_argument(
+        "--check_sizes", type=positive_int, nargs="+", help="sizes to compare at (default: export size, 1.5x)"
+    )
+    parser.add_argument("--batch_size", type=positive_int, default=2, help="random images per check")
     parser.add_argument("--images", nargs="+", help="image files to check on instead of random images")
     parser.add_argument("--crop_pct", type=float, help="eval centre crop (default: the checkpoint's, else 1.0)")
     parser.add_argument("--mean", type=float, nargs=3, help="default: the checkpoint's, else ImageNet's")
     parser.add_argument("--std", type=float, nargs=3, help="default: the checkpoint's, else ImageNet's")
-    parser.add_argument("--atol", type=float, default=1e-4, help="largest |logit difference| accepted")
+    parser.add_argument("--atol", type=non_negative_float, default=1e-4, help="largest |logit difference| accepted")
     parser.add_argument(
         "--input",
         choices=INPUTS,
         help="patches: a NaFlexViT's patch sequences (default for a data.naflex run; else images)",
     )
     parser.add_argument(
-        "--max_patches", type=int, help="--input patches: the length images are packed to (default: the run's budget)"
+        "--max_patches",
+        type=positive_int,
+        help="--input patches: the length images are packed to (default: the run's budget)",
     )
     args = parser.parse_args(argv)
 
@@ -154,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     args.input, args.max_patches = default_input(args, meta)
     spec = image_spec(model, args.img_size, dynamic=not args.static, inputs=args.input)
     preprocess, class_names = file_preprocess(args, meta, spec.img_size[0]), meta.get("class_names")
+    sizes = check_sizes(args, spec)
     out = args.out or default_out(args.source)
     out = export_onnx(
         model, out, args.img_size, not args.static, args.opset, preprocess, class_names, args.input, args.max_patches
@@ -164,9 +192,6 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     carried += [f"{len(class_names)} class names"] if class_names else []
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, opset {args.opset}{''.join(f', {c}' for c in carried)})")
 
-    size = spec.img_size[0]
-    step = max(spec.multiple)
-    sizes = args.check_sizes or ([size] if args.static else [size, max(step, size * 3 // 2 // step * step)])
     onnx_model = OnnxClassifier(out)
     diffs = {}
     for check_size in sizes:

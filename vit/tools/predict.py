@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import sys
 from collections.abc import Callable
@@ -39,7 +40,7 @@ import torch
 
 from vit.checkpoint import Preprocess, load_checkpoint
 from vit.data.images import read_rgb
-from vit.export import OnnxClassifier, image_spec
+from vit.export import OnnxClassifier, image_spec, save_atomically
 from vit.lit import Inputs
 from vit.tools.args import image_files, positive_int
 
@@ -190,19 +191,22 @@ def table(predictions: list[Prediction], top_k: int) -> str:
 
 
 def write(out: Path, predictions: list[Prediction], top_k: int) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """The predictions as CSV or JSON (by `out`'s suffix), written atomically: a full disk leaves the
+    file that was there, and says so naming it."""
     if out.suffix == ".json":
         rows = [
             {"path": str(p.path), "predictions": [{"class": c, "prob": round(q, 6)} for c, q in p.top]}
             for p in predictions
         ]
-        out.write_text(json.dumps(rows, indent=2) + "\n")
-        return
-    with open(out, "w", newline="") as f:
-        writer = csv.writer(f)
+        text = json.dumps(rows, indent=2) + "\n"
+    else:
+        buffer = io.StringIO(newline="")
+        writer = csv.writer(buffer)
         writer.writerow(["path", *(f"{name}_{i}" for i in range(1, top_k + 1) for name in ("class", "prob"))])
         for p in predictions:
             writer.writerow([str(p.path), *(v for c, q in p.top for v in (c, f"{q:.6f}"))])
+        text = buffer.getvalue()
+    save_atomically(out, lambda file: file.write_text(text, newline=""))
 
 
 # -- the command -------------------------------------------------------------------------------

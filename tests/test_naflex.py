@@ -92,6 +92,38 @@ def test_a_padded_sequence_gives_each_images_own_logits(name):
             torch.testing.assert_close(packed[b], model(image[None])[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["naflexvit_base_patch16_gap", "naflexvit_base_patch16_radio_v3"])  # no prefix; CLS+7
+def test_padded_patch_sequences_give_timms_intermediates(name):
+    """Per token ("NLC": each image its own grid), padding included; timm's tuple and dict forms."""
+    ours, theirs = _pair(name)
+    batch = _sequences([(48, 80), (64, 64), (32, 96)], length=20)  # 15, 16 and 12 real patches
+    real = batch["patch_valid"]
+    with_prefix = F.pad(real, (ours.num_prefix_tokens, 0), value=True)
+    with torch.no_grad():
+        final, feats = ours.forward_intermediates(batch, indices=2, norm=True, output_fmt="NLC")
+        final_t, feats_t = theirs.forward_intermediates(batch, indices=2, norm=True, output_fmt="NLC")
+        kwargs = dict(indices=[0], return_prefix_tokens=True, output_fmt="NLC", output_dict=True)
+        result, result_t = ours.forward_intermediates(batch, **kwargs), theirs.forward_intermediates(batch, **kwargs)
+    assert [f.shape for f in feats] == [(3, 20, 64)] * 2
+    for mine, timms in zip(feats, feats_t, strict=True):
+        torch.testing.assert_close(mine[real], timms[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(final[with_prefix], final_t[with_prefix], atol=1e-5, rtol=0)
+    assert result.keys() == result_t.keys()
+    assert torch.equal(result["patch_valid"], result_t["patch_valid"])
+    torch.testing.assert_close(result["image_intermediates"][0][real], result_t["image_intermediates"][0][real])
+    torch.testing.assert_close(result["image_features"][with_prefix], result_t["image_features"][with_prefix])
+    if ours.num_prefix_tokens:
+        torch.testing.assert_close(result["image_intermediates_prefix"], result_t["image_intermediates_prefix"])
+    with torch.no_grad():  # the same sequences as arguments
+        coord = batch["patch_coord"]
+        _, same = ours.forward_intermediates(batch["patches"], 2, False, True, output_fmt="NLC", patch_coord=coord,
+                                             patch_valid=real)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(same, feats, strict=True))
+    for model in (ours, theirs):
+        with pytest.raises(ValueError, match="NLC"):
+            model.forward_intermediates(batch)  # NCHW: no one grid
+
+
 def test_positions_are_timms_resampling_of_the_tables():
     """A 4 x 4 table is the 4 x 4 grid's positions; other grids resample it (bicubic, antialiased down),
     or, preserving the aspect, resample to the longer side's square and keep its top-left corner."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from torch import nn
 from vit.layers import ACTIVATIONS, AttentionPoolLatent, _pair, check_divisible
 from vit.registry import register_timm_names
 from vit.timm_args import record_timm_builder, timm_arg_names, timm_norm
-from vit.vision_transformer import VisionTransformer, ViTConfig, rescale_block_outputs_
+from vit.vision_transformer import VisionTransformer, ViTConfig, _take_indices, rescale_block_outputs_
 
 POS_EMBEDS = ("learned", "factorized", "none")
 
@@ -358,6 +359,62 @@ class NaFlexVit(VisionTransformer):
             attn_mask = padding_mask(patch_valid, self.num_prefix_tokens, x.dtype)
         x = self._run_blocks(x, None, attn_mask=attn_mask)[0]
         return {"patches": self.norm(x), "patch_valid": patch_valid}
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor | dict[str, torch.Tensor],
+        indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+        patch_coord: torch.Tensor | None = None,
+        patch_valid: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> list | tuple[torch.Tensor, list] | dict[str, Any]:
+        """timm's NaFlexVit.forward_intermediates: VisionTransformer's for images; for patch sequences
+        (timm's dict, or patches with `patch_coord`) each chosen block's tokens, (B, N, D) with padding
+        ("NLC" only: each image has its own grid, which `patch_coord` places). `output_dict`: timm's
+        {"image_intermediates", "image_intermediates_prefix" (with return_prefix_tokens), "patch_valid"
+        (the real patches, after patch dropout), "image_features" (unless intermediates_only)}."""
+        if isinstance(x, dict):
+            patch_coord, patch_valid = x["patch_coord"], x.get("patch_valid", patch_valid)
+            x, attn_mask = x["patches"], x.get("attn_mask", attn_mask)
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        if patch_coord is not None and output_fmt == "NCHW":
+            raise ValueError(
+                "patch sequences have no one grid for output_fmt='NCHW': use 'NLC' (patch_coord places each token)"
+            )
+        if patch_coord is not None and self.training and self.config.patch_drop_rate and not output_dict:
+            raise ValueError("patch dropout reorders the tokens: use output_dict=True, which returns their patch_valid")
+        take = _take_indices(len(self.blocks), indices)
+        depth = max(take) + 1 if stop_early else None
+        tokens, patch_valid = self._tokens(x, patch_coord, patch_valid)
+        if attn_mask is None:
+            attn_mask = padding_mask(patch_valid, self.num_prefix_tokens, tokens.dtype)
+        tokens, _, taken = self._run_blocks(tokens, None, take=set(take), depth=depth, attn_mask=attn_mask)
+        taken = [self.norm(t) for t in taken] if norm else taken
+        prefix = [t[:, : self.num_prefix_tokens] for t in taken]
+        out = [t[:, self.num_prefix_tokens :] for t in taken]
+        if output_fmt == "NCHW":
+            h, w = self.patch_grid(x)
+            out = [t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for t in out]
+        return_prefix_tokens = return_prefix_tokens and self.num_prefix_tokens > 0  # timm's: none to return
+        if output_dict:
+            result: dict[str, Any] = {"image_intermediates": out}
+            if return_prefix_tokens:
+                result["image_intermediates_prefix"] = prefix
+            if patch_valid is not None:
+                result["patch_valid"] = patch_valid
+            if not intermediates_only:
+                result["image_features"] = self.norm(tokens)
+            return result
+        if return_prefix_tokens:
+            out = list(zip(out, prefix, strict=True))
+        return out if intermediates_only else (self.norm(tokens), out)
 
     def pool(self, x: torch.Tensor, patch_valid: torch.Tensor | None = None) -> torch.Tensor:
         """As the ViT's, the padding left out: masked from the attention pool's keys, from mean and max

@@ -17,11 +17,12 @@ only use `torch.load(weights_only=True)` (tensors, dicts, numbers, strings) or s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -650,3 +651,50 @@ def _rotary_positions(model: nn.Module) -> str | None:
     tables = f"the rotary tables follow the patch grid ({h}x{w}), computed at every forward"
     # EVA-02 keeps a learned pos_embed beside its rotary one (resampled above); DINOv3 has none.
     return tables if "pos_embed" in model.state_dict() else f"no pos_embed to resample: {tables}"
+
+
+def timm_preprocessing(source: str | Path, model_name: str) -> tuple[dict[str, Any], str] | None:
+    """How weights from timm were trained to see images, from timm's pretrained config: (mean, std,
+    crop_pct, interpolation, input_size) and where they were read. For `timm:NAME.TAG`, that tag's;
+    for a file, the hub's config.json beside it where there is one, else the default tag of
+    `model_name`. None for weights that are not timm's (our checkpoints record their own) or a name
+    timm has no pretrained config for."""
+    import timm
+
+    text = str(source)
+    if text.startswith("timm:"):
+        name, config_file = text.removeprefix("timm:"), None
+    else:
+        path = Path(text)
+        if path.suffix == ".ckpt" or (path.suffix == ".safetensors" and _written_by_us(path)):
+            return None
+        name, config_file = model_name, path.with_name("config.json")
+    if config_file is not None and config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text()).get("pretrained_cfg")
+        except (OSError, ValueError):
+            config = None
+        if isinstance(config, dict) and {"mean", "std"} <= config.keys():
+            keys = ("mean", "std", "crop_pct", "interpolation", "input_size")
+            return {key: config.get(key) for key in keys}, str(config_file)
+    try:
+        config = timm.models.get_pretrained_cfg(name)
+    except (AttributeError, RuntimeError):  # not a timm name (our own models), or an unknown tag
+        return None
+    if config is None:
+        return None
+    tag = f"{name}.{config.tag}" if config.tag and "." not in name else name
+    values = {"mean": config.mean, "std": config.std, "crop_pct": config.crop_pct,
+              "interpolation": config.interpolation, "input_size": config.input_size}  # fmt: skip
+    return values, f"timm's pretrained config of {tag}"
+
+
+def _written_by_us(path: Path) -> bool:
+    """Whether a .safetensors file carries our metadata (export_safetensors), which records its own preprocessing."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return "vit_model_name" in (f.metadata() or {})
+    except Exception:  # not readable as safetensors: the loader says so, naming the file
+        return False

@@ -11,7 +11,10 @@ import logging
 import math
 import pkgutil
 import re
+import shlex
+import shutil
 import sys
+import sysconfig
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +25,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from vit.checkpoint import timm_preprocessing
 from vit.data.images import CorruptImageError
 from vit.fault_tolerance import (
     EXIT_CODES,
@@ -39,7 +43,7 @@ from vit.fault_tolerance import (
     stop_message,
     stop_signal,
 )
-from vit.options import OptionError, option_groups
+from vit.options import OptionError, group_default, option_groups
 
 log = logging.getLogger(__name__)
 
@@ -329,6 +333,59 @@ class LogCadence(Callback):
             trainer.log_every_n_steps = min(50, max(1, int(batches) // 50))
 
 
+def _use_weights_preprocessing(config: Any) -> None:
+    """Weights from timm (`model.finetune.init_from`) are fine-tuned with their own mean, std and
+    evaluation crop (timm's pretrained config: SigLIP's 0.5, CLIP's and EVA-02's own, ...), which
+    the checkpoint then records for vit-predict and the exports. A value the data was given (not its
+    class's default) wins, said in one line naming both."""
+    model, data = config.get("model"), config.get("data")
+    model_args = getattr(model, "init_args", None) or {}
+    data_args = getattr(data, "init_args", None) or {}
+    init_from = getattr(model_args.get("finetune"), "init_from", None)
+    options = ("mean", "std", "eval_crop_pct")
+    if not init_from or not all(name in data_args for name in options) or not model_args.get("model_name"):
+        return
+    found = timm_preprocessing(init_from, model_args["model_name"])
+    if found is None:
+        return
+    weights, where = found
+    data_class, used = _class(data.class_path), {}
+    crop_pct = weights["crop_pct"] if data_args.get("naflex") is None else 1.0  # patch sequences see whole images
+    for name, value in (("mean", weights["mean"]), ("std", weights["std"]), ("eval_crop_pct", crop_pct)):
+        given, default = data_args[name], group_default(data_class, name)
+        if given is None or _plain(given) == _plain(default):
+            data_args[name] = used[name] = value
+        elif _plain(given) != _plain(value):
+            log.warning("--data.%s %s is used, not %s of %s", name, _plain(given), _plain(value), where)
+    if used:
+        log.info("the weights' preprocessing (%s): %s", where, ", ".join(f"{k} {_plain(v)}" for k, v in used.items()))
+    if weights.get("interpolation") not in (None, "bicubic"):
+        log.warning("%s resizes %s; evaluation here resizes bicubic", where, weights["interpolation"])
+
+
+def _as_typed(path: Path) -> str:
+    """A path as one shell word, relative to the working folder when it is inside it."""
+    path = path.absolute()
+    if path.is_relative_to(Path.cwd()):
+        path = path.relative_to(Path.cwd())
+    return shlex.quote(str(path))
+
+
+def tensorboard_command(log_dir: str) -> str:
+    """The command that shows a run's logs, as it runs when pasted into the shell that started the run:
+    a virtual environment's own `tensorboard` by its path (`.venv/bin/tensorboard`, which works
+    whether the environment is activated or not), else the one on PATH; without TensorBoard, the
+    command that installs it into this Python."""
+    program = Path(sysconfig.get_path("scripts")) / "tensorboard"
+    logs = shlex.quote(str(log_dir))
+    in_venv = sys.prefix != sys.base_prefix
+    if program.is_file() and (in_venv or shutil.which("tensorboard") != str(program)):
+        return f"{_as_typed(program)} --logdir {logs}"
+    if shutil.which("tensorboard"):
+        return f"tensorboard --logdir {logs}"
+    return f"TensorBoard is not installed: {_as_typed(Path(sys.executable))} -m pip install tensorboard"
+
+
 class TrainCLI(LightningCLI):
     """`checkpoint:` configures the ModelCheckpoint every run has: the best (by `monitor`) and the
     last checkpoint, in <trainer.default_root_dir>/checkpoints, so `--ckpt_path last` resumes.
@@ -371,6 +428,7 @@ class TrainCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         init_args = getattr(config.get("model"), "init_args", None) or {}
         self._given_to_model = {name: init_args.get(name) for name in LINKED_FROM_DATA if name in init_args}
+        _use_weights_preprocessing(config)
         class_path = getattr(config.get("model"), "class_path", None)
         if not class_path or config.get("checkpoint") is None or config.checkpoint.monitor != "val/acc1":
             return

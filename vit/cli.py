@@ -626,9 +626,8 @@ class TrainCLI(LightningCLI):
         if ckpt is not None and ckpt.last_model_path:
             lines.append(f"  last checkpoint: {ckpt.last_model_path}")
         if trainer.logger is not None and trainer.logger.log_dir:
-            lines.append(
-                f"  TensorBoard logs: {trainer.logger.log_dir}  (tensorboard --logdir {trainer.logger.log_dir})"
-            )
+            log_dir = trainer.logger.log_dir
+            lines.append(f"  TensorBoard logs: {log_dir}  ({tensorboard_command(log_dir)})")
         print("\n".join(lines), flush=True)
 
 

@@ -58,7 +58,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path), device="cpu")
+        with _safetensors_read(path):
+            return load_file(str(path), device="cpu")
     obj = _torch_load(path)
     for key in _NESTED_KEYS:
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
@@ -71,7 +72,22 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 class UnreadableCheckpointError(ValueError):
-    """A file that is no checkpoint at all (not a torch archive), or an incomplete one."""
+    """A file that is no checkpoint at all (not a torch archive, not safetensors), or an incomplete one."""
+
+
+@contextlib.contextmanager
+def _safetensors_read(path: Path) -> Iterator[None]:
+    """While safetensors reads `path`: a file it cannot read (empty, truncated, not safetensors) is an
+    UnreadableCheckpointError naming it, not safetensors' own error, which names no file."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise UnreadableCheckpointError(
+            f"cannot read {path} ({path.stat().st_size} bytes): it is not a readable safetensors file (empty, "
+            f"truncated, e.g. by a full disk or a kill while it was written, or not safetensors). ({e})"
+        ) from e
 
 
 def _torch_load(path: Path) -> Any:
@@ -299,7 +315,7 @@ def load_model_and_meta(
     if head is not None:  # the class count follows the file's classifier (head, fc or linear)
         model_kwargs.setdefault("num_classes", state_dict[head].shape[0])
     model = create_model(model_name, **model_kwargs)
-    load_pretrained(model, path, use_ema=use_ema)
+    load_pretrained(model, path, use_ema=use_ema, model_name=model_name)
     return model.eval(), {}
 
 
@@ -326,7 +342,7 @@ def export_safetensors(ckpt_path: str | Path, out_path: str | Path, use_ema: boo
 def _safetensors_model_meta(path: Path) -> dict[str, Any]:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+    with _safetensors_read(path), safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
     if "vit_model_name" not in metadata:
         raise ValueError(
@@ -602,23 +618,52 @@ def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> t
     missing = sorted(set(target) - set(sd), key=_natural)
     unexpected = sorted(set(sd) - set(target), key=_natural)
     if missing or unexpected:
-        parts = [f"{kind} {len(keys)} keys ({', '.join(keys[:6])}{', ...' if len(keys) > 6 else ''})"
-                 for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]  # fmt: skip
-        raise ValueError(
-            f"the weights do not fit the model: {'; '.join(parts)}. "
-            "Are the architecture (model_name, embed_dim, depth) and the checkpoint the same kind?"
-        )
+        parts = [f"{what.format(len(keys))} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+                 for what, keys in (("{} of the model's keys missing", missing),
+                                    ("{} keys the model does not have", unexpected)) if keys]  # fmt: skip
+        raise WeightsMismatchError("; ".join(parts))
     mismatched = [
         f"{name}: the checkpoint has shape {tuple(value.shape)}, the model {tuple(target[name].shape)}"
         for name, value in sd.items()
         if value.shape != target[name].shape
     ]
     if mismatched:
-        more = f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""
-        raise ValueError(
-            "; ".join(mismatched[:5]) + more + ". Only the position embedding and the head are adapted automatically"
-        )
+        more = f" (and {len(mismatched) - 3} more)" if len(mismatched) > 3 else ""
+        raise WeightsMismatchError("; ".join(mismatched[:3]) + more)
     return sd, report
+
+
+class WeightsMismatchError(ValueError):
+    """Weights that do not fit a model, in what cannot be adapted (only the position embedding and
+    the head are): `details` names a few of the keys or shapes that differ."""
+
+    def __init__(self, details: str, what: str = "the weights do not fit the model") -> None:
+        self.details = details
+        super().__init__(f"{what}: {details}; only the position embedding and the head are adapted")
+
+
+def _describe(model: nn.Module, name: str | None = None) -> str:
+    """The model as an error names it: its registry name where known, its class and size."""
+    config = getattr(model, "config", None)
+    size = [f"{field} {getattr(config, field)}" for field in ("embed_dim", "depth") if hasattr(config, field)]
+    kind = ", ".join([type(model).__name__, *size])
+    return f"{name} ({kind})" if name else f"the model ({kind})"
+
+
+def _recorded_model_name(source: str | Path) -> str | None:
+    """The architecture a source names: timm:<name>'s, or the model name our .ckpt or .safetensors
+    records; None for a file that records none."""
+    text, path = str(source), Path(source)
+    if text.startswith("timm:"):
+        return text.removeprefix("timm:")
+    try:
+        if path.suffix == ".safetensors":
+            return _safetensors_model_meta(path)["model_name"]
+        if path.suffix == ".ckpt":
+            return read_lightning_checkpoint(path)["vit"]["model_name"]
+    except (ValueError, KeyError, TypeError):  # a file without our metadata
+        return None
+    return None
 
 
 def _natural(key: str) -> list:
@@ -626,11 +671,20 @@ def _natural(key: str) -> list:
     return [int(t) if t.isdigit() else t for t in key.split(".")]
 
 
-def load_pretrained(model: nn.Module, source: str | Path, use_ema: bool = False) -> LoadReport:
+def load_pretrained(
+    model: nn.Module, source: str | Path, use_ema: bool = False, model_name: str | None = None
+) -> LoadReport:
     """Load weights from `source` into `model`, adapting them (see `adapt_state_dict`); logs and
-    returns what was resampled, re-initialised, renamed or dropped."""
+    returns what was resampled, re-initialised, renamed or dropped. Weights that do not fit are a
+    WeightsMismatchError naming the source, the model (`model_name`, where the caller knows it) and
+    the architecture the source records."""
     state_dict = read_weights(source, model, use_ema=use_ema)
-    adapted, report = adapt_state_dict(state_dict, model)
+    try:
+        adapted, report = adapt_state_dict(state_dict, model)
+    except WeightsMismatchError as e:
+        held = _recorded_model_name(source)
+        held = f" (weights of {held})" if held else ""
+        raise WeightsMismatchError(e.details, f"{source}{held} does not fit {_describe(model, model_name)}") from None
     model.load_state_dict(adapted, strict=True)
     report.log(str(source))
     rotary = _rotary_positions(model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 
 import vit
 from tests.conftest import timm_and_ours
@@ -117,6 +118,45 @@ def test_with_dynamic_img_size_other_grids_give_timms_logits(name, kwargs):
         assert expected.abs().max() > 0.1
     with pytest.raises(ValueError, match="build it with that img_size, or with dynamic_img_size=True"):
         ours(torch.randn(1, 3, 96, 96))
+
+
+def _sams_get_rel_pos_table(rel_pos: torch.Tensor, q_size: int, k_size: int) -> torch.Tensor:
+    """segment_anything's get_rel_pos: the (L, C) table linearly interpolated to 2 max(q, k) - 1 rows."""
+    n = 2 * max(q_size, k_size) - 1
+    resized = F.interpolate(rel_pos.reshape(1, rel_pos.shape[0], -1).permute(0, 2, 1), size=n, mode="linear")
+    return resized.reshape(-1, n).permute(1, 0)
+
+
+def test_sam_weights_load_at_another_img_size_with_sams_resized_relative_positions(tmp_path):
+    """SAM-style weights of a 64 px model (a 4x4 grid: global tables of 7 offsets) loaded at 64 px as they
+    are, and at 96 px (6x6: 11 offsets): the global block's tables as SAM's get_rel_pos resizes them, the
+    windowed blocks' kept, the grid's positions resampled as timm's SAM does; the logits are then those
+    timm's 64 px model gives a 96 px image, as it resizes both in every forward."""
+    from vit.checkpoint import load_pretrained
+
+    small = dict(SMALL, depth=3, window_size=2, global_attn_indexes=(1,))
+    _, theirs = _pair("samvit_base_patch16", img_size=64, **small)
+    torch.save(theirs.state_dict(), tmp_path / "sam64.pth")
+    same = vit.create_model("samvit_base_patch16", img_size=64, **small).eval()
+    assert load_pretrained(same, tmp_path / "sam64.pth").resampled == []
+    bigger = vit.create_model("samvit_base_patch16", img_size=96, **small).eval()
+    report = load_pretrained(bigger, tmp_path / "sam64.pth")
+    assert report.resampled == [
+        "pos_embed (grid 4x4 -> 6x6)", "blocks.1.attn.rel_pos_h (7 -> 11 offsets)",
+        "blocks.1.attn.rel_pos_w (7 -> 11 offsets)",
+    ]  # fmt: skip
+    source = theirs.state_dict()
+    for name in ("blocks.1.attn.rel_pos_h", "blocks.1.attn.rel_pos_w"):
+        torch.testing.assert_close(bigger.state_dict()[name], _sams_get_rel_pos_table(source[name], 6, 6))
+    for name in ("blocks.0.attn.rel_pos_h", "blocks.2.attn.rel_pos_w"):  # windows of 2: 3 offsets, kept
+        assert torch.equal(bigger.state_dict()[name], source[name])
+    with torch.no_grad():
+        x = torch.randn(2, 3, 64, 64)
+        torch.testing.assert_close(same(x), theirs(x), atol=1e-5, rtol=0)
+        x = torch.randn(2, 3, 96, 96)
+        expected = theirs(x)
+        torch.testing.assert_close(bigger(x), expected, atol=1e-5, rtol=0)
+    assert expected.abs().max() > 0.1
 
 
 @pytest.mark.parametrize("rel_pos_type", ["bias", "mlp", "mlp_swin", "decomposed"])

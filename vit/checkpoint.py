@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from timm.layers import resample_abs_pos_embed
+from timm.layers import resample_abs_pos_embed, resample_abs_pos_embed_nhwc
 from torch import nn
 
+from vit.position import resample_rel_pos
 from vit.registry import create_model
 from vit.timm_args import timm_kwargs
 from vit.vision_transformer import VisionTransformer
@@ -546,9 +547,31 @@ def checkpoint_filter_fn(
                 sd[f"{new}.{suffix}"] = sd.pop(f"{old}.{suffix}")
                 log("renamed", f"{old}.{suffix} -> {new}.{suffix}")
 
-    if "pos_embed" in sd and "pos_embed" in target:
+    _adapt_sam_positions(sd, model, log)
+    if "pos_embed" in sd and "pos_embed" in target and target["pos_embed"].ndim == 3:  # SAM's (1, H, W, D): above
         sd["pos_embed"] = _adapt_pos_embed(sd["pos_embed"], source_prefix, model, log)
     return sd
+
+
+def _adapt_sam_positions(sd: dict[str, torch.Tensor], model: nn.Module, log: Callable[[str, str], None]) -> None:
+    """SAM's positions at the model's patch grid, in place: a position embedding stored on the grid
+    (1, H, W, D) resampled as timm's SAM resamples it at another input size (bicubic, antialiased), and
+    the decomposed relative positions (`attn.rel_pos_h`, `attn.rel_pos_w`, 2 x side - 1 offsets by
+    head_dim) interpolated linearly to the model's lengths, as SAM's `get_rel_pos` does: a global
+    block's follow the grid, a windowed block's keep the window's."""
+    target = model.state_dict()
+    pos = sd.get("pos_embed")
+    if pos is not None and pos.ndim == 4 and "pos_embed" in target and pos.shape[1:3] != target["pos_embed"].shape[1:3]:
+        (h, w), (new_h, new_w) = pos.shape[1:3], target["pos_embed"].shape[1:3]
+        sd["pos_embed"] = resample_abs_pos_embed_nhwc(pos, [new_h, new_w])
+        log("resampled", f"pos_embed (grid {h}x{w} -> {new_h}x{new_w})")
+    for name, table in list(sd.items()):
+        want = target.get(name)
+        if not name.endswith((".rel_pos_h", ".rel_pos_w")) or want is None or table.ndim != 2:
+            continue
+        if table.shape[1:] == want.shape[1:] and table.shape[0] != want.shape[0]:  # another head_dim: refused later
+            sd[name] = resample_rel_pos(table, want.shape[0])
+            log("resampled", f"{name} ({table.shape[0]} -> {want.shape[0]} offsets)")
 
 
 def _is_square(n: int) -> bool:

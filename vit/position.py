@@ -304,16 +304,17 @@ def decomposed_rel_pos_bias(
     2W-1 (timm's `get_rel_pos`)."""
     h, w = grid
     ih, iw = torch.arange(h, device=q.device), torch.arange(w, device=q.device)
-    rh = _resample_rel_pos(rel_pos_h, 2 * h - 1)[ih[:, None] - ih[None, :] + h - 1]  # (H, H, head_dim)
-    rw = _resample_rel_pos(rel_pos_w, 2 * w - 1)[iw[:, None] - iw[None, :] + w - 1]  # (W, W, head_dim)
+    rh = resample_rel_pos(rel_pos_h, 2 * h - 1)[ih[:, None] - ih[None, :] + h - 1]  # (H, H, head_dim)
+    rw = resample_rel_pos(rel_pos_w, 2 * w - 1)[iw[:, None] - iw[None, :] + w - 1]  # (W, W, head_dim)
     r_q = q.unflatten(-2, (h, w))  # (B, heads, H, W, head_dim)
     rel_h = torch.einsum("...hwc,hkc->...hwk", r_q, rh.to(q.dtype))
     rel_w = torch.einsum("...hwc,wkc->...hwk", r_q, rw.to(q.dtype))
     return (rel_h[..., :, None] + rel_w[..., None, :]).flatten(-4, -3).flatten(-2)
 
 
-def _resample_rel_pos(table: torch.Tensor, length: int) -> torch.Tensor:
-    """A (L, C) table of relative positions linearly resampled to `length` rows (timm's `get_rel_pos`)."""
+def resample_rel_pos(table: torch.Tensor, length: int) -> torch.Tensor:
+    """A (L, C) table of relative positions linearly resampled to `length` rows (SAM's and timm's
+    `get_rel_pos`); vit.checkpoint fits a checkpoint's tables to a model's grid with it."""
     if table.shape[0] == length:
         return table
     return F.interpolate(table.T[None], size=length, mode="linear")[0].T

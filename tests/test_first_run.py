@@ -8,12 +8,17 @@ import shlex
 import subprocess
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import ROOT
+from vit import cli
 from vit.cli import tensorboard_command
+from vit.schedule import WallClockBudget
+from vit.wording import counted
 
 
 def test_the_printed_tensorboard_command_runs_from_a_shell_without_the_venv(monkeypatch):
@@ -155,3 +160,35 @@ def test_without_a_python_new_enough_make_says_which_to_name(checkout):
         f"error: {folder}/bin/python3.9 is Python 3.9.18, this project needs >= 3.10: name a newer one, "
         "e.g. make PYTHON=python3.11"
     )
+
+
+def test_a_short_run_without_validation_says_nothing_its_user_cannot_act_on(tmp_path, capfd, caplog):
+    """No ModelCheckpoint warning that the monitored val/acc1 is missing (there is no validation to
+    score), no Lightning tip to install litlogger, no FutureWarning from Lightning's use of torch."""
+    args = ["fit", "--config", str(ROOT / "configs" / "default.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "0",
+            "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", "--model.schedule.warmup_epochs", "0"]  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # pytest's filters (pyproject.toml) hide the FutureWarning
+        cli.main(args)
+    said = capfd.readouterr()
+    noise = [str(w.message) for w in caught if "monitored key" in str(w.message) or "LeafSpec" in str(w.message)]
+    assert noise == []
+    assert "Tip:" not in said.out + said.err + caplog.text
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_count_of_one_is_said_in_the_singular():
+    assert [counted(n, "image") for n in (0, 1, 2, 1200)] == ["0 images", "1 image", "2 images", "1,200 images"]
+    assert [counted(m, "minute") for m in (1.0, 0.5, 60.0)] == ["1 minute", "0.5 minutes", "60 minutes"]
+
+
+def test_a_one_minute_budget_that_ran_out_says_1_minute(caplog):
+    budget = WallClockBudget(minutes=1)
+    budget.load_state_dict({"elapsed": 61.0})  # resumed after its minute
+    trainer = SimpleNamespace(strategy=SimpleNamespace(broadcast=lambda x: x), is_global_zero=True, global_step=9,
+                              should_stop=False)  # fmt: skip
+    with caplog.at_level("INFO", logger="vit"):
+        budget.on_train_start(trainer, None)
+    assert trainer.should_stop and "The run's budget of 1 minute was used up at step 9" in caplog.text

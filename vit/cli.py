@@ -363,6 +363,23 @@ def _use_weights_preprocessing(config: Any) -> None:
         log.warning("%s resizes %s; evaluation here resizes bicubic", where, weights["interpolation"])
 
 
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_lightning_notices() -> None:
+    """Leave out what Lightning says on every run that a user of this command cannot act on: its tips
+    to install litlogger and litmodels (Lightning has no option to turn them off), and torch's
+    FutureWarning at Lightning's own use of `LeafSpec`."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_tip)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
 def _as_typed(path: Path) -> str:
     """A path as one shell word, relative to the working folder when it is inside it."""
     path = path.absolute()
@@ -635,6 +652,7 @@ def main(args: list[str] | None = None) -> Any:
     # Tensor cores: TF32 matmuls on Ampere+ GPUs; no effect on CPU.
     torch.set_float32_matmul_precision("high")
     show_our_logs()
+    quiet_lightning_notices()
     TrainCLI.argv = ["scripts/train.py", *args] if args is not None else sys.argv
     try:
         cli = TrainCLI(

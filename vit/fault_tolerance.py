@@ -208,7 +208,11 @@ class RunCheckpoint(ModelCheckpoint):
         self._refresh_last(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
+        # A run without validation (limit_val_batches 0) has no score to rank by: Lightning would warn
+        # at every epoch that the monitored metric is missing, listing every logged one.
+        scored = self.monitor is None or self.monitor in compat.monitor_candidates(self, trainer)
+        if scored or sum(trainer.num_val_batches) > 0:
+            super().on_train_epoch_end(trainer, pl_module)
         if compat.saves_on_train_epoch_end(self, trainer):
             self._refresh_last(trainer)
 

@@ -14,6 +14,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+from vit.wording import counted
+
 log = logging.getLogger(__name__)
 
 
@@ -47,8 +49,9 @@ class WallClockBudget(Callback):
         if self._progress >= 1.0:
             trainer.should_stop = True
             if trainer.is_global_zero:
+                budget = counted(self.seconds / 60, "minute")
                 log.info(
-                    f"The run's budget of {self.seconds / 60:g} minutes was used up at step {trainer.global_step}, "
+                    f"The run's budget of {budget} was used up at step {trainer.global_step}, "
                     "when its checkpoint was saved: the run is complete, nothing more to train."
                 )
 
@@ -57,8 +60,9 @@ class WallClockBudget(Callback):
         if self._progress >= 1.0 and not trainer.should_stop:
             trainer.should_stop = True
             if trainer.is_global_zero:  # else the run seems to end early for no reason
+                budget = counted(self.seconds / 60, "minute")
                 log.info(
-                    f"The run's budget of {self.seconds / 60:g} minutes ended after step {trainer.global_step} "
+                    f"The run's budget of {budget} ended after step {trainer.global_step} "
                     f"(epoch {trainer.current_epoch}): training stops there."
                 )
 

@@ -52,6 +52,7 @@ from vit.data.images import (
 from vit.data.streaming import INDEX
 from vit.tools.args import image_copy_parser, run_command
 from vit.tools.resize_folder import capped, source_stat, writing
+from vit.wording import counted
 
 SOURCES = "sources.json"  # in each split: {relative path of each source image: [size, mtime_ns]}
 
@@ -306,11 +307,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, int | list[str]]]
     for split, outcome in report.items():
         if "kept" in outcome:
             made = outcome["options"] or "its --max-side and --quality not recorded"
-            print(f"{args.target / split}: already converted ({outcome['kept']} images, {made}), kept")
+            print(f"{args.target / split}: already converted ({counted(outcome['kept'], 'image')}, {made}), kept")
             continue
         left_out, changed = outcome["left out"], outcome.get("changed")
         print(
-            f"{args.target / split}: {outcome['written']} images"
+            f"{args.target / split}: {counted(outcome['written'], 'image')}"
             + (f", {len(left_out)} left out" if left_out else "")
             + (f", converted again ({len(changed)} change(s) in its source)" if changed else "")
         )

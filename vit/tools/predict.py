@@ -43,6 +43,7 @@ from vit.data.images import read_rgb
 from vit.export import OnnxClassifier, image_spec, save_atomically
 from vit.lit import Inputs
 from vit.tools.args import image_files, positive_int
+from vit.wording import counted
 
 DEFAULT_TOP_K = 5  # or every class, when the model has fewer
 OUT_FORMATS = (".csv", ".json")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         print(f"skipped {len(skipped)} of {len(files)} images that could not be read (named above)", file=sys.stderr)
     if args.out is not None:
         write(args.out, predictions, top_k)
-        print(f"wrote {args.out} ({len(predictions)} images, top {top_k})")
+        print(f"wrote {args.out} ({counted(len(predictions), 'image')}, top {top_k})")
     return predictions
 
 

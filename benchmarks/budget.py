@@ -429,19 +429,36 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values and len(values) == len(rows) else None
 
 
-# One colour a model on every panel, whatever the panel holds; fp32 dashed beside bf16 solid.
+# One colour a model on every panel, whatever the panel holds; fp32 hollow squares on a dashed line
+# beside bf16's filled circles on a solid one, so that a single point says its precision too.
 MODEL_COLOURS = {"ResNet-20": "tab:blue", "ViT": "tab:orange", "ViT + conv stem (hybrid)": "tab:green"}
+PRECISION_STYLES = {
+    "bf16": {"marker": "o", "linestyle": "-"},
+    "fp32": {"marker": "s", "linestyle": "--", "markerfacecolor": "white", "markeredgewidth": 1.5},
+}
 
 
-def _draw(ax, mine: dict[str, dict[float, dict]], annotate: bool) -> None:
-    """One line per model (its newest runs), budgets on x, test top-1 on y, in plain words."""
+def _params(rows: list[dict]) -> str:
+    return "/".join(dict.fromkeys(f"{r['params'] / 1e6:.2f}M" for r in rows))
+
+
+def shipped_params(final: list[dict]) -> dict[str, int]:
+    """Each model's parameter count in its newest test run: the recipe as shipped now. A run of
+    another count ran an earlier recipe of the model (the ViT's 6 blocks before its 3, for one)."""
+    return {family(r["name"]): r["params"] for r in sorted(final, key=lambda r: r.get("date", ""))}
+
+
+def _draw(ax, mine: dict[str, dict[float, dict]], annotate: bool, say_precision: bool = False) -> None:
+    """One line per model (its newest runs), budgets on x, test top-1 on y, in plain words; with
+    `say_precision`, each label names its precision (panels of machines that ran one differ)."""
     for f, by in mine.items():
         xs = sorted(by)
         ys = [100 * by[x]["top1"] for x in xs]
-        params = "/".join(dict.fromkeys(f"{by[x]['params'] / 1e6:.2f}M" for x in xs))
+        rows = [by[x] for x in xs]
         model = f.split(" (bf16)")[0].split(" (fp32)")[0]
-        style = {"color": MODEL_COLOURS.get(model), "linestyle": "--" if "(fp32)" in f else "-"}
-        (line,) = ax.plot(xs, ys, marker="o", label=f"{f}, {params} parameters", **style)
+        words = f"{model} ({precision(rows[0])})" if say_precision else f
+        style = {"color": MODEL_COLOURS.get(model), **PRECISION_STYLES[precision(rows[0])]}
+        (line,) = ax.plot(xs, ys, label=f"{words}, {_params(rows)} parameters", **style)
         if annotate:
             for x, y in zip(xs, ys, strict=True):
                 ax.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 7), ha="center",
@@ -454,7 +471,7 @@ def _draw(ax, mine: dict[str, dict[float, dict]], annotate: bool) -> None:
     ax.set_xlabel("training time (minutes, wall clock)")
     ax.set_ylabel("CIFAR-10 test top-1 (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=9, loc="lower right")
+    ax.legend(fontsize=9, loc="best")
 
 
 def plot_headline(final: list[dict], head: str, path: Path, number: dict[str, int]) -> str:
@@ -498,18 +515,23 @@ def plot(final: list[dict], path: Path, number: dict[str, int]) -> list[str]:
     nrows = -(-len(machines) // cols)
     # One y scale: the panels compare machines; the parameter counts are each run's model, as in the tables.
     fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.2 * nrows + 0.6), squeeze=False, sharey=True)
+    shipped = shipped_params(final)
     titles = []
     for ax, where in zip(axes.flat, machines, strict=False):
-        _draw(ax, newest(final, where), annotate=False)
-        titles.append(f"machine {number[where]}: {cpu_of(where)}")
+        mine = newest(final, where)
+        _draw(ax, mine, annotate=False, say_precision=True)
+        vits = [r for by in mine.values() for r in by.values() if family(r["name"]) == "vit"]
+        recipe = "as shipped" if all(r["params"] == shipped["vit"] for r in vits) else "an earlier recipe"
+        titles.append(f"machine {number[where]}: {cpu_of(where)}; ViT {_params(vits)}, {recipe}")
         ax.set_title(titles[-1], fontsize=10)
         ax.yaxis.set_tick_params(labelleft=True)
     for ax in axes.flat[len(machines) :]:
         ax.axis("off")
     untested = [str(n) for m, n in number.items() if m not in machines]
     note = f"; machines {', '.join(untested)} ran tuning runs only" if untested else ""
-    fig.suptitle(f"CIFAR-10 test top-1 in a fixed training time, each machine numbered as in budget.md{note}",
-                 fontsize=12)  # fmt: skip
+    fig.suptitle(f"CIFAR-10 test top-1 in a fixed training time, each machine numbered as in budget.md{note}\n"
+                 "each model's recipe as on the day it ran (ViT and hybrid: 6 blocks, now 3); "
+                 "bf16 filled circles, fp32 hollow squares", fontsize=12)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

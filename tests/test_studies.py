@@ -172,7 +172,7 @@ def test_budget_report_leads_with_one_machine_and_keeps_every_run_beside_it(tmp_
         "CIFAR-10 in a fixed time: B, 2 threads, fp32"
     )
     assert budget.plot(rows[1:], tmp_path / "p.png", {"B, 2 threads": 2, "C, 2 threads": 3}) == [
-        "machine 2: B", "machine 3: C"]  # fmt: skip
+        "machine 2: B; ViT 0.60M, an earlier recipe", "machine 3: C; ViT 1.20M, as shipped"]  # fmt: skip
 
 
 def test_budget_report_puts_seeds_side_by_side_with_each_recipes_difference_from_vit(tmp_path):

@@ -719,7 +719,8 @@ def test_export_from_a_config_sees_images_as_its_datamodule_declares(tmp_path):
 
 def test_export_from_a_timm_state_dict_file_maps_with_the_timm_weights(tmp_path):
     """A timm ViT's state dict (`--model` names the architecture): the saved map is the rollout of
-    a model holding those weights on the photo as --crop-pct 0.875 crops it; the default init's is not."""
+    a model holding those weights on the photo as --crop-pct 0.875 crops it, normalised as timm's
+    pretrained config of the architecture says (augreg: mean and std 0.5); the default init's is not."""
     state = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=4).state_dict()
     torch.save(state, tmp_path / "t.pth")
     photo = np.random.default_rng(0).integers(0, 256, (300, 200, 3), dtype=np.uint8)
@@ -727,7 +728,7 @@ def test_export_from_a_timm_state_dict_file_maps_with_the_timm_weights(tmp_path)
     argv = ["--checkpoint", str(tmp_path / "t.pth"), "--model", "vit_tiny_patch16_224", "--crop-pct", "0.875"]
     out = export.main([*argv, str(tmp_path / "photo.png"), "--out", str(tmp_path / "out")])
     saved = np.load(out / "00000_photo.npy")
-    x = eval_transform(224, crop_pct=0.875)(image=photo)["image"][None]
+    x = eval_transform(224, crop_pct=0.875, mean=(0.5,) * 3, std=(0.5,) * 3)(image=photo)["image"][None]
     model = create_model("vit_tiny_patch16_224", num_classes=4).eval()
     other = attention_rollout(model, x)[0][0].numpy()
     model.load_state_dict(state)

@@ -295,12 +295,13 @@ def load_model_and_meta(
     source: str | Path, model_name: str | None = None, use_ema: bool = False, **model_kwargs: Any
 ) -> tuple[nn.Module, dict[str, Any]]:
     """`load_model`'s model, and the run's metadata where the source is our `.ckpt` or `.safetensors`
-    (`load_checkpoint`'s: class names, preprocessing); {} for the other sources."""
+    (`load_checkpoint`'s: class names, preprocessing); for timm's weights, the preprocessing timm's
+    pretrained config gives them at the model's size (`timm_preprocessing`); else {}."""
     text = str(source)
     if text.startswith("timm:"):
         model = create_model(model_name or text.removeprefix("timm:"), **model_kwargs)
         load_pretrained(model, text)
-        return model.eval(), {}
+        return model.eval(), _timm_meta(model, text, model_name or text.removeprefix("timm:"))
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -315,9 +316,25 @@ def load_model_and_meta(
     head = next((f"{name}.weight" for name in HEAD_NAMES if f"{name}.weight" in state_dict), None)
     if head is not None:  # the class count follows the file's classifier (head, fc or linear)
         model_kwargs.setdefault("num_classes", state_dict[head].shape[0])
+    elif path.suffix != ".npz":  # a backbone without a classifier (DINOv3's releases): its pooled features
+        model_kwargs.setdefault("num_classes", 0)
     model = create_model(model_name, **model_kwargs)
     load_pretrained(model, path, use_ema=use_ema, model_name=model_name)
-    return model.eval(), {}
+    return model.eval(), _timm_meta(model, path, model_name)
+
+
+def _timm_meta(model: nn.Module, source: str | Path, model_name: str) -> dict[str, Any]:
+    """{"preprocess": ...} of timm's weights at the model's image size, or {} where timm has none."""
+    found = timm_preprocessing(source, model_name)
+    size = getattr(getattr(model, "config", None), "img_size", None)
+    if found is None or size is None:
+        return {}
+    weights, where = found
+    log.info("preprocessing of %s: %s", source, where)
+    side = size if isinstance(size, int) else size[0]
+    return {
+        "preprocess": Preprocess(side, weights["crop_pct"], tuple(weights["mean"]), tuple(weights["std"])).to_dict()
+    }
 
 
 def export_safetensors(ckpt_path: str | Path, out_path: str | Path, use_ema: bool = False) -> Path:
@@ -389,9 +406,9 @@ class PretrainedDownloadError(RuntimeError):
     refusing); the library's error is the cause. The message says how to pass a file to training;
     a command that takes a file another way catches this class and says its own form."""
 
-    def __init__(self, message: str, name: str = "") -> None:  # message first: unpickling passes it alone
+    def __init__(self, message: str, name: str = "", reason: str = "") -> None:  # unpickling passes message alone
         super().__init__(message)
-        self.name = name
+        self.name, self.reason = name, reason or message
 
 
 def _timm_pretrained(name: str) -> dict[str, torch.Tensor]:
@@ -406,8 +423,9 @@ def _timm_pretrained(name: str) -> dict[str, torch.Tensor]:
         with _hub_offline(offline):
             return timm.create_model(name, pretrained=True).state_dict()
     except OSError as e:  # huggingface_hub's errors (LocalEntryNotFoundError offline, HfHubHTTPError) and urllib's
-        raise PretrainedDownloadError(f"{timm_weights_unavailable(name, e, offline)} and pass the file: "
-                                      "--model.finetune.init_from /path/to/model.safetensors", name) from e  # fmt: skip
+        reason = timm_weights_unavailable(name, e, offline)
+        advice = "and pass the file: --model.finetune.init_from /path/to/model.safetensors"
+        raise PretrainedDownloadError(f"{reason} {advice}", name, reason) from e
 
 
 def timm_weights_unavailable(name: str, cause: BaseException, offline: bool) -> str:

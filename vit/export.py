@@ -355,6 +355,11 @@ def export_onnx(
     return save_atomically(Path(path), program.save)
 
 
+def output_name(model: nn.Module) -> str:
+    """`logits` of a classifier; `features` (the pooled embedding) of a model without a head (num_classes 0)."""
+    return "features" if getattr(model, "num_classes", None) == 0 else "logits"
+
+
 def _trace(model: nn.Module, example: tuple, shapes: tuple, input_names: list[str], opset: int) -> Any:
     """torch's dynamo exporter's ONNXProgram of `model` on `example`; its graph may declare another opset
     than the one asked (export_onnx checks)."""
@@ -366,7 +371,7 @@ def _trace(model: nn.Module, example: tuple, shapes: tuple, input_names: list[st
         try:
             return torch.onnx.export(
                 model, example, dynamo=True, dynamic_shapes=shapes, opset_version=opset,
-                input_names=input_names, output_names=["logits"], verbose=False,
+                input_names=input_names, output_names=[output_name(model)], verbose=False,
             )  # fmt: skip
         except Exception as e:  # the exporter wraps torch.export's and the translator's errors
             raise RuntimeError(f"ONNX export of {type(model).__name__} failed: {e}") from e

@@ -33,7 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vit.checkpoint import Preprocess, PretrainedDownloadError, load_model_and_meta
+from vit.checkpoint import (
+    Preprocess,
+    PretrainedDownloadError,
+    load_model_and_meta,
+)
 from vit.data.images import read_rgb
 from vit.export import INPUTS, OPSET, ImageSpec, OnnxClassifier, export_onnx, image_spec, max_abs_diff
 from vit.naflex import pack
@@ -120,26 +124,11 @@ def check_inputs(
 def load_source(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     try:
         return load_model_and_meta(args.source, args.model, use_ema=args.ema, **args.model_kwargs)
-    except PretrainedDownloadError as e:
-        # vit.checkpoint's advice names the training option; this script takes a path.
+    except PretrainedDownloadError as e:  # its advice names the training option; this script takes a path
         architecture = args.model or e.name.split(".")[0]
-        raise RuntimeError(timm_download_advice(e.name, architecture, e.__cause__)) from e
-
-
-def timm_download_advice(name: str, architecture: str, cause: BaseException | None) -> str:
-    """One line: why timm's weights for `name` could not be had, and how to export a downloaded file instead."""
-    import timm
-
-    try:  # the hub repository carries the default tag (vit_base_patch16_224 -> ...augreg2_in21k_ft_in1k)
-        repo = timm.models.get_pretrained_cfg(name).hf_hub_id or f"timm/{name}"
-    except (AttributeError, RuntimeError):  # an unknown name or tag
-        repo = f"timm/{name}"
-    why = " ".join(f"{type(cause).__name__}: {cause}".split()) if cause is not None else "no reason given"
-    return (
-        f"could not get timm's pretrained weights for {name!r} ({why}). Offline, download model.safetensors from "
-        f"https://huggingface.co/{repo} elsewhere and export the file: "
-        f"scripts/export.py /path/to/model.safetensors --model {architecture}"
-    )
+        raise RuntimeError(
+            f"{e.reason} and export the file: scripts/export.py /path/to/model.safetensors --model {architecture}"
+        ) from e
 
 
 def main(argv: list[str] | None = None) -> dict[int, float]:

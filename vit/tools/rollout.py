@@ -14,8 +14,9 @@ The checkpoint is ours (.ckpt / .safetensors from scripts/train.py), a timm-form
 --model naming the architecture, or timm:<name>. Images are files, folders (searched recursively)
 or a dataset split from a training config. The model sees each image as its run's validation did,
 with the preprocessing the checkpoint records (size, centre crop, mean and std: what vit-predict
-reads); a --config's datamodule, then --crop-pct, --mean and --std, replace single values, and a
-source that records none gets the model's size, the whole image and ImageNet's mean and std. The
+reads), or, for timm's weights, timm's pretrained config gives; a --config's datamodule, then
+--crop-pct, --mean and --std, replace single values, and a source that says none gets the model's
+size, the whole image and ImageNet's mean and std. The
 PNG shows the region the crop keeps, with the map resized to it bilinearly. A checkpoint whose run
 validated on patch sequences (data.naflex, a patch budget) is explained one image at a time, at its
 own aspect ratio on the grid validation gave it, and its maps are that grid (a 2:1 image's 11 x 22
@@ -47,7 +48,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from vit.checkpoint import Preprocess, RecordedScore, load_checkpoint, load_model, recorded_score
+from vit.checkpoint import Preprocess, RecordedScore, load_checkpoint, load_model_and_meta, recorded_score
 from vit.data.augment import center_crop_box
 from vit.data.images import ImageArrays, ImageFiles, read_rgb
 from vit.export import image_spec
@@ -96,12 +97,13 @@ class Entry:
 
 def load_vit(source: str, model_name: str | None = None) -> tuple[VisionTransformer, dict]:
     """Any source `vit.checkpoint.load_model` reads (with `--model` for a timm-format file), as a ViT,
-    and the run's metadata our checkpoints carry (model name, class names, preprocessing; {} for
-    other sources)."""
+    and the metadata it carries (our checkpoints: model name, class names, preprocessing; timm's
+    weights: their pretrained config's preprocessing)."""
     ours = model_name is None and Path(source).suffix in (".ckpt", ".safetensors") and Path(source).is_file()
     try:
         if not ours:
-            return check_vit(load_model(source, model_name), source), {}
+            model, meta = load_model_and_meta(source, model_name)
+            return check_vit(model, source), meta
         model, meta = load_checkpoint(source)  # rebuilt from the file alone, with the run's metadata
     except ValueError as e:
         if model_name is None and (ours or "give the architecture" in str(e)):

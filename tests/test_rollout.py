@@ -642,7 +642,8 @@ def test_the_gallery_states_the_accuracy_the_checkpoint_records_and_only_that(tm
         header = ["vit_nano_patch4_16 (0.8M params)", accuracy]  # 802,307 parameters
         assert sum(p.numel() for p in load_model(ckpt).parameters()) == 802_307
         gallery = np.asarray(Image.open(out / "gallery.png").convert("RGB"))
-        expected = np.asarray(contact_sheet([], ["attention rollout"], 48, header))  # the header, bar and titles
+        wide = export.SHEET_CELLS * 48
+        expected = np.asarray(contact_sheet([], ["attention rollout"], 48, header, wide))  # the header, bar and titles
         np.testing.assert_array_equal(gallery[: expected.shape[0]], expected)
         assert " &middot; ".join(map(html.escape, header)) in (out / "index.html").read_text()
 

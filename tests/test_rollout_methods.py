@@ -102,9 +102,9 @@ def test_the_true_class_is_the_class_folder_an_image_is_in(tmp_path):
         - contact_sheet([(blank, [np.zeros((2, 2))], [])], ["a"], 48).height
     )
     assert sheet.shape[0] - sheet_plain.shape[0] == 3 * line  # three rows, one line more each
-    row_height = 48 + 4 * line + 6
-    for r, has_true in enumerate((True, True, False)):  # the 4th text line under each row's image
-        top = sheet.shape[0] - (3 - r) * row_height + 48 + 3 + 3 * line  # the rows end the sheet
+    row_height = 48 + 5 * line + 6  # the file name, 3 predictions, the true class
+    for r, has_true in enumerate((True, True, False)):  # the 5th text line under each row's image
+        top = sheet.shape[0] - (3 - r) * row_height + 48 + 3 + 4 * line  # the rows end the sheet
         band = sheet[top : top + line, : 2 * 48]
         assert (band < 128).any() == has_true
 

@@ -502,20 +502,32 @@ def wrap(text: str, font: ImageFont.ImageFont | ImageFont.FreeTypeFont, width: i
     return lines
 
 
+def shorten(text: str, font: ImageFont.ImageFont | ImageFont.FreeTypeFont, width: int) -> str:
+    """`text`, or its start and end around "...", to fit `width` pixels (a file name keeps its end)."""
+    keep = len(text)
+    shown = text
+    while keep > 1 and font.getlength(shown) > width:
+        keep -= 1
+        shown = f"{text[: (keep + 1) // 2]}...{text[len(text) - keep // 2 :]}"
+    return shown
+
+
 def contact_sheet(
     rows: Sequence[tuple[np.ndarray, Sequence[np.ndarray], Sequence[str]]],
     titles: Sequence[str],
     panel_size: int = 96,
     header: Sequence[str] = (),
+    min_width: int = 0,
 ) -> Image.Image:
     """One image for a page: the `header` lines (which model, how accurate), the maps' colour scale
     (a bar from low to high), then a row per image (the region the model saw, then its overlay for
     each map, in `titles` order) with its caption lines under the image; `titles` head the columns.
     A cell is panel_size square; an image of another aspect ratio is `fit` into its top-left corner.
-    Header lines wrap at word boundaries to the sheet's width; the rows are at the bottom."""
+    The sheet is at least `min_width` wide; header lines wrap at word boundaries to its width, and a
+    caption line wider than it is shortened in the middle. The rows are at the bottom."""
     font = ImageFont.load_default(size=max(10, panel_size // 9))
     line_height = int(font.size * 1.3) if hasattr(font, "size") else 14
-    grid_width = (1 + len(titles)) * panel_size
+    grid_width = max((1 + len(titles)) * panel_size, min_width)
     text = [line for paragraph in [*header, COLOUR_SCALE] for line in wrap(paragraph, font, grid_width - 6)]
     width = max(grid_width, 6 + max(int(font.getlength(line)) + 1 for line in text))
     lines_per_row = max((len(lines) for _, _, lines in rows), default=0)
@@ -542,7 +554,9 @@ def contact_sheet(
             m = to_unit(resize_map(grid_map, shown.shape[:2]))
             canvas.paste(Image.fromarray(overlay(shown, m)), (c * panel_size, top))
         for i, line in enumerate(lines):
-            draw.text((3, top + panel_size + 3 + i * line_height), line, fill="black", font=font)
+            draw.text(
+                (3, top + panel_size + 3 + i * line_height), shorten(line, font, width - 6), fill="black", font=font
+            )
     return canvas
 
 

@@ -64,6 +64,11 @@ METHOD_NAMES = {
 }
 
 
+# gallery.png is at least this many cells wide (an image and three maps): with fewer maps the header
+# and the captions keep room to be read rather than wrapping into a narrow column.
+SHEET_CELLS = 4
+
+
 @dataclass
 class Item:
     """One image to explain: a name for its files, how to read it, its label if known and the name
@@ -288,13 +293,14 @@ def export(args: argparse.Namespace) -> Path:
                 np.save(out / f"{file_stem}.npy", maps[method][j].astype(np.float32))
                 files.append((method, file_stem))
             entries.append(Entry(item.title, predictions, true, files, panel.size))
-            lines = [f"{name}: {prob:.2f}" for name, prob in predictions]
-            sheet_rows.append((view, [maps[method][j] for method in args.method], lines + _true_line(true)))
+            lines = [item.title, *(f"{name}: {prob:.2f}" for name, prob in predictions), *_true_line(true)]
+            sheet_rows.append((view, [maps[method][j] for method in args.method], lines))
             progress.update()
     progress.close()
     write_gallery(out, entries, args, header)
     titles = [METHOD_NAMES[m] for m in args.method]
-    contact_sheet(sheet_rows, titles, args.sheet_size, header).save(out / "gallery.png")
+    sheet = contact_sheet(sheet_rows, titles, args.sheet_size, header, min_width=SHEET_CELLS * args.sheet_size)
+    sheet.save(out / "gallery.png")
     return out
 
 
@@ -428,7 +434,7 @@ def main(argv: list[str] | None = None) -> Path:
         out = export(args)
     except (FileNotFoundError, ValueError, TypeError) as e:  # bad input: the message names the file
         parser.exit(2, f"error: {e}\n")
-    print(f"wrote {out}/index.html")
+    print(f"wrote {out / 'index.html'} and {out / 'gallery.png'}")
     return out
 
 

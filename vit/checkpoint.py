@@ -25,20 +25,18 @@ import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from timm.layers import resample_abs_pos_embed, resample_abs_pos_embed_nhwc
 from torch import nn
 
+from vit.naflex import Inputs
 from vit.position import resample_rel_pos
 from vit.registry import create_model
 from vit.timm_args import timm_kwargs
 from vit.vision_transformer import VisionTransformer
-
-if TYPE_CHECKING:
-    from vit.lit import Inputs
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from vit.checkpoint import HEAD_NAMES, Preprocess, is_head, load_model, load_pre
 from vit.data.images import MISSING, same_class_names
 from vit.fault_tolerance import CheckpointConflictError
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
-from vit.naflex import NaFlexConfig
+from vit.naflex import Inputs, NaFlexConfig
 from vit.options import OptionError, is_number, number, require, set_option_groups, whole
 from vit.registry import create_model, model_config
 from vit.schedule import stepwise, training_progress
@@ -65,10 +65,6 @@ class EMA(AveragedModel):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._updates = None  # the loaded count, read at the next update
         super()._load_from_state_dict(*args, **kwargs)
-
-
-# A batch's model input: images (B, C, H, W), or patch sequences (`data.naflex`: NaFlexVit.forward's dict).
-Inputs = torch.Tensor | dict[str, torch.Tensor]
 
 
 def accuracy(num_classes: int, top_k: int) -> MulticlassAccuracy:

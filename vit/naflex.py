@@ -289,6 +289,10 @@ def _resample_1d(table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.
     return F.interpolate(table.transpose(1, 2).float(), size=length, mode="linear").transpose(1, 2).to(dtype)
 
 
+# A batch's model input: images (B, C, H, W), or patch sequences (`data.naflex`: NaFlexVit.forward's dict).
+Inputs = torch.Tensor | dict[str, torch.Tensor]
+
+
 class NaFlexVit(VisionTransformer):
     """timm's `NaFlexVit`: a VisionTransformer whose embedding is NaFlexEmbeds (`embeds`). It takes images
     of any size (the positions follow the grid), or patch sequences: `model(patches, patch_coord,

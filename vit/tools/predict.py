@@ -41,7 +41,7 @@ import torch
 from vit.checkpoint import Preprocess, load_checkpoint
 from vit.data.images import read_rgb
 from vit.export import OnnxClassifier, image_spec, save_atomically
-from vit.lit import Inputs
+from vit.naflex import Inputs
 from vit.tools.args import image_files, positive_int
 from vit.wording import counted
 

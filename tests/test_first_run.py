@@ -177,6 +177,11 @@ def test_a_short_run_without_validation_says_nothing_its_user_cannot_act_on(tmp_
     assert noise == []
     assert "Tip:" not in said.out + said.err + caplog.text
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    with warnings.catch_warnings(record=True) as caught:  # a second run in the folder moves the first's aside
+        warnings.simplefilter("always")
+        cli.main(args)
+    assert [str(w.message) for w in caught if "exists and is not empty" in str(w.message)] == []
+    assert len(list((tmp_path / "checkpoints" / "earlier").glob("*/last.ckpt"))) == 1
 
 
 def test_a_count_of_one_is_said_in_the_singular():

@@ -369,9 +369,11 @@ def _not_a_tip(record: logging.LogRecord) -> bool:
 
 def quiet_lightning_notices() -> None:
     """Leave out what Lightning says on every run that a user of this command cannot act on: its tips
-    to install litlogger and litmodels (Lightning has no option to turn them off), and torch's
-    FutureWarning at Lightning's own use of `LeafSpec`."""
+    to install litlogger and litmodels (Lightning has no option to turn them off), torch's
+    FutureWarning at Lightning's own use of `LeafSpec`, and that the checkpoint folder is not empty
+    (it holds `earlier/`, where before_fit moves an earlier run's checkpoints: the runs never mix)."""
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_tip)
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     warnings.filterwarnings(
         "ignore",
         message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",

@@ -35,14 +35,14 @@ CASES = [
     ("mixup.cutmix_alpha", "-1", "a Beta parameter of at least 0"),
     ("naflex.max_patches", "0", "a whole number of at least 1"),
     ("val_fraction", "1", "the share of the digits held out, in \\(0, 1\\)"),
-    ("batch_size", "abc", "a whole number"),  # the wrong type: jsonargparse's, in one line
+    ("batch_size", "abc", "a whole number$"),  # the wrong type: jsonargparse's, in one line
     ("augment.hflip", "maybe", "true or false"),
     ("augment.crop_padding", "1000", "at most half the image side \\(8 of 16 px"),  # digits: pad_crop at 16 px
     ("augment.cutout", "17", "at most the image side \\(16 px"),
     ("img_size", "18", "a multiple of the patch size 4 \\(16 or 20\\)"),  # a pixel the patchify conv drops
     ("data_process", "sometimes", "true or false, or null"),
     ("naflex", "16", "its options one by one \\(--data.naflex.NAME VALUE\\), or null"),
-    ("naflex.max_patches", "2.5", "a whole number"),
+    ("naflex.max_patches", "2.5", "a whole number$"),
 ]
 
 # Each option of the model's groups and recipe, and the model's own arguments (model_kwargs).

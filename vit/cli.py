@@ -234,9 +234,15 @@ def _nested_value_error(message: str) -> str | None:
     cls = _class(class_path[1]) if class_path else None
     if cls is not None and key in option_groups(cls):
         return f"--{option}: got {value!r}, expected its options one by one (--{option}.NAME VALUE), or null"
-    kinds = list(dict.fromkeys(re.findall(r"Expected a <class '(\w+)'>", section)))
-    if not kinds:
+    # The option's own types: the first "Expected" and those at its column (deeper or shallower ones
+    # belong to other alternatives, such as the Optional group around a field).
+    found = [
+        (m.start() - section.rfind("\n", 0, m.start()), m[1])
+        for m in re.finditer(r"Expected a <class '(\w+)'>", section)
+    ]
+    if not found:
         return None
+    kinds = list(dict.fromkeys(kind for column, kind in found if column == found[0][0]))
     names = [_TYPE_NAMES.get(kind, kind) for kind in kinds if kind != "NoneType"]
     expected = " or ".join(names) + (", or null" if "NoneType" in kinds else "")
     if "dict" in kinds and re.search(r":\S", value):  # YAML reads `{depth:0}` as one key, not a mapping

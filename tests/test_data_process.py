@@ -4,15 +4,19 @@ would have made itself."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
+import lightning as L
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,13 +28,13 @@ from vit.cli import main
 from vit.data import ImageFolderDataModule
 from vit.data.images import CorruptImageError
 from vit.data.prefetch import PreparedLoader
-from vit.data.process import DataProcess
+from vit.data.process import DataProcess, DataProcessFailed
 
 
 def _module(data: Path, **options) -> ImageFolderDataModule:
     module = ImageFolderDataModule(
-        str(data), img_size=40, batch_size=4, num_workers=0, device_decode=True,
-        augment={"crop": "rrc", "randaugment_ops": 2}, **options,
+        str(data), img_size=40, batch_size=4, device_decode=True, augment={"crop": "rrc", "randaugment_ops": 2},
+        **{"num_workers": 0, **options},
     )  # fmt: skip
     module.setup("fit")
     return module
@@ -183,11 +187,72 @@ def test_a_data_process_that_dies_is_said_where_the_batch_is_taken(jpegs):
     loader = _module(jpegs, data_process=True).train_dataloader()
     batches = iter(loader)
     next(batches)
-    os.kill(loader._data_process.pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match=r"the data process exited \(exit code -9\)"):
+    pid = loader._data_process.pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(DataProcessFailed, match=rf"^the data process \(pid {pid}\) was killed by SIGKILL \("):
         list(batches)
     assert len(_batches(loader)) == 5  # the next epoch starts another
     loader.close()
+
+
+@pytest.mark.parametrize("whom", ["process", "worker"])
+def test_a_data_process_or_its_worker_lost_between_epochs_is_said_at_the_next(jpegs, whom):
+    """Killed while it waits for the next epoch, the data process (or its persistent loader worker,
+    when the data process printed a traceback and died) was replaced at the next epoch as if nothing
+    had happened. That epoch now raises what happened, and the one after starts afresh."""
+    module = _module(jpegs, data_process=True, num_workers=1)
+    loader = module.train_dataloader()
+    assert len(_batches(loader)) == 5
+    pid = loader._data_process.pid
+    (worker,) = (int(w) for w in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    os.kill(pid if whom == "process" else worker, signal.SIGKILL)
+    time.sleep(0.5)
+    said = {
+        "process": rf"^the data process \(pid {pid}\) was killed by SIGKILL \(.*\) between epochs$",
+        "worker": rf"^a loader worker \(pid {worker}\) of the data process \(pid {pid}\) was killed by SIGKILL \(",
+    }
+    with pytest.raises(DataProcessFailed, match=said[whom]):
+        _batches(loader)
+    assert not _left(pid, worker)
+    assert len(_batches(loader)) == 5
+    loader.close()
+
+
+def test_a_stopped_data_process_is_killed_at_once_with_its_worker_when_closed(jpegs):
+    """Asked to stop, a data process finishes its batch first, for up to STOP_WAIT s (10); a stopped
+    one (SIGSTOP) never answers, and a run stopped by a signal mid-step waited those 10 s at exit,
+    then left its loader worker behind."""
+    loader = _module(jpegs, data_process=True, num_workers=1).train_dataloader()
+    next(iter(loader))
+    pid = loader._data_process.pid
+    (worker,) = (int(w) for w in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    os.kill(pid, signal.SIGSTOP)
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":  # stopped by now
+        time.sleep(0.01)
+    began = time.monotonic()
+    loader.close()
+    assert time.monotonic() - began < 2
+    assert not _left(pid, worker)
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_runs_process_group_stops_it_with_its_stop_line_alone(tmp_path):
+    """`kill -TERM -PGID` (a scheduler's SIGTERM to the job's process group) reached the data
+    process's loader workers, which torch makes die on a SIGTERM not from their parent: the data
+    process printed their death's traceback beside the run's stop line. Its group is its own now."""
+    from tests.test_fault_tolerance import assert_stop_line, run_script
+    from tests.test_run_safety import base
+
+    data = write_image_folder(tmp_path / "data", train=12, val=4, ext="jpg")
+    options = ["--data.in_memory", "false", "--data.device_decode", "true", "--data.data_process", "true",
+               "--data.augment.crop", "rrc", "--data.batch_size", "4", "--data.num_workers", "1",
+               "--trainer.max_epochs", "1", "--trainer.callbacks+=tests.test_data_process.SignalDataProcess",
+               "--trainer.callbacks.signal=SIGTERM", "--trainer.callbacks.whom=group"]  # fmt: skip
+    stopped = run_script(base(data, tmp_path / "run", *options))
+    assert stopped.returncode == 143 and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert_stop_line(stopped, "SIGTERM", 3, tmp_path / "run" / "checkpoints" / "last-interrupted.ckpt")
+    pids = [int(pid) for pid in stopped.stdout.split("data process and workers:")[1].split()[:2]]
+    assert not _left(*pids)
 
 
 def test_the_data_process_ends_with_the_training_process_and_outlives_its_signals(jpegs, tmp_path):
@@ -231,6 +296,14 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _left(*pids: int, within: float = 2.0) -> list[int]:
+    """Those of `pids` still alive after `within` seconds (a SIGKILLed process takes a moment to end)."""
+    deadline = time.monotonic() + within
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if _alive(pid)]
 
 
 def test_the_data_process_needs_device_decoding():
@@ -323,9 +396,130 @@ def test_buffers_whose_copies_are_still_queued_are_waited_for_only_when_the_chil
     signal.alarm(60)  # a deadlock fails the test instead of hanging it
     try:
         batches = [batch[0].tolist() for batch, _ in process.epoch({})]
+        waits = Queued.synchronized
+        process.close()
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, before)
         process.close()
     assert batches == [[float(i) for i in range(k, k + 4)] for k in range(0, 24, 4)]
-    assert Queued.synchronized == 6 - 3 + 1  # from the 4th batch on, one wait each: never with a buffer free
+    assert waits == 6 - 3 + 1  # from the 4th batch on, one wait each: never with a buffer free
+    assert Queued.synchronized == waits + 2  # and, before the child ends, for the two copies still queued
+
+
+# A run whose data process is stopped, killed or signalled mid-epoch: configs/cifar10_vit.yaml on
+# JPEGs decoded by a data process with one loader worker (tests.test_run_safety.base), 12 steps an
+# epoch, a checkpoint every 3 steps. SignalDataProcess acts after step 3; the batches already in the
+# ring are trained on, then the run waits for the next.
+
+
+class SignalDataProcess(L.Callback):
+    """After optimizer step `step`: `signal` to the training loader's data process (`whom`
+    "process"), its loader worker ("worker") or the run's process group ("group", as `kill -TERM
+    -PGID` or a scheduler would); with `then`, `then` to this process once the run waits for a batch
+    (DataProcess._waited > 0). `sent` is when that was, `pids` (printed too) the data process and its
+    workers. Whatever else happens, its pids are SIGKILLed after 60 s, so no test hangs."""
+
+    sent: float | None = None
+    pids: ClassVar[list[int]] = []
+
+    def __init__(self, signal: str, whom: str = "process", then: str | None = None, step: int = 3) -> None:
+        self.signal, self.whom, self.then, self.step = signal, whom, then, step
+        SignalDataProcess.sent, SignalDataProcess.pids = None, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step != self.step:
+            return
+        pid = trainer.train_dataloader._data_process.pid
+        workers = [int(w) for w in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        SignalDataProcess.pids = [pid, *workers]
+        print("data process and workers:", *SignalDataProcess.pids, flush=True)
+        if self.whom == "group":
+            os.killpg(os.getpgid(0), getattr(signal, self.signal))
+            return
+        os.kill(workers[0] if self.whom == "worker" else pid, getattr(signal, self.signal))
+        threading.Thread(target=self._guard, daemon=True).start()
+        if self.then is not None:
+            threading.Thread(target=self._when_waiting, args=(trainer,), daemon=True).start()
+
+    def _when_waiting(self, trainer: L.Trainer) -> None:
+        data = trainer.train_dataloader._data_process
+        while getattr(data, "_waited", 0) == 0:  # the run has waited for the next batch for a while
+            time.sleep(0.05)
+        SignalDataProcess.sent = time.monotonic()
+        os.kill(os.getpid(), getattr(signal, self.then))
+
+    @staticmethod
+    def _guard() -> None:
+        pids = SignalDataProcess.pids
+        time.sleep(60)
+        for pid in pids if pids is SignalDataProcess.pids else []:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _stopped_run(tmp_path: Path, capfd, *callback: str) -> tuple[int, str, list[int]]:
+    """Runs `base` with SignalDataProcess(`callback`); its exit code, the last line of stderr and the
+    pids of the data process and its worker, checked gone, with /dev/shm as it was."""
+    from tests.test_run_safety import base
+
+    data = write_image_folder(tmp_path / "data", train=12, val=4, ext="jpg")
+    shm = set(os.listdir("/dev/shm"))
+    options = ["--data.in_memory", "false", "--data.device_decode", "true", "--data.data_process", "true",
+               "--data.augment.crop", "rrc", "--data.batch_size", "4", "--data.num_workers", "1",
+               "--trainer.max_epochs", "1", "--trainer.callbacks+=tests.test_data_process.SignalDataProcess",
+               *(f"--trainer.callbacks.{option}" for option in callback)]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        main(base(data, tmp_path / "run", *options))
+    pids = SignalDataProcess.pids
+    SignalDataProcess.pids = []  # the guard has nothing left to kill
+    assert len(pids) == 2 and not _left(*pids)  # no process left, stopped or orphaned
+    assert set(os.listdir("/dev/shm")) == shm
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    return stopped.value.code, err.strip().splitlines()[-1], pids
+
+
+def _resumable(line: str, run: Path) -> int:
+    """The step the stop line names; its checkpoint holds that step and the line the command resuming it."""
+    match = re.search(rf" at step (\d+); saved {run}/checkpoints/last-interrupted\.ckpt\. Resume with: python ", line)
+    assert match and line.endswith("--ckpt_path last"), line
+    step = int(match[1])
+    assert torch.load(run / "checkpoints" / "last-interrupted.ckpt", weights_only=True)["global_step"] == step >= 3
+    return step
+
+
+def test_a_data_process_that_sends_no_batch_stops_the_run_naming_it(tmp_path, capfd, monkeypatch):
+    """Stopped (SIGSTOP), the data process hung the run for good: SIGTERM did nothing. Now a batch
+    waited for past STALL_MARGIN x the slowest one and STALL_FLOOR stops the run, saved, in one
+    line, and the process is killed with its worker."""
+    monkeypatch.setattr("vit.data.process.STALL_FLOOR", 3.0)
+    code, line, (pid, _) = _stopped_run(tmp_path, capfd, "signal=SIGSTOP")
+    said = re.match(rf"error: the data process \(pid {pid}\) sent no batch for (\d+) s \(the slowest so far took "
+                    r"(\d+\.\d) s\): stopped at step", line)  # fmt: skip
+    assert code == 1 and said, line
+    waited, slowest = int(said[1]), float(said[2])
+    assert max(3.0, 10 * slowest) - 1 <= waited <= max(3.0, 10 * slowest) + 2  # rounded as said
+    _resumable(line, tmp_path / "run")
+
+
+@pytest.mark.parametrize(("signal_name", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_ends_a_run_whose_data_process_is_stopped_within_seconds(tmp_path, capfd, signal_name, code):
+    """A scheduler's SIGTERM (or Ctrl-C) while the run waits for a batch from a stopped data process
+    stops it as at any other time, within seconds, far before the stall would be found."""
+    code_, line, _ = _stopped_run(tmp_path, capfd, "signal=SIGSTOP", f"then={signal_name}")
+    assert time.monotonic() - SignalDataProcess.sent < 10
+    assert code_ == code and line.startswith(f"Stopped by {signal_name} at step "), line
+    _resumable(line, tmp_path / "run")
+
+
+@pytest.mark.parametrize("whom", ["process", "worker"])
+def test_a_data_process_or_its_worker_killed_mid_epoch_is_said_in_one_line(tmp_path, capfd, whom):
+    """kill -9 (the OOM killer's signal) of the data process, or of its loader worker, ended the run
+    with one or two tracebacks and no word of the checkpoint it saved."""
+    code, line, (pid, worker) = _stopped_run(tmp_path, capfd, "signal=SIGKILL", f"whom={whom}")
+    who = f"the data process (pid {pid})" if whom == "process" else (
+        f"a loader worker (pid {worker}) of the data process (pid {pid})")  # fmt: skip
+    assert code == 1
+    assert line.startswith(f"error: {who} was killed by SIGKILL (by the kernel's OOM killer?): stopped at step "), line
+    _resumable(line, tmp_path / "run")

@@ -8,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -366,6 +368,33 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step_and_saves
         )  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 12
+
+
+class InterruptWhenBuilt(L.Callback):
+    """Sends SIGINT to this process when the command line builds it: before training starts."""
+
+    def __init__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)  # its handler runs here
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_run_started_with_sigint_ignored_before_training_too(tmp_path):
+    """A shell script's background job (`python scripts/train.py ... &`) starts with SIGINT ignored.
+    A SIGINT (`kill -INT`, a supervisor's stop signal) stopped its training, but one sent while the
+    command was set up was dropped and the run went on. It stops the command at once, in one line,
+    exit 130."""
+    data = write_image_folder(tmp_path / "data", train=4, val=2)
+    args = cifar_recipe(data, tmp_path / "run", "--trainer.callbacks+=tests.test_fault_tolerance.InterruptWhenBuilt")
+    stopped = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/train.py"), *args], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=TIMEOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as the shell starts it
+    )  # fmt: skip
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last == "Stopped by SIGINT before training started; nothing trained, so no checkpoint."
+    assert not list((tmp_path / "run").rglob("*.ckpt"))
 
 
 def _free_port() -> int:

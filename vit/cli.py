@@ -27,6 +27,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from vit.checkpoint import timm_preprocessing
 from vit.data.images import CorruptImageError
+from vit.data.process import DataProcessFailed
 from vit.fault_tolerance import (
     EXIT_CODES,
     CheckpointConflictError,
@@ -37,9 +38,11 @@ from vit.fault_tolerance import (
     checkpoint_complete,
     checkpoint_dir,
     destroy_process_group,
+    failure_message,
     interruptible,
     remove_stale_temporaries,
     resume_checkpoint,
+    sigterm_ends_data_waits,
     stop_message,
     stop_signal,
 )
@@ -627,8 +630,9 @@ class TrainCLI(LightningCLI):
 
     def fit(self, model: Any, **kwargs: Any) -> None:
         """`trainer.fit`, stopped honestly: after a signal, one line naming the checkpoint and the
-        command that resumes, then exit 130 (SIGINT) or 143 (SIGTERM)."""
-        with interruptible():
+        command that resumes, then exit 130 (SIGINT) or 143 (SIGTERM); after its data process was
+        lost (killed, stopped, hung), the same line with what happened to it, then exit 1."""
+        with sigterm_ends_data_waits(self.trainer):
             try:
                 self.trainer.fit(model, **kwargs)
             except (KeyboardInterrupt, SystemExit) as e:
@@ -638,6 +642,9 @@ class TrainCLI(LightningCLI):
                 if self.trainer.is_global_zero:
                     print(stop_message(self.trainer, name, self.argv), file=sys.stderr, flush=True)
                 sys.exit(EXIT_CODES[name])
+            except DataProcessFailed as e:  # this process's own: said on whichever rank it is
+                print(failure_message(self.trainer, str(e), self.argv), file=sys.stderr, flush=True)
+                sys.exit(1)
 
     def after_fit(self) -> None:
         """Say where the results went."""
@@ -662,40 +669,46 @@ def main(args: list[str] | None = None) -> Any:
     show_our_logs()
     quiet_lightning_notices()
     TrainCLI.argv = ["scripts/train.py", *args] if args is not None else sys.argv
-    try:
-        cli = TrainCLI(
-            args=args,
-            save_config_kwargs={"overwrite": True},
-        )
-    except (
-        NonFiniteLossError,
-        CheckpointWriteError,
-        IncompleteCheckpointError,
-        CheckpointConflictError,
-        CorruptImageError,
-        ConflictingOptionsError,
-    ) as e:
-        print(f"\nerror: {_message(e)}", file=sys.stderr)
-        sys.exit(1)
-    except OSError as e:
-        if not _raised_by_us(e):  # a library's or the system's: its traceback is the evidence
-            raise
-        # Data that is not there (a CIFAR root, a failed download): our message already says what to do.
-        print(f"\nerror: {e}", file=sys.stderr)
-        sys.exit(1)
-    except ValueError as e:
-        option = _option_error(e)
-        if option is not None:  # a value an option does not take, found when it was set
-            print(f"error: {option.option_line()}", file=sys.stderr)
-            sys.exit(2)
-        cause = _root_cause(e)
-        if cause is e or not (isinstance(cause, OSError) or "Does not validate against any" in str(e)):
-            raise
-        # A class that could not be built from the config (e.g. a data root that does not exist, an
-        # option its constructor refuses): jsonargparse wraps the reason in a dump of every subtype
-        # tried; say the reason alone, as the class raised it (its advice with the library's cause).
-        print(f"\nerror: {_raised_by_class(e)}", file=sys.stderr)
-        sys.exit(1)
+    # SIGINT stops the command from here on, as it stops training, even if the shell started it with
+    # SIGINT ignored (interruptible); before training nothing is saved, so it stops at once.
+    with interruptible():
+        try:
+            cli = TrainCLI(
+                args=args,
+                save_config_kwargs={"overwrite": True},
+            )
+        except KeyboardInterrupt:  # during training, fit says where the run was saved
+            print("Stopped by SIGINT before training started; nothing trained, so no checkpoint.", file=sys.stderr)
+            sys.exit(EXIT_CODES["SIGINT"])
+        except (
+            NonFiniteLossError,
+            CheckpointWriteError,
+            IncompleteCheckpointError,
+            CheckpointConflictError,
+            CorruptImageError,
+            ConflictingOptionsError,
+        ) as e:
+            print(f"\nerror: {_message(e)}", file=sys.stderr)
+            sys.exit(1)
+        except OSError as e:
+            if not _raised_by_us(e):  # a library's or the system's: its traceback is the evidence
+                raise
+            # Data that is not there (a CIFAR root, a failed download): our message already says what to do.
+            print(f"\nerror: {e}", file=sys.stderr)
+            sys.exit(1)
+        except ValueError as e:
+            option = _option_error(e)
+            if option is not None:  # a value an option does not take, found when it was set
+                print(f"error: {option.option_line()}", file=sys.stderr)
+                sys.exit(2)
+            cause = _root_cause(e)
+            if cause is e or not (isinstance(cause, OSError) or "Does not validate against any" in str(e)):
+                raise
+            # A class that could not be built from the config (e.g. a data root that does not exist, an
+            # option its constructor refuses): jsonargparse wraps the reason in a dump of every subtype
+            # tried; say the reason alone, as the class raised it (its advice with the library's cause).
+            print(f"\nerror: {_raised_by_class(e)}", file=sys.stderr)
+            sys.exit(1)
     destroy_process_group()  # a finished DDP or sharded run exits 0, not a teardown abort
     return cli
 

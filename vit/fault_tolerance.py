@@ -2,7 +2,9 @@
 
 - A stop by signal (Ctrl-C, SIGTERM from a scheduler) saves `last-interrupted.ckpt`, prints one
   line naming it and the command that resumes, and exits 130 (SIGINT) or 143 (SIGTERM), as shells
-  and schedulers expect of a killed job, so `&&` chains and job arrays do not take it for done.
+  and schedulers expect of a killed job, so `&&` chains and job arrays do not take it for done; it
+  does so within seconds even while the run waits for a data process that sends nothing. A data
+  process lost (killed, stopped, hung) saves and says the same, with what happened to it, exit 1.
 - Checkpoints are written atomically (a temporary file in the same directory, fsync, rename): a
   full disk or a kill mid-write leaves the previous file intact, never a partial one under a
   checkpoint's name, and a failed write stops the run with the path and the OS error.
@@ -40,6 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vit import lightning_compat as compat
+from vit.data.process import waits_end_when
 
 log = logging.getLogger(__name__)
 
@@ -404,11 +407,26 @@ def stop_signal(exception: BaseException) -> str | None:
 
 
 def stop_message(trainer: L.Trainer, signal_name: str, argv: Sequence[str]) -> str:
-    """One line: what stopped the run, where its state is, and the command that resumes it."""
+    """One line: the signal that stopped the run, where its state is, and the command that resumes it."""
+    return f"Stopped by {signal_name} at step {trainer.global_step}; {_saved(trainer, argv)}"
+
+
+def failure_message(trainer: L.Trainer, cause: str, argv: Sequence[str]) -> str:
+    """One line for a run stopped by a failure outside the training step (its data process lost):
+    `cause`, where the run's state is, and the command that resumes it."""
+    return f"error: {cause}: stopped at step {trainer.global_step}; {_saved(trainer, argv)}"
+
+
+def _saved(trainer: L.Trainer, argv: Sequence[str]) -> str:
     saved = next((cb.saved for cb in trainer.callbacks if isinstance(cb, InterruptCheckpoint)), None)
-    if saved is None:
-        return f"Stopped by {signal_name} at step {trainer.global_step}; nothing trained yet, so no checkpoint."
-    return f"Stopped by {signal_name} at step {trainer.global_step}; saved {saved}. Resume with: {resume_command(argv)}"
+    if saved is not None:
+        return f"saved {saved}. Resume with: {resume_command(argv)}"
+    if trainer.global_step == 0:
+        return "nothing trained yet, so no checkpoint."
+    last = last_good(trainer_checkpoint_dir(trainer))
+    if last is None:
+        return "no checkpoint was saved."
+    return f"not saved now; the last checkpoint is {last}. Resume with: {resume_command(argv)}"
 
 
 def resume_command(argv: Sequence[str]) -> str:
@@ -426,9 +444,10 @@ def resume_command(argv: Sequence[str]) -> str:
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt during the run, even in a process started with SIGINT
-    ignored (a background job of a non-interactive shell); every handler is as before afterwards
-    (Lightning leaves SIGINT ignored after a Ctrl-C)."""
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt while in it, even in a process started with SIGINT
+    ignored (a background job of a non-interactive shell): a run stops saved and resumable rather
+    than ignore a signal sent to stop it (`kill -INT`, a supervisor's stop signal); every handler is
+    as before afterwards (Lightning leaves SIGINT ignored after a Ctrl-C)."""
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -436,6 +455,13 @@ def interruptible() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def sigterm_ends_data_waits(trainer: L.Trainer) -> contextlib.AbstractContextManager[None]:
+    """While in it, a SIGTERM that reaches `trainer` while it waits for its data process's next
+    batch stops the run at once, as Lightning would have after the step (SIGTERMException): no step
+    is in hand, and the batch may never come (the process stopped or hung)."""
+    return waits_end_when(lambda: SIGTERMException() if trainer.received_sigterm else None)
 
 
 METADATA = "meta.pt"  # a sharded checkpoint's file of everything but the weights and optimizer states (Lightning)

@@ -14,6 +14,11 @@ The order is the loader's sampler's: at each epoch the training process sends th
 fields (epoch, resume position, seed, rank), so the process yields the batches (and each image's
 augmentation, vit.data.sampling) the loader would have yielded itself. Leaving an epoch early stops
 the process's at its next batch; an error there is raised where the batch is taken.
+
+The training process watches it: a batch that does not come in time (STALL_*), a process or loader
+worker that dies, or a stop signal during the wait (`waits_end_when`) ends the wait with an error
+naming which process and what happened, and the process is killed with its loader workers (its
+own process group), whatever state it is in.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
+import re
 import signal
+import time
 import traceback
 import weakref
 from collections import deque
@@ -36,11 +44,40 @@ log = logging.getLogger(__name__)
 
 POLL = 0.5  # seconds between checks that the other process is alive while waiting on a queue
 
+# How long the training process waits for a batch before it takes the data process for stopped or
+# hung, in seconds: once an epoch runs, STALL_MARGIN times the slowest batch waited for so far and at
+# least STALL_FLOOR (a slow disk, a busy machine: a minute is far past any batch, yet a stall is found
+# soon); the first batch of an epoch also waits for the process and its loader workers to start
+# (spawned: a new interpreter imports torch and makes a CUDA context; a streaming dataset fetches its
+# first chunks), so STALL_START. Tests lower them.
+STALL_FLOOR = 60.0
+STALL_MARGIN = 10.0
+STALL_START = 600.0
+STOP_WAIT = 10.0  # seconds a data process asked to stop may take to finish its batch before it is killed
+
+_stop_checks: list[Callable[[], BaseException | None]] = []  # see waits_end_when
+
 
 class DataProcessUnavailable(RuntimeError):
     """The data process cannot serve the training process: it did not start, or its batch buffers
     did not reach the training process. Raised before the first batch is handed out, so its loader
     can make that epoch itself instead."""
+
+
+class DataProcessFailed(RuntimeError):
+    """During an epoch the data process, or a loader worker of it, died, or sent no batch in time
+    (it is killed then): the epoch cannot go on. The message names the process and what happened."""
+
+
+@contextlib.contextmanager
+def waits_end_when(stopping: Callable[[], BaseException | None]) -> Iterator[None]:
+    """While in it, a wait for a data process's batch checks `stopping()` every POLL seconds and
+    raises what it returns: a run's stop signal must end the run even if the batch never comes."""
+    _stop_checks.append(stopping)
+    try:
+        yield
+    finally:
+        _stop_checks.remove(stopping)
 
 
 def _unavailable(reason: str) -> DataProcessUnavailable:
@@ -84,12 +121,20 @@ class DataProcess:
         self.make_loader, self.device, self.ring, self.batch_size = make_loader, device, ring, batch_size
         self.token = 0
         self.slots: list[tuple[torch.Tensor, ...]] | None = None
+        self.slowest = 0.0  # seconds, the longest wait for a batch other than an epoch's first
+        self._waited = 0.0  # seconds the batch asked for has been waited for, over the messages before it
         self._pending: deque[tuple[int, torch.cuda.Event | None]] = deque()
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._finalizer: weakref.finalize | None = None
 
     def start(self) -> None:
-        if self._process is not None and self._process.is_alive():
-            return
+        """Starts the child if none runs; one that died since the last epoch raises DataProcessFailed."""
+        if self._process is not None:
+            if self._process.is_alive():
+                return
+            pid, code = self._process.pid, self._process.exitcode
+            self._end()  # its loader workers too
+            raise DataProcessFailed(f"{_ended(f'the data process (pid {pid})', code)} between epochs")
         method = self.start_method or ("spawn" if self.device.type == "cuda" else "fork")
         context = torch.multiprocessing.get_context(method)
         self.orders, self.free, self.ready = context.Queue(), context.Queue(), context.Queue()
@@ -105,7 +150,9 @@ class DataProcess:
         except Exception as e:
             self._process = None
             raise _unavailable(f"its loader could not be sent to it: {type(e).__name__}: {e}") from e
-        weakref.finalize(self, _stop, self._process, self.orders)
+        with contextlib.suppress(OSError):  # a group of its own (_serve); a spawned child sets it itself
+            os.setpgid(self._process.pid, self._process.pid)
+        self._finalizer = weakref.finalize(self, _stop, self._process, self.orders)
 
     @property
     def pid(self) -> int | None:
@@ -113,9 +160,20 @@ class DataProcess:
 
     def close(self) -> None:
         """Stops the child (it finishes the batch in hand); the next epoch starts another."""
-        self.slots = None  # the child's buffers are let go before it ends (CUDA IPC: it owns their memory)
+        self._let_go()
         if self._process is not None:
-            _stop(self._process, self.orders)
+            assert self._finalizer is not None
+            self._finalizer()
+            self._process = None
+
+    def _end(self) -> None:
+        """Kills the child and its loader workers at once (it may be stopped or hung); the next epoch
+        starts another."""
+        self._let_go()
+        if self._process is not None:
+            assert self._finalizer is not None
+            self._finalizer.detach()
+            _kill(self._process)
             self._process = None
 
     def epoch(self, state: dict[str, Any]) -> Iterator[tuple[tuple[torch.Tensor, ...], list[tuple[float, float]]]]:
@@ -125,8 +183,13 @@ class DataProcess:
         self.token += 1
         token = self.token
         self.orders.put(("epoch", token, state))
+        first, self._waited = True, 0.0
         while True:
-            message = self._next_message()
+            try:
+                message = self._next_message(first)
+            except BaseException:  # a stop, Ctrl-C, the child dead or late: it is killed, not asked
+                self._end()
+                raise
             kind, sent_for = message[0], message[1]
             if kind == "not started":
                 self.close()
@@ -142,11 +205,25 @@ class DataProcess:
                 if self.slots is None:  # the ring's message was lost on its way: the data process logged why
                     raise _not_shared("its message with the buffers did not arrive")
                 _, _, slot, count, times = message
+                if not first:
+                    self.slowest = max(self.slowest, self._waited)
+                first, self._waited = False, 0.0
                 yield self._take(slot, count), times
             elif kind == "end":
                 return
             else:  # "error"
+                if isinstance(message[2], DataProcessFailed):  # a loader worker lost: its loader cannot go on
+                    self._end()
                 raise message[2]
+
+    def _let_go(self) -> None:
+        """Lets go of the child's buffers before it ends (CUDA IPC: it owns their memory), once the
+        copies out of them queued here are done."""
+        for _, event in self._pending:
+            if event is not None:
+                event.synchronize()
+        self._pending.clear()
+        self.slots = None
 
     def _take(self, slot: int, count: int) -> tuple[torch.Tensor, ...]:
         """Copies of buffer `slot`'s first `count` rows, queued on this thread's stream; the buffer
@@ -178,33 +255,81 @@ class DataProcess:
             self.free.put(slot)
             wait = False
 
-    def _next_message(self) -> tuple[Any, ...]:
+    def _next_message(self, first: bool) -> tuple[Any, ...]:
+        """The child's next message. Raises instead when a stop comes (`waits_end_when`), the child
+        ends, or the batch (`first` of its epoch or not) has been waited for past its limit."""
         assert self._process is not None
         self._release(wait=len(self._pending) >= self.ring)
         while True:
+            began = time.monotonic()
             try:
-                return self.ready.get(timeout=POLL)
+                message = self.ready.get(timeout=POLL)
             except queue.Empty:
-                pass
+                message = None
             except Exception as e:  # only the ring's message carries tensors, to be mapped here
                 raise _not_shared(f"{type(e).__name__}: {e}") from e
+            for stopping in _stop_checks:
+                if (error := stopping()) is not None:
+                    raise error
+            if message is not None:
+                return message
+            # A slice far longer than POLL: this process was suspended (Ctrl-Z), not the child late.
+            self._waited += min(time.monotonic() - began, 2 * POLL)
             self._release()  # copies done since: the child may be waiting for a buffer
-            if not self._process.is_alive():
-                code = self._process.exitcode
-                self._process = None
+            pid, code = self._process.pid, self._process.exitcode
+            if code is not None:
                 if self.slots is None:  # before its first batch: the loader can still make the epoch
                     raise _unavailable(f"it exited (exit code {code}) before its first batch")
-                raise RuntimeError(f"the data process exited (exit code {code}) before its epoch's last batch")
+                raise DataProcessFailed(_ended(f"the data process (pid {pid})", code))
+            limit = STALL_START if first else max(STALL_FLOOR, STALL_MARGIN * self.slowest)
+            if self._waited > limit:
+                why = f"(the first of an epoch, allowed {limit:.0f} s)" if first else (
+                    f"(the slowest so far took {self.slowest:.1f} s)")  # fmt: skip
+                raise DataProcessFailed(f"the data process (pid {pid}) sent no batch for {self._waited:.0f} s {why}")
+
+
+def _ended(who: str, code: int) -> str:
+    """How a process ended, from its exit code (minus the signal that killed it)."""
+    if code >= 0:
+        return f"{who} exited with code {code}"
+    hint = " (by the kernel's OOM killer?)" if -code == signal.SIGKILL else ""
+    return f"{who} was killed by {_signal_name(-code)}{hint}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _stop(process: multiprocessing.process.BaseProcess, orders: Any) -> None:
-    if process.is_alive():
+    """Asks the child to stop (it finishes the batch in hand), and kills it if it has not in STOP_WAIT
+    s, or at once if it is stopped (SIGSTOP): it would answer nothing."""
+    if process.exitcode is None and not _stopped(process.pid):
         with contextlib.suppress(Exception):
             orders.put(("stop", 0, None))
-        process.join(timeout=10)
-    if process.is_alive():
-        process.kill()
-        process.join()
+        process.join(timeout=STOP_WAIT)
+    if process.exitcode is None:
+        _kill(process)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped, from its state in /proc (Linux; elsewhere False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _kill(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL to the child and its loader workers, its process group: a stopped process ends on
+    nothing else, and workers left behind would go on until they notice their parent gone."""
+    with contextlib.suppress(OSError):  # no group yet (spawned, not started), or none left
+        os.killpg(process.pid, signal.SIGKILL)
+    process.kill()
+    process.join()
 
 
 def _serve(
@@ -212,7 +337,10 @@ def _serve(
     orders: Any, free: Any, ready: Any, log_level: int,
 ) -> None:  # fmt: skip
     """The child: runs an epoch of the loader for each order, until told to stop or its parent ends."""
-    # Interrupts and SLURM's SIGTERM go to the whole process group: the training process decides.
+    # A group of its own, with its loader workers: Ctrl-C and a SIGTERM to the run's group reach the
+    # training process only, which decides (torch's workers die on a SIGTERM not from their parent),
+    # and killing the group ends the workers too. A signal to each process (SLURM's) is ignored here.
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(format="[vit data process] %(message)s")
@@ -241,12 +369,17 @@ class _Server:
         self.loader, self.device, self.ring, self.batch_size = loader, device, ring, batch_size
         self.orders, self.free, self.ready, self.parent = orders, free, ready, parent
         self.slots: list[tuple[torch.Tensor, ...]] | None = None
+        self.lost: BaseException | None = None  # a loader worker lost between epochs, said at the next
 
     def wait_for_order(self) -> tuple[Any, ...] | None:
         """The next order; None once the parent has ended."""
         while self.parent is None or self.parent.is_alive():
-            with contextlib.suppress(queue.Empty):
+            try:
                 return self.orders.get(timeout=POLL)
+            except queue.Empty:
+                pass
+            except Exception as e:  # torch raises a worker's death from its SIGCHLD handler, wherever this process is
+                self.lost = _reported(e)
         return None
 
     def new_order(self) -> tuple[Any, ...] | None:
@@ -267,6 +400,9 @@ class _Server:
 
     def run_epoch(self, token: int, state: dict[str, Any]) -> tuple[Any, ...] | None:
         """One pass; an order that arrives during it ends the pass early and is returned."""
+        if self.lost is not None:  # its loader cannot make the pass
+            self.ready.put(("error", token, self.lost))
+            return None
         vars(self.loader.sampler).update(state)
         try:
             for batch in self.loader:
@@ -280,7 +416,7 @@ class _Server:
                 if order is not None:
                     return order
         except Exception as e:  # raised in the training process where the batch is taken
-            self.ready.put(("error", token, _picklable(e)))
+            self.ready.put(("error", token, _reported(e)))
             return None
         self.ready.put(("end", token))
         return None
@@ -318,6 +454,28 @@ def _stage_times(loader: Any) -> list[tuple[float, float]]:
     if times is None:
         return []
     return [(wall[-1], cpu[-1]) for wall, cpu in zip(times.prepared, times.prepared_cpu, strict=True) if wall]
+
+
+# How torch says that a loader worker died (raised from its SIGCHLD handler, or when its queue times out).
+_WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.]+)\.")
+_WORKER_EXITED = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) exited unexpectedly(?: with exit code (\d+))?"
+)
+_SIGNALS_BY_TEXT = {signal.strsignal(s): s for s in signal.Signals}
+
+
+def _reported(error: BaseException) -> BaseException:
+    """What the training process is sent for `error`: a loader worker's death as a DataProcessFailed
+    naming the worker, this process and how the worker ended; anything else `_picklable`."""
+    me = f"the data process (pid {os.getpid()})"
+    if match := _WORKER_KILLED.search(str(error)):
+        signum = _SIGNALS_BY_TEXT.get(match[2])
+        worker = f"a loader worker (pid {match[1]}) of {me}"
+        return DataProcessFailed(_ended(worker, -signum) if signum else f"{worker} was killed by {match[2]}")
+    if match := _WORKER_EXITED.search(str(error)):
+        worker = f"a loader worker (pid {match[1]}) of {me}"
+        return DataProcessFailed(_ended(worker, int(match[2])) if match[2] else f"{worker} exited unexpectedly")
+    return _picklable(error)
 
 
 def _picklable(error: BaseException) -> BaseException:

@@ -108,7 +108,7 @@ def test_image_folder_layout_and_its_errors(tmp_path):
     x, y = next(iter(dm.val_dataloader()))
     assert x.shape == (4, 3, 16, 16) and y.tolist() == [0, 0, 1, 1]
 
-    with pytest.raises(FileNotFoundError, match=r"missing/train does not exist; expected .*<class name>"):
+    with pytest.raises(FileNotFoundError, match=r"missing/train does not exist: expected .*missing/train/<class>/"):
         ImageFolderDataModule(root=str(tmp_path / "missing"))
     (tmp_path / "empty" / "train").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="no class sub-folders"):

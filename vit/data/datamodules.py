@@ -477,6 +477,10 @@ class ImageFolderDataModule(ImageDataModule):
         train = self._train_folder()
         # Scan the class folders now: the CLI links num_classes to the model's at instantiation (vit.cli).
         self.classes, self._train_samples = scan_image_folder(train)
+        val = self.root / val_dir
+        if not self.val_holdout and not val.is_dir():
+            layouts = _FOLDER_LAYOUTS.format(root=self.root, train=train_dir, val=val_dir)
+            raise FileNotFoundError(f"{val} does not exist: {layouts}")
         self.num_classes = len(self.classes)
         self.class_names = readable_class_names(self.classes, self.root)
 
@@ -485,8 +489,6 @@ class ImageFolderDataModule(ImageDataModule):
         root, train, val = self.root, self.root / self.train_dir, self.root / self.val_dir
         layouts = _FOLDER_LAYOUTS.format(root=root, train=self.train_dir, val=self.val_dir)
         if train.is_dir():
-            if not self.val_holdout and not val.is_dir():
-                raise FileNotFoundError(f"{val} does not exist: {layouts}")
             return train
         if root.is_dir() and not val.is_dir() and self.val_holdout:
             return root  # root/<class>/*

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import importlib
 import inspect
 import logging
 import math
-import pkgutil
 import re
 import shlex
 import shutil
@@ -21,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from vit.checkpoint import timm_preprocessing
+from vit.cli_errors import class_of, short_parse_error
 from vit.data.images import CorruptImageError
 from vit.data.process import DataProcessFailed
 from vit.fault_tolerance import (
@@ -128,190 +125,11 @@ class TrainArgumentParser(LightningArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> Any:
-        short = _short_parse_error(message, self) if self.exit_on_error else None
+        short = short_parse_error(message, self, TrainCLI.argv) if self.exit_on_error else None
         if short is None:
             return super().error(message, ex)
         sys.stderr.write(f"error: {short}\n")
         sys.exit(2)
-
-
-def _class(class_path: str) -> type:
-    """The class a config's class_path names."""
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def _suggest(name: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
-
-
-def _short_parse_error(message: str, parser: LightningArgumentParser) -> str | None:
-    """One line for an unknown option or class (with a suggestion) or a config file that is not
-    valid YAML (with its name), or None to keep jsonargparse's message."""
-    if message.startswith("Problems parsing config") and "<unicode string>" in message:
-        return _yaml_error() or None
-    missing = re.search(r"Problem with given class_path '([\w.]+)':\s*(module '[\w.]+' has no|No module)", message)
-    group = re.search(r'Parser key "([\w.]+)"', message)
-    if missing and group:
-        return f"--{group[1]} {missing[1]}: {_no_such_class(missing[1])}"
-    unknown = re.search(
-        r"Problem with given class_path '([\w.]+)':\s*(?:(?:Option|Key) '([\w.]+)' is not"
-        r"|unrecognized arguments: --([\w.]+)|Parser key \"(\w+)\":\s*Unable to load config)",
-        message,
-    )
-    group = re.search(r'Parser key "([\w.]+)"', message)
-    if unknown and group:
-        class_path, option = unknown[1], unknown[2] or unknown[3] or unknown[4]
-        nested = _nested_arg(message)
-        if nested is not None and nested[0].endswith(f".{option}"):  # a group's field: name it from the class
-            class_path, option = re.search(r"Problem with given class_path '([\w.]+)'", message)[1], nested[0]
-        try:
-            cls = _class(class_path)
-        except (ImportError, AttributeError):
-            return None
-        if cls in (LightningModule, LightningDataModule):  # options given, but no class chosen for them
-            return (
-                f"--{group[1]}.{option} is given but no {group[1]} class is: a config that only changes options "
-                f"(such as configs/cifar10_vit_long.yaml) goes after the config it changes, e.g. --config "
-                f"configs/cifar10_vit.yaml --config configs/cifar10_vit_long.yaml; or set --{group[1]}.class_path"
-            )
-        # The class's and its bases' __init__ arguments: jsonargparse follows **kwargs up the bases.
-        params = [p for c in cls.__mro__ if "__init__" in vars(c) for p in inspect.signature(c.__init__).parameters]
-        choices = [f"--{group[1]}.{p}" for p in params if p not in ("self", "args", "kwargs")]
-        renamed = getattr(cls, "RENAMED", {}).get(option)
-        if renamed is not None:  # a config or command line from before the option groups
-            return f"--{group[1]}.{option} is now --{group[1]}.{renamed} (the options of {class_path} are grouped)"
-        if unknown[4]:  # a value for a whole group
-            return f"--{group[1]}.{option} is a group of options: set one as --{group[1]}.{option}.NAME VALUE"
-        groups = option_groups(cls)
-        choices += [f"--{group[1]}.{name}.{f.name}" for name, kind in groups.items() for f in dataclasses.fields(kind)]
-        leaves = {choice.rsplit(".", 1)[-1]: choice for choice in reversed(choices)}  # a group's field by its name
-        close = difflib.get_close_matches(option.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
-        hint = f"; did you mean {leaves[close[0]]}?" if close else ""
-        return f"--{group[1]}.{option} is not an option of {class_path}{hint}"
-    typed = _nested_value_error(message) or _type_error(message)
-    if typed is not None:
-        return typed
-    unrecognized = re.search(r"unrecognized arguments: (.*)", message, re.IGNORECASE)
-    if unrecognized:
-        options = [a for a in unrecognized[1].split() if a.startswith("--")]
-        if options:
-            choices = list(parser._option_string_actions)
-            option = options[0].split("=")[0]
-            return f"unknown option {option}{_suggest(option, choices)} (run with --help for the options)"
-    return None
-
-
-# jsonargparse's names of the types an option expects, as a user reads them.
-_TYPE_NAMES = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text",
-               "tuple": "a list in brackets", "list": "a list in brackets",
-               "dict": "a mapping such as {name: value}"}  # fmt: skip
-
-
-def _nested_arg(message: str) -> tuple[str, str] | None:
-    """The (dotted option, text) a class's option was given as on the command line: jsonargparse's
-    NestedArg, the outermost (last) one of its message."""
-    given = re.findall(r"^\s*Given value: NestedArg\(key='([\w.]+)', val=(.*)\)\s*$", message, re.M)
-    if not given:
-        return None
-    key, text = given[-1]
-    try:
-        return key, str(ast.literal_eval(text))
-    except (ValueError, SyntaxError):
-        return key, text
-
-
-def _nested_value_error(message: str) -> str | None:
-    """`--data.data_process: got 'sometimes', expected true or false, or null` for a value of the
-    wrong type given to a class's option or a group's field on the command line, or None."""
-    group, nested = re.match(r'Parser key "(\w+)":', message), _nested_arg(message)
-    if group is None or nested is None:
-        return None
-    (key, value), option = nested, f"{group[1]}.{nested[0]}"
-    start = message.rfind(f'Parser key "{key.rsplit(".", 1)[-1]}"')
-    if start < 0:
-        return None
-    section = message[start : message.find("Given value type", start) % (len(message) + 1)]
-    class_path = re.search(r"Problem with given class_path '([\w.]+)'", message)
-    cls = _class(class_path[1]) if class_path else None
-    if cls is not None and key in option_groups(cls):
-        return f"--{option}: got {value!r}, expected its options one by one (--{option}.NAME VALUE), or null"
-    # The option's own types: the first "Expected" and those at its column (deeper or shallower ones
-    # belong to other alternatives, such as the Optional group around a field).
-    found = [
-        (m.start() - section.rfind("\n", 0, m.start()), m[1])
-        for m in re.finditer(r"Expected a <class '(\w+)'>", section)
-    ]
-    if not found:
-        return None
-    kinds = list(dict.fromkeys(kind for column, kind in found if column == found[0][0]))
-    names = [_TYPE_NAMES.get(kind, kind) for kind in kinds if kind != "NoneType"]
-    expected = " or ".join(names) + (", or null" if "NoneType" in kinds else "")
-    if "dict" in kinds and re.search(r":\S", value):  # YAML reads `{depth:0}` as one key, not a mapping
-        expected += " (YAML needs a space after each colon: {depth: 0})"
-    return f"--{option}: got {value!r}, expected {expected}"
-
-
-def _type_error(message: str) -> str | None:
-    """`--data.batch_size: got 'abc', expected a whole number` for a value of the wrong type (a
-    class's option, a group's field, or a top-level option), or None."""
-    nested = re.search(
-        r"Problem with given class_path '[\w.]+':\s*Parser key \"([\w.]+)\":\s*(?:Does not validate.*?- )?"
-        r"Expected (.*?)\. Got value: ([^\n]*)",
-        message, re.S,
-    )  # fmt: skip
-    group = re.match(r'Parser key "([\w.]+)":', message)
-    if nested and group:
-        name, expected, value = f"{group[1]}.{nested[1]}", nested[2], nested[3]
-    else:
-        top = re.search(
-            r"\A[^\n]*Parser key \"([\w.]+)\":.*?Expected ([^\n]*?)\n.*Given value: ([^\n]*)", message, re.S
-        )
-        if top is None:
-            return None
-        name, expected, value = top[1], top[2], top[3]
-    expected = re.sub(r"a <class '(\w+)'>", lambda m: _TYPE_NAMES.get(m[1], m[1]), expected)
-    return f"--{name}: got {value!r}, expected {expected}"
-
-
-def _no_such_class(class_path: str) -> str:
-    """Why `class_path` names no class, with the closest class or module of the nearest one that imports."""
-    module, _, name = class_path.rpartition(".")
-    try:
-        found = importlib.import_module(module)
-    except ImportError:
-        package = module.rpartition(".")[0]
-        try:
-            parent = importlib.import_module(package) if package else None
-        except ImportError:
-            parent = None
-        siblings = [f"{package}.{m.name}" for m in pkgutil.iter_modules(getattr(parent, "__path__", []))]
-        return f"there is no module {module}{_suggest(module, siblings)}"
-    classes = [f"{module}.{n}" for n, v in vars(found).items() if inspect.isclass(v) and not n.startswith("_")]
-    return f"there is no {name} in {module}{_suggest(class_path, classes)}"
-
-
-def _yaml_error() -> str:
-    """The first --config file of the command line that is not valid YAML, named with the parser's
-    message (jsonargparse's names `<unicode string>`); empty if each one parses."""
-    import yaml
-
-    args = TrainCLI.argv
-    files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config", "-c")]
-    files += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    for file in files:
-        try:
-            yaml.safe_load(Path(file).read_text())
-        except yaml.MarkedYAMLError as e:
-            where = f", line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
-            context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
-            return f"{file} is not valid YAML{where}: {e.problem}{context}"
-        except yaml.YAMLError as e:
-            return f"{file} is not valid YAML: {e}"
-        except OSError:
-            continue
-    return ""
 
 
 class StepsProgressBar(TQDMProgressBar):
@@ -358,7 +176,7 @@ def _use_weights_preprocessing(config: Any) -> None:
     if found is None:
         return
     weights, where = found
-    data_class, used = _class(data.class_path), {}
+    data_class, used = class_of(data.class_path), {}
     crop_pct = weights["crop_pct"] if data_args.get("naflex") is None else 1.0  # patch sequences see whole images
     for name, value in (("mean", weights["mean"]), ("std", weights["std"]), ("eval_crop_pct", crop_pct)):
         given, default = data_args[name], group_default(data_class, name)
@@ -460,7 +278,7 @@ class TrainCLI(LightningCLI):
         class_path = getattr(config.get("model"), "class_path", None)
         if not class_path or config.get("checkpoint") is None or config.checkpoint.monitor != "val/acc1":
             return
-        model_cls = _class(class_path)
+        model_cls = class_of(class_path)
         if hasattr(model_cls, "monitor"):
             config.checkpoint.monitor = model_cls.monitor
             config.checkpoint.mode = getattr(model_cls, "monitor_mode", "min")
@@ -544,7 +362,7 @@ class TrainCLI(LightningCLI):
         groups = set(option_groups(model_class)) if model_class is not None else set()
         given = self._model_options_given(subcommand, groups)
         saved = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters", {})
-        saved_class = _class(saved["_class_path"]) if "_class_path" in saved else model_class
+        saved_class = class_of(saved["_class_path"]) if "_class_path" in saved else model_class
         upgrade = getattr(saved_class, "upgrade_hparams", None)  # a checkpoint from before the option groups
         saved = upgrade(saved) if upgrade is not None else dict(saved)
         flat_saved = _by_dotted_name(_plain(saved), groups)
@@ -581,7 +399,7 @@ class TrainCLI(LightningCLI):
 
     def _model_class_of(self, subcommand: str) -> type | None:
         class_path = getattr(self.config[subcommand].get("model"), "class_path", None)
-        return _class(class_path) if class_path else None
+        return class_of(class_path) if class_path else None
 
     def _resolve_last(self, config: Any) -> Path | None:
         checkpoint = config.get("checkpoint")
@@ -610,7 +428,7 @@ class TrainCLI(LightningCLI):
         class_path, init_args = getattr(model, "class_path", None), getattr(model, "init_args", None)
         if not class_path or init_args is None:
             return {}
-        signature = inspect.signature(_class(class_path)).parameters
+        signature = inspect.signature(class_of(class_path)).parameters
         defaults = _by_dotted_name(
             {k: _plain(p.default) for k, p in signature.items() if p.default is not inspect.Parameter.empty}, groups
         )

@@ -9,6 +9,7 @@ draw is for, so no two kinds of draw share a stream.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -32,6 +33,12 @@ def seed_for(run_seed: int, purpose: Purpose, *keys: int) -> int:
     SeedSequence: nearby keys give unrelated streams)."""
     values = (run_seed, int(purpose), *keys)
     return int(np.random.SeedSequence([int(v) % 2**63 for v in values]).generate_state(1)[0])
+
+
+def sample_seeds(run_seed: int, epoch: int, indices: Sequence[int]) -> list[tuple[int, int]]:
+    """(index, its sample seed) for each of `indices` in `epoch` (Purpose.SAMPLE): a sampler's
+    pairs for a run of its order, drawn in one call."""
+    return [(i, seed_for(run_seed, Purpose.SAMPLE, epoch, i)) for i in indices]
 
 
 def step_seed(run_seed: int, purpose: Purpose, trainer: Any, batch_idx: int) -> int:

@@ -24,101 +24,52 @@ flip and RandAugment ops) or left out of the scores (evaluation).
 
 from __future__ import annotations
 
-import io
+import functools
 import logging
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
-from PIL import Image
-from torch.utils.data import get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from vit.data.augment import (
-    EVAL_RESIZE,
-    RA_COLUMNS,
-    TRAIN_RESIZE_DTYPE,
-    Augment,
-    Augmentation,
-    center_crop_box,
-    crop_resize_flip,
-    draw_rand_augment,
-    normalize,
-    rand_augment,
-    random_resized_crop_box,
-)
-from vit.data.images import (
-    BASELINE,
-    DECODE_ERRORS,
+from vit.data.augment import Augment  # the options' name the linter knows as a constant default
+from vit.data.crops import TRAIN_RESIZE_DTYPE, crop_resize_flip
+from vit.data.draws import Augmentation, draw_augmentation, draw_augmentations
+from vit.data.geometry import EVAL_RESIZE, normalize
+from vit.data.images import (  # noqa: F401  (JPEG_MAGIC, image_size, read_header: read from here too)
     JPEG_MAGIC,
     MISSING,
     CorruptImageError,
+    FileSamples,
     ImageFiles,
     Sample,
+    channels_first,
     decode_rgb,
-    jpeg_damage,
-    jpeg_frame,
-    jpeg_markers,
+    decoded_in_worker,
+    image_size,
+    read_header,
     undecodable,
 )
+from vit.data.randaugment import rand_augment
 
 log = logging.getLogger(__name__)
 
-GOLDEN = (5**0.5 - 1) / 2  # EncodedFiles.decoded_here: n x GOLDEN mod 1 spreads evenly over [0, 1)
 DEVICE_CROPS = ("rrc", "resize")
 
 
-def channels_first(pixels: np.ndarray) -> torch.Tensor:
-    """A decoded RGB image (H, W, 3), as the per-sample decoder gives it, as the device path's (3, H, W)."""
-    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
-
-
-def image_size(data: bytes) -> tuple[int, int]:
-    """(height, width) from the file's header, without decoding the pixels; a truncated JPEG
-    raises ValueError (read_header)."""
-    return read_header(data)[:2]
-
-
-def read_header(data: bytes) -> tuple[int, int, bool]:
-    """(height, width, whether the device decodes it) from the file's header, as image_size. The
-    device takes baseline JPEGs in YCbCr or grey: nvJPEG's batched hardware decoder does not take
-    progressive ones (torchvision decodes those one at a time, in the thread that feeds the model,
-    waiting on the device after each), and PIL converts CMYK as the per-sample path does. The rest
-    are decoded in the loader workers. A baseline JPEG is read from its frame header alone
-    (jpeg_frame); anything else by PIL. A damaged JPEG (vit.data.images.jpeg_damage: cut short, or
-    cut and filled with zeros) raises ValueError saying why, as every other path refuses it."""
-    frame = None
-    if data.startswith(JPEG_MAGIC):
-        damage = jpeg_damage(data)
-        if damage is not None:
-            raise ValueError(damage)
-        frame = jpeg_frame(data, jpeg_markers(data)[0])
-    if frame is not None and frame[0] == BASELINE and frame[1] == 8 and frame[4] in (1, 3) and min(frame[2:4]) > 0:
-        height, width = frame[2:4]
-        if Image.MAX_IMAGE_PIXELS and height * width > 2 * Image.MAX_IMAGE_PIXELS:  # as Image.open refuses it
-            raise Image.DecompressionBombError(
-                f"{height * width} pixels exceeds twice PIL's limit of {Image.MAX_IMAGE_PIXELS}"
-            )
-        return height, width, True
-    with Image.open(io.BytesIO(data)) as image:
-        baseline = image.format == "JPEG" and image.mode in ("RGB", "L") and not image.info.get("progressive")
-        return image.height, image.width, baseline
-
-
-class EncodedFiles(ImageFiles):
+class EncodedFiles(FileSamples, Dataset):
     """The images of `source` (image files, or another ImageFiles' `read_bytes`: streaming shards)
-    as (image, label, Augmentation), indexed by (index, sample seed) as the
-    ResumableSampler yields them (by index alone in evaluation): a baseline JPEG as its bytes (uint8 (N,)),
-    for the device to decode; any other image decoded here (uint8 (3, H, W)). Corrupt files are
-    handled as ImageFiles handles them (`substitute` in training, a stand-in that is not scored in
+    as (image, label, Augmentation), indexed by (index, sample seed) as the ResumableSampler yields
+    them (by index alone in evaluation): a baseline JPEG as its bytes (uint8 (N,)), for the device to
+    decode; any other image decoded here (uint8 (3, H, W)): ImageFiles.read_encoded. Corrupt files
+    are handled by FileSamples' policy (`substitute` in training, a stand-in that is not scored in
     evaluation).
 
     `train`: `augment`'s random resized crop (crop "rrc") or the whole image (crop "resize"), flip
     and RandAugment ops, drawn from the sample seed; otherwise the evaluation crop (center_crop_box
-    of `crop_pct`).
+    of `crop_pct`): vit.data.draws.draw_augmentation.
     """
 
     def __init__(
@@ -136,74 +87,43 @@ class EncodedFiles(ImageFiles):
             raise ValueError(f"worker_decode is a share of the JPEGs, from 0 to 1; got {worker_decode}")
         self.source = source if isinstance(source, ImageFiles) else ImageFiles(source)
         super().__init__(self.source.samples, skip_corrupt=skip_corrupt, substitute=train)
+        self.read_order = self.source.read_order  # streaming shards: a batch's samples read chunk by chunk
         self.train, self.augment, self.crop_pct, self.worker_decode = train, augment, crop_pct, worker_decode
 
     def decoded_here(self, position: int) -> bool:
-        """Whether the worker decodes sample `position` even if the device could (`worker_decode`
-        of them, spread evenly over the positions, the same ones every epoch)."""
-        return ((position + 1) * GOLDEN) % 1.0 < self.worker_decode
+        """Whether the worker decodes sample `position` even if the device could (`worker_decode`)."""
+        return decoded_in_worker(position, self.worker_decode)
 
     def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int, Augmentation]:
-        index, seed = item if isinstance(item, tuple) else (item, None)
-        found = self.first_readable(index, self._read)
-        if found is None:  # evaluation: a stand-in the evaluation steps leave out of the scores
-            return torch.zeros(3, 1, 1, dtype=torch.uint8), MISSING, self._draw(None, 1, 1, index)
-        position, (image, height, width) = found
-        return image, self.samples[position].label, self._draw(seed, height, width, position)
+        return self.__getitems__([item])[0]
 
-    def read_order(self, positions: Sequence[int]) -> Sequence[int]:
-        return self.source.read_order(positions)
+    def __getitems__(self, items: Sequence[int | tuple[int, int]]) -> list[tuple[torch.Tensor, int, Augmentation]]:
+        """A loader worker's batch: every file read with its header (a corrupt one replaced or
+        stood in for: FileSamples.read_batch), then every image's Augmentation drawn, a call each."""
+        indices = [item[0] if isinstance(item, tuple) else item for item in items]
+        seeds = [item[1] if isinstance(item, tuple) else None for item in items]
+        read = functools.partial(self.source.read_encoded, worker_decode=self.worker_decode)
+        found = self.read_batch(indices, read)
+        stand_in = (torch.zeros(3, 1, 1, dtype=torch.uint8), 1, 1)  # evaluation: left out of the scores
+        positions = [index if f is None else f[0] for index, f in zip(indices, found, strict=True)]
+        images, heights, widths = zip(*(stand_in if f is None else f[1] for f in found), strict=True)
+        labels = [MISSING if f is None else self.samples[f[0]].label for f in found]
+        sizes = list(zip(heights, widths, strict=True))
+        drawn = draw_augmentations(seeds, sizes, positions, self.augment if self.train else None, self.crop_pct)
+        return list(zip(images, labels, drawn, strict=True))
 
     def name(self, position: int) -> str:
         return self.source.name(position)
 
-    def _read(self, position: int) -> tuple[torch.Tensor, int, int]:
-        """(JPEG bytes or the decoded image, height, width); CorruptImageError naming the file if unreadable."""
-        try:
-            data = self.source.read_bytes(position)
-            if data.startswith(JPEG_MAGIC):
-                height, width, for_device = read_header(data)
-                if for_device and not self.decoded_here(position):
-                    return torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width
-        except CorruptImageError:
-            raise
-        except DECODE_ERRORS as e:
-            raise undecodable(self.name(position), e) from e
-        try:
-            pixels = decode_rgb(data)
-        except CorruptImageError as e:  # named here: a streaming sample's name costs a read
-            raise undecodable(self.name(position), e) from e.__cause__
-        except ValueError as e:  # an image decode_rgb refuses (a float one): the message goes on from the name
-            raise ValueError(f"{self.name(position)} {e}") from e
-        image = channels_first(pixels)
-        return image, image.shape[1], image.shape[2]
-
-    def _draw(self, seed: int | None, height: int, width: int, index: int) -> Augmentation:
-        """The image's Augmentation (without the batch dimension): in training drawn from its sample
-        seed, in evaluation the centred crop."""
-        if not self.train:
-            box, flip, ra = center_crop_box(height, width, self.crop_pct), False, np.full(RA_COLUMNS, np.nan)
-        else:
-            rng = random.Random(None if seed is None else int(seed))  # seeded in microseconds, numpy's in 12
-            whole = (0, 0, height, width)
-            augment = self.augment
-            box = random_resized_crop_box(rng, height, width, augment.crop_scale) if augment.crop == "rrc" else whole
-            flip = augment.hflip and rng.random() < 0.5
-            ra = draw_rand_augment(rng, *augment.randaugment)[0]
-        return Augmentation(
-            torch.tensor(box), torch.tensor(flip), torch.from_numpy(ra), torch.tensor(index),
-            torch.tensor(-1 if seed is None else int(seed)),
-        )  # fmt: skip
-
     def substitute_for(self, position: int, seed: int) -> tuple[torch.Tensor, int, Augmentation]:
         """What stands in, in training, for sample `position` when it turns out not to decode after
-        the worker took it: the next file the per-sample path's decoder reads (ImageFiles.first_readable
-        from `position` + 1), drawn from the same sample seed, as the per-sample path substitutes."""
+        the worker took it: the next file the per-sample path's decoder reads (first_readable from
+        `position` + 1), drawn from the same sample seed, as the per-sample path substitutes."""
         found = self.first_readable((position + 1) % len(self.samples), self.source.read_image)
         assert found is not None  # training substitutes: first_readable raises when nothing decodes
         taken, pixels = found
         image = channels_first(pixels)
-        drawn = self._draw(None if seed < 0 else seed, image.shape[1], image.shape[2], taken)
+        drawn = draw_augmentation(None if seed < 0 else seed, image.shape[1], image.shape[2], taken, self.augment)
         return image, self.samples[taken].label, drawn
 
 
@@ -249,7 +169,8 @@ def collate_encoded(batch: Sequence[tuple[torch.Tensor, int, Augmentation]]) -> 
     lengths = torch.tensor([len(image) if image.dim() == 1 else 0 for image in images], dtype=torch.int64)
     sizes = torch.tensor([image.shape[1:] for image in images if image.dim() == 3], dtype=torch.int64).view(-1, 2)
     labels = torch.tensor(labels, dtype=torch.int64)
-    return EncodedBatch(data, lengths, pixels, sizes, labels, Augmentation.stack(drawn))
+    augmentation = Augmentation(*(torch.stack(field) for field in zip(*drawn, strict=True)))
+    return EncodedBatch(data, lengths, pixels, sizes, labels, augmentation)
 
 
 def decode_batch(data: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
@@ -361,7 +282,7 @@ def augment_decoded(batch: DecodedBatch, size: int, train: bool = True) -> tuple
 
 
 def decode_and_augment(
-    batch: EncodedBatch, device: torch.device | str, size: int, files: ImageFiles
+    batch: EncodedBatch, device: torch.device | str, size: int, files: EncodedFiles
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_encoded, then augment_decoded, in one call (DeviceSteps runs them as two stages and normalises)."""
     return augment_decoded(decode_encoded(batch, device, files), size, files.train)

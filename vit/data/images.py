@@ -1,4 +1,5 @@
-"""Image sources: reading files safely, scanning folder layouts, and the two Dataset classes.
+"""Image sources: reading files safely (a JPEG's header, markers and completeness; decoding), and
+the Dataset classes of files and of arrays (the folder layouts: vit.data.folders).
 
 Every image comes out as an RGB uint8 array (H, W, 3): greyscale, palette and RGBA files are
 converted, and a file that cannot be decoded raises an error naming it (or is skipped and counted,
@@ -11,19 +12,25 @@ import io
 import logging
 import os
 import re
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-log = logging.getLogger(__name__)
+from vit.data.folders import (  # noqa: F401  (read from here too)
+    IMAGE_EXTENSIONS,
+    Sample,
+    readable_class_names,
+    same_class_names,
+    scan_image_folder,
+    scan_tiny_imagenet,
+)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+log = logging.getLogger(__name__)
 
 
 class CorruptImageError(ValueError):
@@ -135,6 +142,38 @@ def _zeros_code_flat_blocks(data: bytes, markers: list[tuple[int, int]]) -> bool
     return all(zero_symbol.get((0, t >> 4)) == 0x00 and zero_symbol.get((1, t & 0x0F)) == 0x00 for t in tables)
 
 
+def image_size(data: bytes) -> tuple[int, int]:
+    """(height, width) from the file's header, without decoding the pixels; a truncated JPEG
+    raises ValueError (read_header)."""
+    return read_header(data)[:2]
+
+
+def read_header(data: bytes) -> tuple[int, int, bool]:
+    """(height, width, whether the device decodes it) from the file's header, as image_size. The
+    device takes baseline JPEGs in YCbCr or grey: nvJPEG's batched hardware decoder does not take
+    progressive ones (torchvision decodes those one at a time, in the thread that feeds the model,
+    waiting on the device after each), and PIL converts CMYK as the per-sample path does. The rest
+    are decoded in the loader workers. A baseline JPEG is read from its frame header alone
+    (jpeg_frame); anything else by PIL. A damaged JPEG (jpeg_damage: cut short, or cut and filled
+    with zeros) raises ValueError saying why, as every other path refuses it."""
+    frame = None
+    if data.startswith(JPEG_MAGIC):
+        damage = jpeg_damage(data)
+        if damage is not None:
+            raise ValueError(damage)
+        frame = jpeg_frame(data, jpeg_markers(data)[0])
+    if frame is not None and frame[0] == BASELINE and frame[1] == 8 and frame[4] in (1, 3) and min(frame[2:4]) > 0:
+        height, width = frame[2:4]
+        if Image.MAX_IMAGE_PIXELS and height * width > 2 * Image.MAX_IMAGE_PIXELS:  # as Image.open refuses it
+            raise Image.DecompressionBombError(
+                f"{height * width} pixels exceeds twice PIL's limit of {Image.MAX_IMAGE_PIXELS}"
+            )
+        return height, width, True
+    with Image.open(io.BytesIO(data)) as image:
+        baseline = image.format == "JPEG" and image.mode in ("RGB", "L") and not image.info.get("progressive")
+        return image.height, image.width, baseline
+
+
 def read_file(path: str | Path) -> bytes:
     """An image file's bytes. CorruptImageError for a broken symlink (named as such) or a file that
     cannot be read; a missing file that is not a link is a missing dataset, not a corrupt image:
@@ -197,145 +236,6 @@ def undecodable(name: str, error: BaseException | str) -> CorruptImageError:
     return CorruptImageError(f"cannot decode image {name}: {reason or type(error).__name__}")
 
 
-@dataclass(frozen=True)
-class Sample:
-    path: str
-    label: int
-    box: tuple[float, float, float, float] | None = None  # x0, y0, x1, y1 in pixels, where known
-
-
-def scan_image_folder(root: str | Path, classes: Sequence[str] | None = None) -> tuple[list[str], list[Sample]]:
-    """`root/<class>/<image>` (ImageNet / torchvision ImageFolder layout) -> (class names, samples).
-
-    Classes are the sorted sub-folder names unless given (a val split must use the train split's).
-    """
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"image folder {root} does not exist; expected {root}/<class name>/<image files>")
-    found = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-    if classes is None:
-        classes = found
-    elif missing := sorted(set(found) - set(classes)):
-        raise ValueError(f"{root} has class folders that the training split does not: {', '.join(missing[:10])}")
-    if not classes:
-        raise FileNotFoundError(f"{root} has no class sub-folders; expected {root}/<class name>/<image files>")
-    samples, ignored = [], []
-    for label, name in enumerate(classes):
-        folder = root / name
-        if not folder.is_dir():
-            log.warning("%s has no folder for class %r: it is not evaluated", root, name)
-            continue
-        files, others = _class_files(folder)
-        ignored += others
-        if not files:
-            log.warning("%s has no images: class %r gets none (an empty folder still counts as a class)", folder, name)
-        samples += [Sample(f, label) for f in files]
-    if ignored:
-        log.warning(
-            "%s: %d file(s) without an image extension are not read, e.g. %s (images are %s)",
-            root, len(ignored), ignored[0], ", ".join(IMAGE_EXTENSIONS),
-        )  # fmt: skip
-    if not samples:
-        raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}/<class name>/")
-    return list(classes), samples
-
-
-def _class_files(folder: Path) -> tuple[list[str], list[str]]:
-    """A class folder's image files, sub-folders included (as torchvision's ImageFolder reads them),
-    and its other files; hidden files and folders (".*", macOS "._*" resource forks) are neither."""
-    images, others, seen = [], [], set()
-    top = os.path.realpath(folder)
-
-    def walked(path: str) -> bool:  # a link up to the class folder or above it (a loop), or to one walked before
-        real = os.path.realpath(path)
-        return real in seen or top == real or top.startswith(real.rstrip(os.sep) + os.sep)
-
-    for directory, subdirs, names in os.walk(folder, followlinks=True):
-        seen.add(os.path.realpath(directory))
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and not walked(os.path.join(directory, d)))
-        for name in sorted(names):
-            if not name.startswith("."):
-                path = os.path.join(directory, name)
-                (images if name.lower().endswith(IMAGE_EXTENSIONS) else others).append(path)
-    return images, others
-
-
-def readable_class_names(classes: Sequence[str], root: str | Path) -> list[str]:
-    """Class folder names as people read them: WordNet ids are looked up in `root/words.txt` when
-    there is one (Tiny-ImageNet's "n01443537<TAB>goldfish, Carassius auratus" gives "goldfish");
-    other names are kept as they are. Classes whose first words are the same (ImageNet's two
-    "crane"s, the bird and the machine) keep their ids: "crane (n02012849)"."""
-    words = Path(root) / "words.txt"
-    if not words.is_file():
-        return list(classes)
-    lookup = dict(line.split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
-    names = [lookup.get(c, c).split(",")[0].strip() or c for c in classes]
-    taken = Counter(names)
-    return [f"{name} ({c})" if taken[name] > 1 and name != c else name for name, c in zip(names, classes, strict=True)]
-
-
-def same_class_names(saved: Sequence[str], names: Sequence[str]) -> bool:
-    """Whether a checkpoint's class names are these: equal, or equal but for the ids that
-    readable_class_names keeps where first words agree (a checkpoint saved before it kept them)."""
-    return list(saved) == list(names) or list(saved) == [re.sub(r" \([^()]+\)$", "", name) for name in names]
-
-
-def scan_tiny_imagenet(root: str | Path, split: str) -> tuple[list[str], list[Sample]]:
-    """Tiny-ImageNet-200 in its official layout, with each image's object box.
-
-    train: `train/<wnid>/images/*.JPEG`, boxes in `train/<wnid>/<wnid>_boxes.txt`;
-    val: `val/images/*.JPEG`, labels and boxes in `val/val_annotations.txt`.
-    """
-    root = Path(root)
-    wnids_file = root / "wnids.txt"
-    if not wnids_file.is_file():
-        raise FileNotFoundError(
-            f"{wnids_file} not found; expected the official Tiny-ImageNet layout under {root}: "
-            "wnids.txt, train/<wnid>/images/*.JPEG, val/images/*.JPEG and val/val_annotations.txt"
-        )
-    classes = sorted(line.strip() for line in wnids_file.read_text().splitlines() if line.strip())
-    index = {wnid: i for i, wnid in enumerate(classes)}
-    samples = []
-    if split == "train":
-        for wnid in classes:
-            boxes = _read_boxes(root / "train" / wnid / f"{wnid}_boxes.txt", with_label=False)
-            folder = root / "train" / wnid / "images"
-            if not folder.is_dir():
-                raise FileNotFoundError(f"{folder} not found (class {wnid} listed in {wnids_file})")
-            for name in sorted(os.listdir(folder)):
-                if name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith("."):  # macOS "._*" too
-                    box = boxes[name][0] if name in boxes else None
-                    samples.append(Sample(str(folder / name), index[wnid], box))
-    elif split == "val":
-        annotations = root / "val" / "val_annotations.txt"
-        if not annotations.is_file():
-            raise FileNotFoundError(f"{annotations} not found; it holds the val labels (file, wnid, x0, y0, x1, y1)")
-        for name, (wnid, box) in sorted(_read_boxes(annotations, with_label=True).items()):
-            if wnid not in index:
-                raise ValueError(f"{annotations}: {name} has class {wnid}, which is not in {wnids_file}")
-            samples.append(Sample(str(root / "val" / "images" / name), index[wnid], box))
-    else:
-        raise ValueError(f"Tiny-ImageNet split must be 'train' or 'val', got {split!r}")
-    return classes, samples
-
-
-def _read_boxes(path: Path, with_label: bool) -> dict:
-    """`file [wnid] x0 y0 x1 y1` per line -> {file: ([wnid,] box)}; missing file -> {}."""
-    if not path.is_file():
-        return {}
-    out = {}
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        parts = line.split()
-        if not parts:
-            continue
-        expected = 6 if with_label else 5
-        if len(parts) != expected:
-            raise ValueError(f"{path}:{line_no}: expected {expected} fields, got {len(parts)}: {line!r}")
-        box = tuple(float(v) for v in parts[-4:])
-        out[parts[0]] = (parts[1], box) if with_label else (box,)
-    return out
-
-
 Transform = Callable[..., dict]  # an albumentations Compose: transform(image=array) -> {"image": ...}
 
 
@@ -360,22 +260,16 @@ class _SeededTransform(Dataset):
 MISSING = -1  # the label of a corrupt file's stand-in in evaluation (skip_corrupt): not scored
 
 
-class ImageFiles(_SeededTransform):
-    """Images read from files. With `skip_corrupt`, an undecodable file is logged by name, counted,
-    and, instead of stopping the run, replaced by the next sample (`substitute`, for training) or by
-    a black image labelled MISSING (evaluation, where a substitute would be scored twice: the
-    evaluation steps leave MISSING out of the scores). Either way every batch keeps its size, so
-    DDP ranks stay in step."""
+class FileSamples:
+    """Samples read from files one at a time, with `skip_corrupt`'s policy: an undecodable file is
+    logged by name, counted, and, instead of stopping the run, replaced by the next sample
+    (`substitute`, for training) or by a stand-in labelled MISSING (evaluation, where a substitute
+    would be scored twice: the evaluation steps leave MISSING out of the scores). Either way every
+    batch keeps its size, so DDP ranks stay in step. What ImageFiles and the device path's
+    EncodedFiles (vit.data.device) read their samples with."""
 
-    def __init__(
-        self,
-        samples: Sequence[Sample],
-        transform: Transform | None = None,
-        skip_corrupt: bool = False,
-        substitute: bool = True,
-    ) -> None:
+    def __init__(self, samples: Sequence[Sample], skip_corrupt: bool = False, substitute: bool = True) -> None:
         self.samples = list(samples)
-        self.transform = transform
         self.skip_corrupt = skip_corrupt
         self.substitute = substitute
         self.skipped_files: set[str] = set()  # each file's error, as logged: a file read again is not counted again
@@ -387,51 +281,19 @@ class ImageFiles(_SeededTransform):
     def labels(self) -> np.ndarray:
         return np.array([s.label for s in self.samples], dtype=np.int64)
 
-    def subset(self, indices: Sequence[int], transform: Transform | None) -> ImageFiles:
-        """These samples with another transform (e.g. a held-out validation split)."""
-        return ImageFiles([self.samples[i] for i in indices], transform, self.skip_corrupt)
-
-    def load(self, index: int) -> tuple[np.ndarray, int]:
-        found = self.first_readable(index, self.read_image)
-        if found is None:
-            return np.zeros((32, 32, 3), dtype=np.uint8), MISSING
-        position, image = found
-        return image, self.samples[position].label
-
-    def read_image(self, position: int) -> np.ndarray:
-        """The decoded RGB image of sample `position`; CorruptImageError naming it if it does not decode."""
-        return read_rgb(self.samples[position].path)
-
     def name(self, position: int) -> str:
         """Sample `position` as errors name it: its file."""
         return self.samples[position].path
-
-    def fingerprint(self) -> bytes:
-        """What the samples' content depends on, for a cache of them decoded (vit.data.memory): each
-        file's path, label, size and modification time."""
-        lines = []
-        for s in self.samples:
-            try:
-                st = os.stat(s.path)
-            except FileNotFoundError:  # a broken link: its own stat (reading it then names it)
-                st = os.lstat(s.path)
-            lines.append(f"{os.path.abspath(s.path)}|{s.label}|{st.st_size}|{st.st_mtime_ns}\n")
-        return "".join(lines).encode()
-
-    def read_bytes(self, position: int) -> bytes:
-        """The encoded file of sample `position`, as stored; CorruptImageError naming it if it cannot be read."""
-        return read_file(self.samples[position].path)
 
     def read_order(self, positions: Sequence[int]) -> Sequence[int]:
         """The order to read a batch's samples in (indices into `positions`): as asked, for files."""
         return range(len(positions))
 
-    def __getitems__(self, items: Sequence[int | tuple[int, int]]) -> list[Any]:
-        """A loader worker's batch: the samples read in `read_order`, returned in the order asked.
-        Each sample depends only on its own (index, seed), so the order read changes nothing else."""
-        out: list[Any] = [None] * len(items)
-        for k in self.read_order([item[0] if isinstance(item, tuple) else item for item in items]):
-            out[k] = self[items[k]]
+    def read_batch(self, indices: Sequence[int], read: Callable[[int], Any]) -> list[tuple[int, Any] | None]:
+        """first_readable(index, read) for each of `indices`, read in `read_order`, in the order given."""
+        out: list[tuple[int, Any] | None] = [None] * len(indices)
+        for k in self.read_order(indices):
+            out[k] = self.first_readable(indices[k], read)
         return out
 
     def first_readable(
@@ -466,6 +328,98 @@ class ImageFiles(_SeededTransform):
         self.skipped_files.add(str(error))
         count = self.num_skipped
         log.warning("skipped %s (%d corrupt images skipped so far in this split, in this process)", error, count)
+
+
+GOLDEN = (5**0.5 - 1) / 2  # decoded_in_worker: n x GOLDEN mod 1 spreads evenly over [0, 1)
+
+
+def decoded_in_worker(position: int, share: float) -> bool:
+    """Whether a loader worker decodes sample `position` even if the device could (the device
+    path's `worker_decode`: `share` of them, spread evenly over the positions, the same every epoch)."""
+    return ((position + 1) * GOLDEN) % 1.0 < share
+
+
+class ImageFiles(_SeededTransform, FileSamples):
+    """Images read from files (FileSamples: with skip_corrupt's policy), decoded and transformed in
+    a loader worker; or read for the device path as it takes them (`read_encoded`)."""
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        transform: Transform | None = None,
+        skip_corrupt: bool = False,
+        substitute: bool = True,
+    ) -> None:
+        FileSamples.__init__(self, samples, skip_corrupt, substitute)
+        self.transform = transform
+
+    def subset(self, indices: Sequence[int], transform: Transform | None) -> ImageFiles:
+        """These samples with another transform (e.g. a held-out validation split)."""
+        return ImageFiles([self.samples[i] for i in indices], transform, self.skip_corrupt)
+
+    def load(self, index: int) -> tuple[np.ndarray, int]:
+        found = self.first_readable(index, self.read_image)
+        if found is None:
+            return np.zeros((32, 32, 3), dtype=np.uint8), MISSING
+        position, image = found
+        return image, self.samples[position].label
+
+    def read_image(self, position: int) -> np.ndarray:
+        """The decoded RGB image of sample `position`; CorruptImageError naming it if it does not decode."""
+        return read_rgb(self.samples[position].path)
+
+    def fingerprint(self) -> bytes:
+        """What the samples' content depends on, for a cache of them decoded (vit.data.memory): each
+        file's path, label, size and modification time."""
+        lines = []
+        for s in self.samples:
+            try:
+                st = os.stat(s.path)
+            except FileNotFoundError:  # a broken link: its own stat (reading it then names it)
+                st = os.lstat(s.path)
+            lines.append(f"{os.path.abspath(s.path)}|{s.label}|{st.st_size}|{st.st_mtime_ns}\n")
+        return "".join(lines).encode()
+
+    def read_bytes(self, position: int) -> bytes:
+        """The encoded file of sample `position`, as stored; CorruptImageError naming it if it cannot be read."""
+        return read_file(self.samples[position].path)
+
+    def read_encoded(self, position: int, worker_decode: float = 0.0) -> tuple[torch.Tensor, int, int]:
+        """Sample `position` as the device path takes it, with its height and width: a JPEG the
+        device decodes (read_header) as its bytes, uint8 (N,), unless it is one of `worker_decode`'s
+        share (decoded_in_worker); any other image decoded here, uint8 (3, H, W).
+        CorruptImageError naming the file if it is unreadable."""
+        try:
+            data = self.read_bytes(position)
+            if data.startswith(JPEG_MAGIC):
+                height, width, for_device = read_header(data)
+                if for_device and not decoded_in_worker(position, worker_decode):
+                    return torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width
+        except CorruptImageError:
+            raise
+        except DECODE_ERRORS as e:
+            raise undecodable(self.name(position), e) from e
+        try:
+            pixels = decode_rgb(data)
+        except CorruptImageError as e:  # named here: a streaming sample's name costs a read
+            raise undecodable(self.name(position), e) from e.__cause__
+        except ValueError as e:  # an image decode_rgb refuses (a float one): the message goes on from the name
+            raise ValueError(f"{self.name(position)} {e}") from e
+        image = channels_first(pixels)
+        return image, image.shape[1], image.shape[2]
+
+    def __getitems__(self, items: Sequence[int | tuple[int, int]]) -> list[Any]:
+        """A loader worker's batch: the samples read in `read_order`, returned in the order asked.
+        Each sample depends only on its own (index, seed), so the order read changes nothing else."""
+        out: list[Any] = [None] * len(items)
+        for k in self.read_order([item[0] if isinstance(item, tuple) else item for item in items]):
+            out[k] = self[items[k]]
+        return out
+
+
+def channels_first(pixels: np.ndarray) -> torch.Tensor:
+    """A decoded RGB image (H, W, 3), as the per-sample decoder gives it, as the device path's (3, H, W)."""
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
 
 
 class ImageArrays(_SeededTransform):

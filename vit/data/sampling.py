@@ -8,6 +8,9 @@ batches and augmentations an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -19,9 +22,24 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from vit import lightning_compat as compat
 from vit.data.prefetch import PreparedLoader
-from vit.seeds import Purpose, seed_for
+from vit.seeds import Purpose, sample_seeds, seed_for
 
 log = logging.getLogger(__name__)
+
+SEED_RUN = 1024  # sample seeds drawn at a time: a few milliseconds, where a whole ImageNet epoch's take seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerState:
+    """What a ResumableSampler's order for an epoch depends on beyond how it was built: the epoch,
+    the run seed and where a resumed epoch starts (in images). A loader hands it to the copy of its
+    sampler in its data process before each epoch (vit.data.process), so that copy yields the
+    same (index, seed) pairs."""
+
+    epoch: int
+    seed: int
+    resume_epoch: int
+    resume_position: int
 
 
 class ResumableSampler(DistributedSampler):
@@ -40,10 +58,20 @@ class ResumableSampler(DistributedSampler):
         self.resume_epoch, self.resume_position = 0, 0
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
+        """The epoch's (index, sample seed) pairs from its start (or resume position), their seeds
+        drawn SEED_RUN indices at a time: a call a run, not a resumed generator an index."""
         start = self.begin_epoch()
-        indices = self.epoch_order()
-        for i in indices[start:]:
-            yield i, seed_for(self.seed, Purpose.SAMPLE, self.epoch, i)
+        indices = self.epoch_order()[start:]
+        runs = (indices[i : i + SEED_RUN] for i in range(0, len(indices), SEED_RUN))
+        return itertools.chain.from_iterable(map(functools.partial(sample_seeds, self.seed, self.epoch), runs))
+
+    def state(self) -> SamplerState:
+        return SamplerState(self.epoch, self.seed, self.resume_epoch, self.resume_position)
+
+    def load_state(self, state: SamplerState) -> None:
+        """Take `state` (another copy's, as `state()` gave it)."""
+        self.epoch, self.seed = state.epoch, state.seed
+        self.resume_epoch, self.resume_position = state.resume_epoch, state.resume_position
 
     def begin_epoch(self) -> int:
         """Where this epoch starts: the resume position once, after a resume into it, else 0."""

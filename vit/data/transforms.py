@@ -11,16 +11,17 @@ import numpy as np
 import torch
 from albumentations.pytorch import ToTensorV2
 
-from vit.data.augment import (
-    CROPS,
-    SHARPEN_LIGHTNESS,
-    Augment,
+from vit.data.augment import Augment  # the options' name the linter knows as a constant default
+from vit.data.draws import CROPS, SHARPEN_LIGHTNESS, rand_augment_ranges, random_resized_crop_box
+from vit.data.geometry import (
+    ResizeWhole,
+    eval_pixels,  # noqa: F401  (vit.data.memory's import of it)
     eval_resize,
     normalize,
-    rand_augment_ranges,
-    random_resized_crop_box,
     resize_box,
 )
+from vit.data.geometry import chw as _chw
+from vit.data.geometry import hwc as _hwc
 from vit.data.naflex import CROP_ASPECT, NaFlex, sequence_grid
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -29,7 +30,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def rand_augment_ops(magnitude: float) -> list[A.BasicTransform]:
     """RandAugment's operations (Cubuk et al. 2020) with strength set by magnitude in [0, 10],
-    in vit.data.augment.RA_OPS order with its ranges (the device path applies the same ops).
+    in vit.data.draws.RA_OPS order with its ranges (the device path applies the same ops).
 
     Each op draws its strength uniformly up to the magnitude, like timm's `mstd` variant.
     """
@@ -60,7 +61,7 @@ def train_transform(
     std: tuple[float, ...] = IMAGENET_STD,
 ) -> A.Compose:
     """The per-sample training pipeline: augment's crop, flip and RandAugment (cutout is a batch
-    augmentation: vit.data.augment), then normalise."""
+    augmentation: vit.data.crops), then normalise."""
     if augment.crop == "rrc":
         ops = [A.RandomResizedCrop(size=(img_size, img_size), scale=augment.crop_scale, interpolation=cv2.INTER_CUBIC)]
     elif augment.crop == "pad_crop":
@@ -84,7 +85,7 @@ def train_transform(
 
 class EvalTransform:
     """The evaluation pipeline of every path: the centred square of crop_pct x the shorter side,
-    resized to img_size (bicubic, antialiased: vit.data.augment.eval_resize, which the in-memory
+    resized to img_size (bicubic, antialiased: vit.data.geometry.eval_resize, which the in-memory
     and device paths use too), normalised. RGB uint8 (H, W, 3) in, float (3, img_size, img_size)
     out, called as albumentations' pipelines are: `transform(image=array)["image"]`. crop_pct 0.875
     is the ImageNet convention; 1.0 keeps the whole of a square image."""
@@ -181,34 +182,6 @@ def _to_sequence_size(
     return pixels[0] if mean is None or std is None else normalize(pixels, mean, std)[0]
 
 
-def eval_pixels(image: np.ndarray, img_size: int, crop_pct: float = 1.0) -> np.ndarray:
-    """The evaluation geometry without normalisation: RGB uint8 (H, W, 3) -> uint8 (img_size,
-    img_size, 3), rounded. Decodes images into memory at the size the model sees (vit.data.memory)."""
-    return _hwc(eval_resize(_chw(image), img_size, crop_pct, whole_levels=True))
-
-
 def _resize(img_size: int) -> A.Lambda:
     """The whole image resized to img_size x img_size as evaluation resizes (bicubic, antialiased)."""
-    return A.Lambda(image=_ResizeWhole(img_size), p=1.0)
-
-
-class _ResizeWhole:
-    """A.Lambda's function, a class so that the pipeline pickles (loader workers under spawn)."""
-
-    def __init__(self, img_size: int) -> None:
-        self.img_size = img_size
-
-    def __call__(self, image: np.ndarray, **_: object) -> np.ndarray:
-        whole = (0, 0, image.shape[0], image.shape[1])
-        return _hwc(resize_box(_chw(image), whole, self.img_size, whole_levels=True)[0])
-
-
-def _chw(image: np.ndarray) -> torch.Tensor:
-    """(H, W, 3) -> a (3, H, W) view; a read-only array (PIL's) copied, as torch wants it writable."""
-    image = np.ascontiguousarray(image)
-    return torch.from_numpy(image if image.flags.writeable else image.copy()).permute(2, 0, 1)
-
-
-def _hwc(pixels: torch.Tensor) -> np.ndarray:
-    """float (3, H, W) in [0, 255] -> rounded uint8 (H, W, 3)."""
-    return pixels.round().to(torch.uint8).permute(1, 2, 0).numpy()
+    return A.Lambda(image=ResizeWhole(img_size), p=1.0)

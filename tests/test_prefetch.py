@@ -53,7 +53,7 @@ def test_prefetched_batches_equal_those_prepared_on_demand(tmp_path, workers):
 def test_a_file_that_does_not_decode_is_named_where_its_batch_is_drawn(tmp_path):
     root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
     data = _device_decode(root, ahead=2, workers=0)
-    loader = data.pipeline.eval_loader(data, data.val_set)  # in order: 2 batches of 4
+    loader = data.pipeline.eval_loader(data.spec, data.val_set, data.run())  # in order: 2 batches of 4
     broken = data.val_set.samples[5].path
     jpeg = Path(broken).read_bytes()  # its header is read in the worker; decoding fails (no scan)
     Path(broken).write_bytes(jpeg[:300] + bytes(len(jpeg) - 302) + jpeg[-2:])

@@ -226,7 +226,7 @@ def test_streaming_images_decoded_into_memory_are_cached_by_their_chunks(tmp_pat
                                 cache_dir=str(tmp_path / "cache"))  # fmt: skip
     again.setup("fit")
     again.train_dataloader(), again.val_dataloader()
-    decoded = [d.pipeline.dataset(d, d.train_set, train=True).images for d in (again, data)]
+    decoded = [d.pipeline.dataset(d.spec, d.train_set, d.run(), train=True).images for d in (again, data)]
     assert torch.equal(*decoded)
     assert {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("images-*.npz")} == cached  # read
 

@@ -1,10 +1,10 @@
 """LightningDataModules: the offline digits default, CIFAR-10/100, ImageNet-style folders (as files or
 as streaming chunks), Tiny-ImageNet.
 
-They share `ImageDataModule`, which owns the loader settings, the augmentation options, the run's
-seed and Mixup/CutMix, and hands its splits to one pipeline (vit.data.pipelines: per sample, in
-memory, or decoded on the device) for their loaders; a subclass only says where its images and
-labels come from.
+They share `ImageDataModule`, which holds its options as one checked, frozen vit.data.spec.DataSpec
+(read as its attributes: `data.img_size`), the run's seed and Mixup/CutMix, and hands its splits
+with the spec to one pipeline (vit.data.pipelines: per sample, in memory, decoded on the device, or
+patch sequences) for their loaders; a subclass only says where its images and labels come from.
 """
 
 from __future__ import annotations
@@ -12,19 +12,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning as L
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vit import lightning_compat as compat
 from vit.data.augment import Augment
-from vit.data.device import DEVICE_CROPS, EncodedFiles
 from vit.data.images import (
     ImageArrays,
     ImageFiles,
@@ -34,9 +31,10 @@ from vit.data.images import (
 )
 from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.naflex import NaFlex
-from vit.data.pipelines import FromFiles, InMemory, PerSample, Pipeline, Sequences
+from vit.data.pipelines import Pipeline, pipeline_for
 from vit.data.prefetch import PreparedLoader
 from vit.data.sampling import ChunkedSampler, ResumableSampler
+from vit.data.spec import SPEC_FIELDS, DataSpec, Run
 from vit.data.streaming import StreamingImages
 from vit.data.transforms import (
     IMAGENET_MEAN,
@@ -53,13 +51,6 @@ log = logging.getLogger(__name__)
 
 # An image folder at this side or below is small (CIFAR, digits, Tiny-ImageNet-sized): see ImageFolderDataModule.
 SMALL_IMAGE = 64
-
-
-def default_num_workers() -> int:
-    """Leave a core for the training process: 1 worker on a 2-core laptop, up to 8 per GPU process on a node."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local_procs = max(1, torch.cuda.device_count())
-    return max(0, min(8, cpus // local_procs - 1))
 
 
 class ImageDataModule(RunSeed, L.LightningDataModule):
@@ -150,52 +141,41 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         naflex: NaFlex | None = None,
     ) -> None:
         super().__init__()
-        check_loader_options(img_size, batch_size, num_workers, eval_crop_pct, mean, std, val_holdout,
-                             train_sizes, device_prefetch, worker_decode)  # fmt: skip
-        self.img_size = img_size
-        self.batch_size = batch_size
-        self.num_workers = default_num_workers() if num_workers is None else num_workers
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.persistent_workers = self.num_workers > 0 if persistent_workers is None else persistent_workers
-        self.skip_corrupt = skip_corrupt
         set_option_groups(self, augment=augment, mixup=mixup, naflex=naflex)
-        augment, crop = self.augment, self.augment.crop
-        if self.naflex is None:
-            self.train_transform = train_transform(img_size, augment, mean, std)
+        groups = {name: vars(self).pop(name) for name in ("augment", "mixup", "naflex")}  # held by the spec
+        self.spec = DataSpec(
+            img_size=img_size, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
+            persistent_workers=persistent_workers, eval_crop_pct=eval_crop_pct, mean=mean, std=std,
+            skip_corrupt=skip_corrupt, val_holdout=val_holdout, in_memory=in_memory, cache_dir=cache_dir,
+            train_sizes=train_sizes, device_decode=device_decode, device_prefetch=device_prefetch,
+            worker_decode=worker_decode, data_process=data_process, **groups,
+        )  # fmt: skip
+        spec = self.spec
+        if spec.naflex is None:
+            self.train_transform = train_transform(img_size, spec.augment, mean, std)
             self.eval_transform = eval_transform(img_size, eval_crop_pct, mean, std)
         else:
-            check_naflex_options(crop, eval_crop_pct, self.mixup, in_memory, device_decode)
-            self.naflex.check_batch(batch_size)
-            self.train_transform = SequenceTrainTransform(self.naflex, augment, mean, std)
-            self.eval_transform = SequenceEvalTransform(self.naflex, mean, std)
-        self.val_holdout = val_holdout
-        self.in_memory, self.cache_dir = in_memory, cache_dir
-        self.eval_crop_pct, self.mean, self.std = eval_crop_pct, mean, std
-        self.train_sizes = sorted((float(p), int(size)) for p, size in train_sizes) if train_sizes else None
-        check_augment_fits(augment, min([img_size, *(size for _, size in train_sizes or [])]))
-        require(in_memory or not augment.cutout, "data.augment.cutout", augment.cutout,
-                "0 unless --data.in_memory true (cutout augments whole batches)")  # fmt: skip
-        require(in_memory or not train_sizes, "data.train_sizes", train_sizes,
-                "null unless --data.in_memory true (the size changes between whole batches)")  # fmt: skip
-        require(not in_memory or crop in ("pad_crop", "resize"), "data.augment.crop", crop,
-                "pad_crop or resize with --data.in_memory true (for rrc: --data.in_memory false)")  # fmt: skip
-        self.device_decode, self.device_prefetch, self.worker_decode = device_decode, device_prefetch, worker_decode
-        require(not worker_decode or device_decode, "data.worker_decode", worker_decode,
-                "0 unless --data.device_decode true (it is a share of the JPEGs decoded on the device)")  # fmt: skip
-        require(not (device_decode and in_memory), "data.device_decode", device_decode,
-                "false with --data.in_memory true (in memory, images are decoded once, before training)")  # fmt: skip
-        require(not device_decode or crop in DEVICE_CROPS, "data.augment.crop", crop,
-                f"{' or '.join(DEVICE_CROPS)} with --data.device_decode true")  # fmt: skip
-        require(data_process in (None, False) or device_decode, "data.data_process", data_process,
-                "false or null unless --data.device_decode true (it runs the decoding and augmenting)")  # fmt: skip
-        self._data_process = data_process
-        self.pipeline: Pipeline = (
-            Sequences() if self.naflex else InMemory() if in_memory else FromFiles() if device_decode else PerSample()
-        )
+            self.train_transform = SequenceTrainTransform(spec.naflex, spec.augment, mean, std)
+            self.eval_transform = SequenceEvalTransform(spec.naflex, mean, std)
+        self.pipeline: Pipeline = pipeline_for(spec)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
         self._loaders: weakref.WeakSet[PreparedLoader] = weakref.WeakSet()  # their data processes end at teardown
+
+    def __getattr__(self, name: str) -> Any:
+        """An option the spec holds, read as the datamodule's own (`data.img_size`, `data.augment`)."""
+        spec = vars(self).get("spec")
+        if spec is not None and name in SPEC_FIELDS:
+            return getattr(spec, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An option set after the datamodule is made (a batch-size finder's `batch_size`) makes a new
+        spec, checked again, which the next loaders are composed from."""
+        if name in SPEC_FIELDS and "spec" in vars(self):
+            name, value = "spec", self.spec.replace(**{name: value})
+        super().__setattr__(name, value)
 
     def load_splits(self) -> tuple[ImageFiles | ImageArrays, ImageFiles | ImageArrays]:
         """The (train, val) datasets with the train and eval transforms; each subclass says where they come from."""
@@ -210,6 +190,8 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
             log.info("train transform: %s", train_line)
             log.info("eval transform: %s", eval_line)
         train, val = self.load_splits()
+        if self.device_decode and not isinstance(train, ImageFiles):
+            raise ValueError(f"device_decode reads image files; {type(self).__name__} holds decoded arrays")
         test = val
         if self.val_holdout:
             no_val_split = val is train  # validation and test then both read the held-out images
@@ -221,7 +203,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
     def describe_transforms(self) -> tuple[str, str]:
         """One line each for what training and evaluation do to an image (logged at setup)."""
         size, augment = self.img_size, self.augment
-        train, evaluation = self.pipeline.describe(self)
+        train, evaluation = self.pipeline.describe(self.spec, self.run())
         train += ["flip"] if augment.hflip else []
         ops, magnitude = augment.randaugment
         train += [f"RandAugment {ops} ops at magnitude {magnitude:g}"] if ops > 0 else []
@@ -241,18 +223,23 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         evaluation += " (bicubic), normalise"
         return ", ".join(train), evaluation
 
+    def run(self) -> Run:
+        """What the pipeline is told of the run: its seed (restored on resume) and trainer."""
+        return Run(self.seed, self.trainer)
+
     def train_dataloader(self) -> DataLoader:
-        return self._kept(self.pipeline.train_loader(self, self.train_set))
+        sampler = self.train_sampler(self.train_set, self.seed)
+        return self._kept(self.pipeline.train_loader(self.spec, self.train_set, sampler, self.run()))
 
     def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
         """The training order: a permutation by (seed, epoch), shared among the processes."""
         return ResumableSampler(dataset, shuffle=True, seed=seed)
 
     def val_dataloader(self) -> DataLoader:
-        return self._kept(self.pipeline.eval_loader(self, self.val_set))
+        return self._kept(self.pipeline.eval_loader(self.spec, self.val_set, self.run()))
 
     def test_dataloader(self) -> DataLoader:
-        return self._kept(self.pipeline.eval_loader(self, self.test_set))
+        return self._kept(self.pipeline.eval_loader(self.spec, self.test_set, self.run()))
 
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
@@ -269,21 +256,13 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
     @property
     def data_process(self) -> bool:
         """Whether device_decode's work runs in a data process: as given, else on a GPU."""
-        if self._data_process is not None:
-            return self._data_process
-        return self.device_decode and self.training_device().type == "cuda"
-
-    def training_device(self) -> torch.device:
-        """Where the model runs: the trainer's device; outside a run, the GPU if there is one."""
-        if self.trainer is not None:
-            return self.trainer.strategy.root_device
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return self.spec.in_data_process(self.run().device())
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """On the device: the pipeline's step (in memory: augmented and normalised), then
         Mixup/CutMix, training batches only. All randomness is a function of (seed, step, rank) or
         (seed, epoch, index) (vit.seeds), so resumed runs augment and mix as uninterrupted ones."""
-        batch = self.pipeline.on_device(self, batch)
+        batch = self.pipeline.on_device(self.spec, batch, self.run())
         trainer = self.trainer
         if trainer is None or not trainer.training or not self.mixup.enabled:
             return batch
@@ -294,61 +273,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
 
     def train_size(self) -> int:
         """The training image size at this point of the run (train_sizes, in memory), else img_size."""
-        return self.pipeline.train_size(self) if isinstance(self.pipeline, InMemory) else self.img_size
-
-
-def check_loader_options(
-    img_size: Any, batch_size: Any, num_workers: Any, eval_crop_pct: Any, mean: Any, std: Any, val_holdout: Any,
-    train_sizes: Any, device_prefetch: Any, worker_decode: Any,
-) -> None:  # fmt: skip
-    """OptionError naming the first of ImageDataModule's options that holds a value it does not take."""
-    whole(img_size, 1, "data.img_size", "the side of the square images the model sees, in pixels")
-    whole(batch_size, 1, "data.batch_size", "images per batch and process")
-    if num_workers is not None:
-        whole(num_workers, 0, "data.num_workers", "loader processes; 0 loads in the training process")
-    number(eval_crop_pct, "data.eval_crop_pct", "the share of the resized image kept, in (0, 1] (ImageNet: 0.875)",
-           0, 1, open_low=True)  # fmt: skip
-    for name, values, low in (("mean", mean, -math.inf), ("std", std, 0)):
-        ok = isinstance(values, list | tuple) and len(values) == 3
-        ok = ok and all(isinstance(v, int | float) and math.isfinite(v) and v > low for v in values)
-        require(ok, f"data.{name}", values, "3 numbers, one a channel" + (", each above 0" if low == 0 else ""))
-    holdout_ok = isinstance(val_holdout, int | float) and not isinstance(val_holdout, bool)
-    holdout_ok = holdout_ok and (0 <= val_holdout < 1 or (val_holdout >= 1 and float(val_holdout).is_integer()))
-    require(holdout_ok, "data.val_holdout", val_holdout,
-            "0 (none), a fraction below 1, or a whole number of training images")  # fmt: skip
-    for entry in train_sizes or []:
-        ok = isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int | float)
-        ok = ok and 0 <= entry[0] <= 1 and isinstance(entry[1], int) and entry[1] >= 1
-        require(ok, "data.train_sizes", train_sizes, "[[progress from 0 to 1, size in pixels], ...]")
-    if device_prefetch is not None:
-        whole(device_prefetch, 0, "data.device_prefetch", "batches decoded ahead; 0 decodes each in its step")
-    number(worker_decode, "data.worker_decode", "a share of device_decode's JPEGs, from 0 to 1", 0, 1)
-
-
-def check_augment_fits(augment: Augment, side: int) -> None:
-    """OptionError if the augmentation would leave images of `side` pixels mostly blank: padding
-    beyond half the side lets pad_crop's crops hold more padding than image; a cutout beyond the side
-    blanks the whole image."""
-    name = "data.augment."
-    if augment.crop == "pad_crop" and augment.crop_padding is not None:
-        require(augment.crop_padding <= side // 2, name + "crop_padding", augment.crop_padding,
-                f"at most half the image side ({side // 2} of {side} px; CIFAR: 4 of 32)")  # fmt: skip
-    require(augment.cutout <= side, name + "cutout", augment.cutout,
-            f"at most the image side ({side} px; CIFAR: 16 of 32)")  # fmt: skip
-
-
-def check_naflex_options(crop: Any, eval_crop_pct: Any, mixup: Mixup, in_memory: Any, device_decode: Any) -> None:
-    """OptionError naming the first option set to what patch sequences (`data.naflex`) do not do."""
-    with_naflex = "with --data.naflex"
-    require(crop in ("rrc", "resize"), "data.augment.crop", crop,
-            f"rrc or resize {with_naflex} (the crop keeps the image's aspect ratio)")  # fmt: skip
-    require(eval_crop_pct == 1, "data.eval_crop_pct", eval_crop_pct,
-            f"1 {with_naflex} (evaluation sees the whole image)")  # fmt: skip
-    for name in ("mixup_alpha", "cutmix_alpha"):
-        require(not getattr(mixup, name), f"data.mixup.{name}", getattr(mixup, name),
-                f"0 {with_naflex} (Mixup and CutMix mix batches of square images)")  # fmt: skip
-    for name, value in (("in_memory", in_memory), ("device_decode", device_decode)):
-        require(not value, f"data.{name}", value, f"false {with_naflex} (it makes batches of square images)")
+        return self.pipeline.train_size(self.spec, self.run())
 
 
 class DigitsDataModule(ImageDataModule):
@@ -586,9 +511,8 @@ class StreamingDataModule(ImageDataModule):
             )
         return self._train, val
 
-    def train_sampler(self, dataset: Dataset, seed: int) -> ChunkedSampler:
-        source = dataset.source if isinstance(dataset, EncodedFiles) else dataset
-        return ChunkedSampler(dataset, source.chunk_of, seed=seed, window=self.shuffle_window)
+    def train_sampler(self, dataset: StreamingImages, seed: int) -> ChunkedSampler:
+        return ChunkedSampler(dataset, dataset.chunk_of, seed=seed, window=self.shuffle_window)
 
 
 class TinyImageNetDataModule(ImageDataModule):

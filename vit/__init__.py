@@ -1,7 +1,7 @@
 """vit: Vision Transformers (timm-compatible), ResNet baselines and a small GPT, one shared Block."""
 
 from vit import eva, gpt, naflex, relpos, resnet, sam, timm_args, vision_transformer  # noqa: F401  (importing registers the models)
-from vit.checkpoint import checkpoint_filter_fn
+from vit.adapt import checkpoint_filter_fn
 from vit.eva import Eva, EvaConfig
 from vit.gpt import GPT, GPTConfig
 from vit.layers import Attention, Block, BlockConfig, CrossAttention, set_fused_attn

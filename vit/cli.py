@@ -21,7 +21,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from vit.checkpoint import timm_preprocessing
+# --data's classes, so --help lists them among jsonargparse's known subclasses
+import vit.data.datamodules
+import vit.data.text  # noqa: F401
 from vit.cli_errors import class_of, short_parse_error
 from vit.data.images import CorruptImageError
 from vit.data.process import DataProcessFailed
@@ -44,6 +46,7 @@ from vit.fault_tolerance import (
     stop_signal,
 )
 from vit.options import OptionError, group_default, option_groups
+from vit.weights import timm_preprocessing
 
 log = logging.getLogger(__name__)
 

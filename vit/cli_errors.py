@@ -173,7 +173,9 @@ def _no_such_class(class_path: str) -> str:
             parent = None
         siblings = [f"{package}.{m.name}" for m in pkgutil.iter_modules(getattr(parent, "__path__", []))]
         return f"there is no module {module}{_suggest(module, siblings)}"
-    classes = [f"{module}.{n}" for n, v in vars(found).items() if inspect.isclass(v) and not n.startswith("_")]
+    # dir and getattr, not vars: a package that imports its names on first use (vit.data) lists them in __dir__
+    names = [n for n in dir(found) if not n.startswith("_")]
+    classes = [f"{module}.{n}" for n in names if inspect.isclass(getattr(found, n, None))]
     return f"there is no {name} in {module}{_suggest(class_path, classes)}"
 
 

@@ -54,8 +54,8 @@ import torchvision
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from vit.checkpoint import Preprocess
 from vit.data.augment import EVAL_RESIZE
+from vit.data.preprocess import Preprocess
 from vit.layers import _pair
 from vit.naflex import NaFlexVit, pack
 from vit.resnet import CifarResNet

@@ -21,9 +21,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics.classification import MulticlassAccuracy
 
 from vit import lightning_compat as compat
-from vit.checkpoint import HEAD_NAMES, Preprocess, is_head, load_model, load_pretrained
+from vit.checkpoint import load_model, load_pretrained
 from vit.data.images import MISSING, same_class_names
+from vit.data.preprocess import Preprocess
 from vit.fault_tolerance import CheckpointConflictError
+from vit.heads import HEAD_NAMES, is_head
 from vit.layers import MoE, PatchDropout, PatchEmbed, whiten_patch_embed_
 from vit.naflex import Inputs, NaFlexConfig
 from vit.options import OptionError, is_number, number, require, set_option_groups, whole

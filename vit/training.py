@@ -26,7 +26,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from vit import lightning_compat as compat
-from vit.checkpoint import is_head
 from vit.data.sampling import carry_position, data_position
 from vit.fault_tolerance import (
     HostCopy,
@@ -38,6 +37,7 @@ from vit.fault_tolerance import (
     non_finite,
     trainer_checkpoint_dir,
 )
+from vit.heads import is_head
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.options import OptionError, is_number, number, require, upgrade, whole
 from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps

@@ -1,33 +1,43 @@
-"""Datasets, augmentation and LightningDataModules: image classification and character-level text."""
+"""Datasets, augmentation and LightningDataModules: image classification and character-level text.
 
-from vit.data.augment import Augment
-from vit.data.datamodules import (
-    CIFARDataModule,
-    DigitsDataModule,
-    ImageDataModule,
-    ImageFolderDataModule,
-    StreamingDataModule,
-    TinyImageNetDataModule,
-)
-from vit.data.images import CorruptImageError, ImageArrays, ImageFiles, read_rgb
-from vit.data.mixup import Mixup
-from vit.data.naflex import NaFlex
-from vit.data.text import CharTokenizer, TextDataModule
+The names below are imported on first use (PEP 562), so that importing one module of the package
+(vit.data.preprocess for a checkpoint's evaluation settings, vit.data.images for reading a file) does
+not import the datamodules and with them Lightning."""
 
-__all__ = [
-    "Augment",
-    "CIFARDataModule",
-    "CharTokenizer",
-    "CorruptImageError",
-    "DigitsDataModule",
-    "ImageArrays",
-    "ImageDataModule",
-    "ImageFiles",
-    "ImageFolderDataModule",
-    "Mixup",
-    "NaFlex",
-    "StreamingDataModule",
-    "TextDataModule",
-    "TinyImageNetDataModule",
-    "read_rgb",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Each name and the module that defines it.
+_EXPORTS = {
+    "Augment": "vit.data.augment",
+    "CIFARDataModule": "vit.data.datamodules",
+    "DigitsDataModule": "vit.data.datamodules",
+    "ImageDataModule": "vit.data.datamodules",
+    "ImageFolderDataModule": "vit.data.datamodules",
+    "StreamingDataModule": "vit.data.datamodules",
+    "TinyImageNetDataModule": "vit.data.datamodules",
+    "CorruptImageError": "vit.data.images",
+    "ImageArrays": "vit.data.images",
+    "ImageFiles": "vit.data.images",
+    "read_rgb": "vit.data.images",
+    "Mixup": "vit.data.mixup",
+    "NaFlex": "vit.data.naflex",
+    "CharTokenizer": "vit.data.text",
+    "TextDataModule": "vit.data.text",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later look-ups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

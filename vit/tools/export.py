@@ -33,15 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vit.checkpoint import (
-    Preprocess,
-    PretrainedDownloadError,
-    load_model_and_meta,
-)
+from vit.checkpoint import load_model_and_meta
 from vit.data.images import read_rgb
+from vit.data.preprocess import Preprocess
 from vit.export import INPUTS, OPSET, ImageSpec, OnnxClassifier, export_onnx, image_spec, max_abs_diff
 from vit.naflex import pack
 from vit.tools.args import non_negative_float, positive_int
+from vit.weights import PretrainedDownloadError
 
 
 def default_out(source: str) -> Path:

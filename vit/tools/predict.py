@@ -38,8 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vit.checkpoint import Preprocess, load_checkpoint
+from vit.checkpoint import load_checkpoint
 from vit.data.images import read_rgb
+from vit.data.preprocess import Preprocess
 from vit.export import OnnxClassifier, image_spec, save_atomically
 from vit.naflex import Inputs
 from vit.tools.args import image_files, positive_int

@@ -48,9 +48,11 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from vit.checkpoint import Preprocess, RecordedScore, load_checkpoint, load_model_and_meta, recorded_score
+from vit.checkpoint import load_checkpoint, load_model_and_meta
+from vit.checkpoint_files import RecordedScore, recorded_score
 from vit.data.augment import center_crop_box
 from vit.data.images import ImageArrays, ImageFiles, read_rgb
+from vit.data.preprocess import Preprocess
 from vit.export import image_spec
 from vit.rollout import METHODS, check_vit, contact_sheet, denormalise, render_panel, rollout_maps
 from vit.tools.args import image_files, positive_int

@@ -144,7 +144,7 @@ def test_the_synthetic_imagenet_is_imagenet_like(tmp_path):
     110 KB), one image in 20 greyscale and one in 20 a PNG."""
     from PIL import Image
 
-    from vit.tools.data_check import write_synthetic_imagenet
+    from vit.tools.synthetic_imagenet import write_synthetic_imagenet
 
     made = write_synthetic_imagenet(tmp_path, train=40, val=4, classes=4, workers=1)
     files = sorted((tmp_path / "train").rglob("*.*"))
@@ -161,16 +161,16 @@ def test_the_synthetic_imagenet_is_imagenet_like(tmp_path):
 
 
 def test_a_synthetic_tree_cut_short_is_written_again_and_a_tree_of_ones_own_is_kept(tmp_path, monkeypatch):
-    import vit.tools.data_check as data_check
+    import vit.tools.synthetic_imagenet as synthetic
 
-    data_check.write_synthetic_imagenet(tmp_path / "synthetic", train=4, val=1, classes=2, size=(40, 30), workers=1)
-    assert not data_check.synthetic_tree_wanted(tmp_path / "synthetic")
+    synthetic.write_synthetic_imagenet(tmp_path / "synthetic", train=4, val=1, classes=2, size=(40, 30), workers=1)
+    assert not synthetic.synthetic_tree_wanted(tmp_path / "synthetic")
     (tmp_path / "own" / "train" / "a").mkdir(parents=True)  # another tree: no mark, used as it is
-    assert not data_check.synthetic_tree_wanted(tmp_path / "own") and data_check.synthetic_tree_wanted(tmp_path / "no")
-    monkeypatch.setattr(data_check, "_write_one", lambda job: 1 / 0)  # the writing stops at its first image
+    assert not synthetic.synthetic_tree_wanted(tmp_path / "own") and synthetic.synthetic_tree_wanted(tmp_path / "no")
+    monkeypatch.setattr(synthetic, "_write_one", lambda job: 1 / 0)  # the writing stops at its first image
     with pytest.raises(ZeroDivisionError):
-        data_check.write_synthetic_imagenet(tmp_path / "cut", train=4, val=1, classes=2, size=(40, 30), workers=1)
-    assert (tmp_path / "cut" / "train").is_dir() and data_check.synthetic_tree_wanted(tmp_path / "cut")
+        synthetic.write_synthetic_imagenet(tmp_path / "cut", train=4, val=1, classes=2, size=(40, 30), workers=1)
+    assert (tmp_path / "cut" / "train").is_dir() and synthetic.synthetic_tree_wanted(tmp_path / "cut")
 
 
 def test_the_data_check_times_the_data_path_over_epochs_and_the_model_as_its_recipe_trains_it(tmp_path, monkeypatch):
@@ -360,7 +360,7 @@ def test_the_gpu_busy_shares_count_overlaps_once_and_part_the_busiest_stream_fro
     30% (13's 50-60 overlaps 7's and counts in both, once in the total)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vit.tools.data_check import DeviceBusy, busy_shares, spans
+    from vit.tools.fit_audit import DeviceBusy, busy_shares, spans
 
     shares = busy_shares([(7, 0, 40), (7, 30, 60), (13, 50, 70), (17, 80, 90)], 100)
     assert shares == pytest.approx({"any": 0.8, "busiest": 0.6, "others": 0.3})
@@ -384,7 +384,7 @@ def test_the_sync_audit_counts_each_threads_waits_a_step_and_where_and_shows_oth
     import threading
     import warnings
 
-    from vit.tools.data_check import SYNC_WARNING, SyncAudit
+    from vit.tools.fit_audit import SYNC_WARNING, SyncAudit
 
     def wait() -> None:
         warnings.warn(SYNC_WARNING, stacklevel=1)
@@ -413,7 +413,7 @@ def test_host_waits_count_the_syncs_torch_reports_and_not_its_prototype_notice()
     prototype (the texts of torch 2.11's libc10_cuda / libtorch_python): only the waits count."""
     import warnings
 
-    from vit.tools.data_check import sync_sites
+    from vit.tools.fit_audit import sync_sites
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

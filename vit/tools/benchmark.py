@@ -15,9 +15,10 @@ Sections (`--sections`, each one function returning a `Section`; add one to SECT
   profile    where a ViT training step spends its time, by kind of op, ours and timm's
   data       the albumentations train transform per worker vs torchvision transforms v2, same ops
 
-Method: everything compared is timed in turn within each repetition (order alternating), after
-warm-up, so a change in machine load hits all contenders alike; we report the median and the
-min-max over repetitions, and ratios as the median of per-repetition ratios.
+Method (vit.tools.bench_measure): everything compared is timed in turn within each repetition
+(order alternating), after warm-up, so a change in machine load hits all contenders alike; we
+report the median and the min-max over repetitions, and ratios as the median of per-repetition
+ratios. The data section lives in vit.tools.bench_data.
 """
 
 from __future__ import annotations
@@ -28,12 +29,9 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +42,20 @@ from torch import nn
 import vit
 from vit.layers import Attention
 from vit.timm_args import timm_kwargs
+from vit.tools.bench_data import section_data
+from vit.tools.bench_measure import (
+    Bench,
+    Section,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_spread,
+    interleaved,
+    matmul_peak,
+    paired_ratio,
+    peak_memory,
+    rate,
+    spread,
+)
 from vit.tools.flops import count_flops, mfu, peak_tflops
 from vit.tools.machine import cpu_name, markdown_table
 
@@ -66,124 +78,6 @@ ATTN_CASES += [("256px / 4", 256, 4)]
 ATTN_CASES_QUICK = [("16px / 4", 16, 4), ("32px / 4", 32, 4)]
 RESNET_CASES = [("resnet18", 224, 16, 8), ("resnet50", 224, 8, 8)]  # name, image size, inference/train batch
 RESNET_CASES_QUICK = [("resnet20", 32, 8, 8)]
-
-
-@dataclass
-class Bench:
-    """Run-wide settings every section reads."""
-
-    device: torch.device
-    dtype: torch.dtype
-    compile: bool
-    quick: bool
-    reps: int
-    warmup: int
-    data_root: Path
-    min_sample_s: float = 0.5  # a timed sample repeats short calls until it lasts this long
-    matmul_gflops: float | None = None  # the same-run matmul rate utilisation is measured against
-    peak_tflops: float | None = None  # the GPU's data-sheet bf16 peak (MFU), None on a CPU or unknown GPU
-    vit_cases: list[tuple[str, int, int]] | None = None  # --models; None: the device's default cases
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
-    def prepare(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
-        return torch.compile(model) if self.compile else model
-
-
-@dataclass
-class Section:
-    """One section's output: raw rows for the JSON, a formatted table and notes for the markdown."""
-
-    title: str
-    header: list[str]
-    table: list[list[str]]
-    rows: list[dict[str, Any]]
-    notes: list[str] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-def interleaved(bench: Bench, fns: dict[str, Callable[[], object]], reps: int | None = None) -> dict[str, list[float]]:
-    """Seconds per call of each fn, one sample per fn per repetition, in alternating order, so a drift
-    in machine load (other jobs on a shared CPU) affects every contender alike. A sample repeats a
-    short call until it lasts `bench.min_sample_s`, so one preemption of a thread does not dominate it."""
-    names = list(fns)
-    calls = {}
-    for name in names:
-        for _ in range(max(1, bench.warmup)):
-            bench.sync()
-            start = time.perf_counter()
-            fns[name]()
-            bench.sync()
-        calls[name] = max(1, math.ceil(bench.min_sample_s / (time.perf_counter() - start)))
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(bench.reps if reps is None else reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            bench.sync()
-            start = time.perf_counter()
-            for _ in range(calls[name]):
-                fns[name]()
-            bench.sync()
-            times[name].append((time.perf_counter() - start) / calls[name])
-    return times
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def rate(seconds: list[float], items: int) -> dict[str, float]:
-    """Items per second: median and min-max over repetitions."""
-    return spread([items / s for s in seconds])
-
-
-def paired_ratio(ours: list[float], theirs: list[float]) -> dict[str, float]:
-    """Speed ratio ours/theirs per repetition (their time / our time), then median and min-max."""
-    return spread([t / o for o, t in zip(ours, theirs, strict=True)])
-
-
-def peak_memory(bench: Bench, fn: Callable[[], object]) -> int:
-    """Peak bytes allocated during one call, above what was allocated before it.
-
-    CUDA: the caching allocator's peak. CPU: every allocation and free the profiler records (the
-    kernels' own scratch buffers included), replayed in time order; this counts tensor memory, not
-    the process RSS, and does not depend on what the allocator keeps cached."""
-    if bench.device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [
-        e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"
-    ]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
-def matmul_peak(bench: Bench) -> dict[str, Any]:
-    """GFLOP/s of a large square matmul: the practical compute limit of this machine and dtype."""
-    n = 512 if bench.quick else 8192 if bench.device.type == "cuda" else 2048
-    a = torch.randn(n, n, device=bench.device, dtype=bench.dtype)
-    b = torch.randn(n, n, device=bench.device, dtype=bench.dtype)
-    seconds = interleaved(bench, {"mm": lambda: a @ b}, reps=3 if bench.quick else 10)["mm"]
-    gflops = spread([2 * n**3 / s / 1e9 for s in seconds])
-    return {"n": n, "dtype": str(bench.dtype), "gflops": gflops}
 
 
 # --------------------------------------------------------------------------- sections
@@ -588,121 +482,6 @@ def section_profile(bench: Bench) -> Section:
                    table, rows, notes)  # fmt: skip
 
 
-def section_data(bench: Bench) -> Section:
-    """The albumentations train transform, one worker (one process, one thread), vs torchvision v2."""
-    import cv2
-    import torchvision.transforms.v2 as T
-
-    from vit.data.augment import Augment
-    from vit.data.images import read_rgb
-    from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, train_transform
-
-    n = 16 if bench.quick else 256
-    # (label, folder, glob, output size, crop, re-encode at this size first)
-    cases = [
-        ("CIFAR-10 JPEG 32px -> 32, pad-crop 4", "cifar10/train", "*/*.jpg", 32, "pad_crop", None),
-        ("Tiny-ImageNet JPEG 64px -> 224, RRC", "tiny-imagenet-200/train", "*/images/*.JPEG", 224, "rrc", None),
-        (
-            "ImageNet-sized JPEG 500x375 -> 224, RRC",
-            "tiny-imagenet-200/train",
-            "*/images/*.JPEG",
-            224,
-            "rrc",
-            (500, 375),
-        ),
-    ]
-    if bench.quick:
-        cases = cases[:1]
-    threads, cv2_threads = torch.get_num_threads(), cv2.getNumThreads()
-    torch.set_num_threads(1)
-    cv2.setNumThreads(1)
-    rows = []
-    tmp = tempfile.TemporaryDirectory(prefix="vit-bench-")
-    try:
-        for label, folder, pattern, size, crop, reencode in cases:
-            root = bench.data_root / folder
-            files = sorted(root.glob(pattern))
-            if not files:
-                print(f"[data] {root} has no images; skipping {label}")
-                continue
-            files = files[:: max(1, len(files) // n)][:n]
-            if reencode:
-                files = reencoded_copies(files, reencode, Path(tmp.name))
-            decoded = [read_rgb(f) for f in files]
-            tensors = [torch.tensor(a).permute(2, 0, 1).contiguous() for a in decoded]
-            alb = train_transform(size, Augment(crop=crop, crop_scale=(0.08, 1.0), randaugment_ops=2))
-            if crop == "rrc":
-                crop_ops = [T.RandomResizedCrop(size, scale=(0.08, 1.0), interpolation=T.InterpolationMode.BICUBIC)]
-            else:
-                crop_ops = [T.Resize(size, interpolation=T.InterpolationMode.BICUBIC), T.RandomCrop(size, padding=4)]
-            tv = T.Compose(
-                [
-                    *crop_ops,
-                    T.RandomHorizontalFlip(),
-                    T.RandAugment(num_ops=2, magnitude=9),
-                    T.ToDtype(torch.float32, scale=True),
-                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-                ]
-            )
-            fns = {
-                "decode": lambda files=files: [read_rgb(f) for f in files],
-                "albumentations": lambda d=decoded, alb=alb: [alb(image=a)["image"] for a in d],
-                "torchvision_v2": lambda t=tensors, tv=tv: [tv(x) for x in t],
-            }
-            times = interleaved(bench, fns, reps=max(2, bench.reps // 2))
-            row: dict[str, Any] = {"case": label, "images": len(files), "img_size": size}
-            for key, seconds in times.items():
-                row[f"{key}_img_s"] = rate(seconds, len(files))
-            decode_s = statistics.median(times["decode"])
-            for key in ("albumentations", "torchvision_v2"):
-                total = decode_s + statistics.median(times[key])
-                row[f"{key}_with_decode_img_s"] = len(files) / total
-                row[f"{key}_workers_for_1000_img_s"] = 1000 / row[f"{key}_with_decode_img_s"]
-            rows.append(row)
-            print(f"[data] {label}: albumentations {row['albumentations_img_s']['median']:.0f} img/s")
-    finally:
-        torch.set_num_threads(threads)
-        cv2.setNumThreads(cv2_threads)
-        tmp.cleanup()
-    header = ["images (source -> size)", "decode (PIL) img/s", "albumentations img/s", "torchvision v2 img/s"]
-    header += ["decode + alb.", "decode + tv2", "workers for 1,000 img/s (alb. / tv2)"]
-    table = [
-        [
-            r["case"],
-            fmt_spread(r["decode_img_s"]),
-            fmt_spread(r["albumentations_img_s"]),
-            fmt_spread(r["torchvision_v2_img_s"]),
-            f"{r['albumentations_with_decode_img_s']:.0f}",
-            f"{r['torchvision_v2_with_decode_img_s']:.0f}",
-            f"{r['albumentations_workers_for_1000_img_s']:.1f} / {r['torchvision_v2_workers_for_1000_img_s']:.1f}",
-        ]
-        for r in rows
-    ]
-    notes = [
-        f"Per worker: one process with 1 torch and 1 OpenCV thread, {n} images from `{bench.data_root}`. "
-        "Train transform = `vit.data.transforms.train_transform` (crop, flip, 2 RandAugment ops at "
-        "magnitude 9, normalise, to tensor); torchvision v2 runs the same ops on uint8 tensors "
-        "(its RandAugment has its own op list and magnitude scale). Decoding (PIL, as `vit.data` does) "
-        "is timed separately and added. ImageNet-sized: Tiny-ImageNet images upscaled to 500x375 (about "
-        "ImageNet's mean size) and saved as JPEG quality 90, so decoding costs what it would on ImageNet.",
-    ]
-    return Section("Data pipeline, per worker", header, table, rows, notes)
-
-
-def reencoded_copies(files: list[Path], size: tuple[int, int], folder: Path) -> list[Path]:
-    """The images resized to `size` (bicubic) and saved as JPEG quality 90 under `folder`: real photos
-    at the pixel count of an ImageNet JPEG, for a decode cost we do not have real files for here."""
-    from PIL import Image
-
-    copies = []
-    for i, f in enumerate(files):
-        with Image.open(f) as image:
-            path = folder / f"{i:05d}_{size[0]}x{size[1]}.jpg"
-            image.convert("RGB").resize(size, Image.Resampling.BICUBIC).save(path, quality=90)
-        copies.append(path)
-    return copies
-
-
 SECTIONS: dict[str, Callable[[Bench], Section]] = {
     "vit": section_vit,
     "attention": section_attention,
@@ -713,26 +492,6 @@ SECTIONS: dict[str, Callable[[Bench], Section]] = {
 
 
 # --------------------------------------------------------------------------- report
-
-
-def fmt_num(x: float) -> str:
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
-
-
-def fmt_spread(s: dict[str, float]) -> str:
-    return f"{fmt_num(s['median'])} ({fmt_num(s['min'])}-{fmt_num(s['max'])})"
-
-
-def fmt_ratio(s: dict[str, float]) -> str:
-    return f"**{s['median']:.2f}** ({s['min']:.2f}-{s['max']:.2f})"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def machine(bench: Bench) -> dict[str, Any]:

@@ -31,106 +31,32 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
-import io
-import multiprocessing
 import os
 import re
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import warnings
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
-from PIL import Image
 
+from vit.tools.fit_audit import DeviceBusy, SyncAudit, sync_sites
 from vit.tools.fit_timing import FitCase, run_fit
+from vit.tools.synthetic_imagenet import photo_jpeg
+
+# Re-exported: the data studies (benchmarks/data_*.py) and tests import the synthetic ImageNet from here.
+from vit.tools.synthetic_imagenet import synthetic_photo as synthetic_photo
+from vit.tools.synthetic_imagenet import synthetic_tree_wanted as synthetic_tree_wanted
+from vit.tools.synthetic_imagenet import write_synthetic_imagenet as write_synthetic_imagenet
 from vit.training import StepTimer
 
 RECIPES = ("configs/imagenet_vit_b16.yaml", "configs/imagenet_resnet50.yaml")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-# -- a synthetic ImageNet ------------------------------------------------------------------------
-
-
-def synthetic_photo(rng: np.random.Generator, width: int, height: int) -> Image.Image:
-    """Smooth colour regions, mid-frequency texture and grain: JPEG-encodes at quality 90 to about
-    4 bits a pixel (98 KB at 500x375), as ImageNet's photos do."""
-    low = rng.integers(0, 256, (height // 25 + 2, width // 25 + 2, 3), dtype=np.uint8)
-    mid = rng.integers(0, 256, (height // 4 + 1, width // 4 + 1, 3), dtype=np.uint8)
-    base = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), dtype=np.float32)
-    texture = np.asarray(Image.fromarray(mid).resize((width, height), Image.BILINEAR), dtype=np.float32) - 128
-    pixels = base + 0.35 * texture + rng.normal(0, 14, (height, width, 3))
-    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
-
-
-def _write_one(job: tuple[Path, int, tuple[int, int]]) -> int:
-    path, seed, (width, height) = job
-    rng = np.random.default_rng(seed)
-    w, h = (
-        int(rng.integers(width * 4 // 5, width * 6 // 5 + 1)),
-        int(rng.integers(height * 4 // 5, height * 6 // 5 + 1)),
-    )
-    image = synthetic_photo(rng, w, h)
-    buffer = io.BytesIO()
-    if path.suffix == ".png":
-        image.save(buffer, "PNG")
-    else:
-        (image.convert("L") if seed % 20 == 1 else image).save(buffer, "JPEG", quality=90)
-    path.write_bytes(buffer.getvalue())
-    return len(buffer.getvalue())
-
-
-SPAWN_PIXELS = 10**8  # write_synthetic_imagenet's pixels (~20 s in one process) worth starting workers for
-
-
-def write_synthetic_imagenet(
-    root: str | Path, train: int, val: int, classes: int = 100, size: tuple[int, int] = (500, 375),
-    workers: int | None = None,
-) -> dict[str, float]:  # fmt: skip
-    """`root/{train,val}/n<class>/<i>.JPEG` (every 20th a greyscale JPEG, every 20th from the 10th a
-    PNG), sizes within 20% of `size`; returns the image count and mean file size in KB. `workers`
-    (None: one a core, if the tree is large enough to repay starting them) write it in parallel.
-    A tree cut short while written is marked so (synthetic_tree_wanted)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / WRITING).touch()
-    jobs = []
-    for split, count in (("train", train), ("val", val)):
-        for i in range(count):
-            folder = root / split / f"n{i % classes:08d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            seed = i if split == "train" else 10**6 + i
-            jobs.append((folder / f"{i}.{'png' if i % 20 == 10 else 'JPEG'}", seed, size))
-    if workers is None:  # a worker takes seconds to start (it imports torch); an image ~0.2 us a pixel
-        small = len(jobs) * size[0] * size[1] < SPAWN_PIXELS
-        workers = 1 if small else min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    if workers > 1:
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            sizes = pool.map(_write_one, jobs, chunksize=16)
-    else:
-        sizes = [_write_one(job) for job in jobs]
-    (root / WRITING).unlink()
-    return {"images": len(sizes), "mean_kb": float(np.mean(sizes)) / 1e3}
-
-
-WRITING = ".writing"  # in a synthetic tree's root while write_synthetic_imagenet writes it
-
-
-def synthetic_tree_wanted(root: str | Path) -> bool:
-    """Whether `root` lacks an image tree, or holds a synthetic one whose writing was cut short:
-    a tree of one's own (no mark) is used as it is."""
-    return not (Path(root) / "train").is_dir() or (Path(root) / WRITING).exists()
 
 
 # -- the three speeds ----------------------------------------------------------------------------
@@ -266,10 +192,10 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as workdir:
         timer = ["--trainer.callbacks+=vit.training.StepTimer", f"--trainer.callbacks.warmup={case.warmup}",
                  f"--trainer.callbacks.sync_each_step={str(case.sync_each_step).lower()}",
-                 "--trainer.callbacks+=vit.tools.data_check.DeviceBusy",  # the last warmup steps: not timed
+                 "--trainer.callbacks+=vit.tools.fit_audit.DeviceBusy",  # the last warmup steps: not timed
                  f"--trainer.callbacks.start={max(case.warmup - 7, 0)}",
                  f"--trainer.callbacks.stop={max(case.warmup - 3, 0)}",
-                 "--trainer.callbacks+=vit.tools.data_check.SyncAudit",
+                 "--trainer.callbacks+=vit.tools.fit_audit.SyncAudit",
                  f"--trainer.callbacks.start={max(case.warmup - 3, 0)}",
                  f"--trainer.callbacks.stop={case.warmup}"]  # fmt: skip
         with _quiet():
@@ -283,173 +209,6 @@ def end_to_end_speed(case: DataCase, compile: bool) -> tuple[float, str]:
     note += ", the host waiting for the device after each" if timer.sync_each_step else ""
     note += busy.summary() + audit.summary()
     return timer.images_per_second, note + data_times(cli.trainer.train_dataloader, case.steps - case.warmup)
-
-
-class SyncAudit(Callback):
-    """Where the host waits for the device during training steps `start` .. `stop` - 1, by thread,
-    as torch.cuda.set_sync_debug_mode("warn") reports the waits (on CUDA only; a CPU never waits).
-    A wait in the training thread stops it queueing the next kernels while the device works
-    through those queued; a data thread's wait holds up only that thread. Each wait's site is the
-    innermost frame outside torch (file:line)."""
-
-    def __init__(self, start: int = 0, stop: int = 0) -> None:
-        self.start, self.stop = start, stop
-        self.waits: list[tuple[bool, str]] = []  # (in the training thread, site)
-        self.audited = False
-        self._caught: warnings.catch_warnings | None = None
-        self._cuda = False
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_step == self.start < self.stop and trainer.strategy.root_device.type == "cuda":
-            self.begin(cuda=True)
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step >= self.stop:
-            self.end()
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.end()
-
-    def begin(self, cuda: bool) -> None:
-        """Record the waits from here on: every thread's, the calling one's as the training thread's."""
-        self._caught, self._cuda, self.audited = warnings.catch_warnings(), cuda, True
-        self._caught.__enter__()
-        warnings.simplefilter("always")
-        training, show = threading.current_thread(), warnings.showwarning
-
-        def record(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
-            if SYNC_WARNING in str(message):
-                self.waits.append((threading.current_thread() is training, _site(traceback.extract_stack()[:-1])))
-            else:
-                show(message, category, filename, lineno, *rest)
-
-        warnings.showwarning = record
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-
-    def end(self) -> None:
-        if self._caught is None:
-            return
-        if self._cuda:
-            torch.cuda.set_sync_debug_mode("default")
-        self._caught.__exit__(None, None, None)
-        self._caught = None
-
-    def summary(self) -> str:
-        """The note's words: waits a step in each kind of thread, and where; "" if nothing was audited."""
-        if not self.audited:
-            return ""
-        steps, parts = max(self.stop - self.start, 1), []
-        for training, who in ((True, "the training thread"), (False, "the data threads")):
-            sites = Counter(site for in_training, site in self.waits if in_training == training)
-            where = ", ".join(f"{site} x{n}" for site, n in sites.most_common(3))
-            parts.append(f"{sum(sites.values()) / steps:.1f} in {who}" + (f" ({where})" if where else ""))
-        return f"; host waits a step ({steps} steps): " + ", ".join(parts)
-
-
-class DeviceBusy(Callback):
-    """How busy the GPU was over training steps `start` .. `stop` - 1, from torch's profiler (its
-    kernels and copies, CUDA activity only, so the host is not slowed by recording its ops): the
-    share of the wall time some stream was running, and the shares of the busiest stream (the
-    model's) and of the others (the data path's). Near 100%, the GPU sets the pace and cheaper
-    kernels are what helps; well below it, the host does not queue work fast enough. CUDA only.
-    A profiler that fails is named in the note; the run goes on."""
-
-    def __init__(self, start: int = 0, stop: int = 0) -> None:
-        self.start, self.stop = start, stop
-        self.shares: dict[str, float] | None = None
-        self.error: str | None = None
-        self._profile: Any = None
-        self._began = 0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self.start < self.stop and trainer.strategy.root_device.type == "cuda":
-            from torch.profiler import ProfilerActivity, profile
-
-            torch.cuda.synchronize()  # the window starts with nothing queued
-            try:
-                self._profile = profile(activities=[ProfilerActivity.CUDA])
-                self._profile.__enter__()
-            except Exception as e:
-                self._profile, self.error = None, f"{type(e).__name__}: {e}"[:80]
-            self._began = time.perf_counter_ns()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._profile is None or trainer.global_step < self.stop:
-            return
-        torch.cuda.synchronize()
-        wall = time.perf_counter_ns() - self._began
-        profile, self._profile = self._profile, None
-        try:
-            profile.__exit__(None, None, None)
-            self.shares = busy_shares(spans(profile, "cuda"), wall)
-        except Exception as e:
-            self.error = f"{type(e).__name__}: {e}"[:80]
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if self._profile is not None:
-            self._profile.__exit__(None, None, None)
-            self._profile = None
-
-    def summary(self) -> str:
-        """The note's words; "" if nothing was measured."""
-        if self.error is not None:
-            return f"; GPU busy not measured ({self.error})"
-        if self.shares is None:
-            return ""
-        s = self.shares
-        return (
-            f"; GPU busy {s['any']:.0%} of {self.stop - self.start} steps (its busiest stream {s['busiest']:.0%}, "
-            f"the others {s['others']:.0%})"
-        )
-
-
-def spans(profile: Any, device: str) -> list[tuple[int, int, int]]:
-    """(stream, start_ns, end_ns) of each of a finished torch.profiler run's events on `device`
-    ("cuda": kernels and copies, by stream; "cpu": ops, by thread)."""
-    from torch.autograd import DeviceType
-
-    kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
-    events = profile.profiler.kineto_results.events()
-    return [(e.device_resource_id(), e.start_ns(), e.end_ns()) for e in events if e.device_type() == kind]
-
-
-def busy_shares(intervals: Sequence[tuple[int, int, int]], wall_ns: int) -> dict[str, float]:
-    """Shares of `wall_ns` covered by (stream, start_ns, end_ns) intervals: by any stream (`any`),
-    by the stream that covers most (`busiest`), and by the other streams together (`others`);
-    overlapping intervals count once."""
-
-    def covered(spans: Sequence[tuple[int, int]]) -> int:
-        total, reach = 0, None
-        for start, end in sorted(spans):
-            if reach is None or start > reach:
-                total, reach = total + end - start, end
-            elif end > reach:
-                total, reach = total + end - reach, end
-        return total
-
-    streams: dict[int, list[tuple[int, int]]] = {}
-    for stream, start, end in intervals:
-        streams.setdefault(stream, []).append((start, end))
-    busiest = max(streams, key=lambda s: covered(streams[s]), default=None)
-    others = [span for s, spans in streams.items() if s != busiest for span in spans]
-    wall = max(wall_ns, 1)
-    return {
-        "any": covered([span for spans in streams.values() for span in spans]) / wall,
-        "busiest": covered(streams.get(busiest, [])) / wall,
-        "others": covered(others) / wall,
-    }
-
-
-def _site(stack: traceback.StackSummary) -> str:
-    """file:line of the innermost frame outside torch and the warnings module."""
-    skipped = (str(Path(torch.__file__).parent), warnings.__file__)
-    for frame in reversed(stack):
-        if not frame.filename.startswith(skipped):
-            return f"{Path(frame.filename).name}:{frame.lineno}"
-    return "?"
 
 
 def data_times(loader: Any, batches: int) -> str:
@@ -604,7 +363,7 @@ def decoder_race(device: str, iterations: int = 100, images: int = 32) -> dict[s
     from vit.data.device import decode_batch
 
     rng = np.random.default_rng(0)
-    data = [_photo_jpeg(rng) for _ in range(images)]
+    data = [photo_jpeg(rng) for _ in range(images)]
     decoders = {
         "torchvision decode_jpeg": lambda: decode_jpeg(data, mode=ImageReadMode.RGB, device=device),
         "vit decode_batch": lambda: decode_batch(data, device),
@@ -676,7 +435,7 @@ def host_syncs(device: str, images: int = 32) -> list[str]:
     rng = np.random.default_rng(0)
     batch = []
     for i in range(images):
-        data = _photo_jpeg(rng)
+        data = photo_jpeg(rng)
         box = random_resized_crop_box(rng, 375, 500)
         params = torch.tensor([*box, i % 2, *draw_rand_augment(rng, 2, 9.0)[0], i], dtype=torch.float64)
         batch.append((data, i % 10, params))
@@ -695,19 +454,3 @@ def host_syncs(device: str, images: int = 32) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sync_sites(caught)
-
-
-SYNC_WARNING = "called a synchronizing CUDA operation"  # what set_sync_debug_mode("warn") says at each wait
-
-
-def sync_sites(caught: Sequence[warnings.WarningMessage]) -> list[str]:
-    """file:line of each host wait among `caught` warnings. Setting the mode also warns once that
-    it is "a prototype feature and does not yet detect all synchronizing operations": not a wait."""
-    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)]
-
-
-def _photo_jpeg(rng: np.random.Generator) -> torch.Tensor:
-    """A 500x375 synthetic photo as JPEG bytes (quality 90), as a loader worker hands them over."""
-    buffer = io.BytesIO()
-    synthetic_photo(rng, 500, 375).save(buffer, "JPEG", quality=90)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)

@@ -49,12 +49,11 @@ from vit.tools.data_check import (
     decoder_race,
     host_syncs,
     prefetch_agrees,
-    synthetic_tree_wanted,
     unknown_variants,
-    write_synthetic_imagenet,
 )
 from vit.tools.fit_timing import FitCase, Row, format_table, run_fit, square_side
 from vit.tools.flops import mfu, peak_tflops
+from vit.tools.synthetic_imagenet import synthetic_tree_wanted, write_synthetic_imagenet
 
 # -- the flash attention check ------------------------------------------------------------------
 

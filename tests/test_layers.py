@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from vit.layers import Attention, Block, BlockConfig, DropPath, LayerScale, PatchEmbed
+from vit.layers import (
+    BLOCKS,
+    Attention,
+    AttnArgs,
+    Block,
+    BlockConfig,
+    DropPath,
+    LayerScale,
+    ParallelScalingBlock,
+    ParallelThingsBlock,
+    PatchEmbed,
+    ResPostBlock,
+    WindowBlock,
+    block_class,
+    make_block,
+)
+from vit.layers.attention import _AttentionBase
 
 
 def test_patch_embed_is_a_strided_conv_flattened_row_major():
@@ -74,11 +92,10 @@ def test_under_cpu_bf16_autocast_the_fused_path_attends_in_fp32(mask_kind, causa
     """PyTorch's CPU flash kernel is several times slower in bf16 than in fp32 at ViT lengths, so the
     fused path attends in fp32 there: the output is only the fp32 result rounded to bf16."""
     attn = Attention(dim=32, num_heads=4, causal=causal)
-    attn.proj = torch.nn.Identity()  # to compare the attention itself
     q, k, v = (torch.randn(3, 4, 10, 8).bfloat16().requires_grad_() for _ in range(3))
     mask = MASKS[mask_kind](3, 10)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, _ = attn.attend(q, k, v, attn_mask=mask, is_causal=causal)
+        out, _ = attn.attention(q, k, v, attn_mask=mask, is_causal=causal)
     scores = q.double() @ k.double().transpose(-1, -2) / 8**0.5
     if causal:
         scores = scores.masked_fill(torch.ones(10, 10).triu(1).bool(), float("-inf"))
@@ -138,11 +155,12 @@ def test_mean_from_is_the_mean_of_the_output_for_less_work(mlp):
             block(x, **kwargs)
         flops.append(counter.get_total_flops())
     assert flops[0] < 0.8 * flops[1]  # fc2 once an image, not once a token
-    refused = [Block(BlockConfig(embed_dim=24, num_heads=3, post_norm=True)),
-               Block(BlockConfig(embed_dim=24, num_heads=3, proj_drop_rate=0.1)).train()]  # fmt: skip
-    for other in refused:
-        with pytest.raises(ValueError, match="mean_from needs"):
-            other(x, mean_from=0)
+    post_norm = make_block(BlockConfig(embed_dim=24, num_heads=3, post_norm=True))
+    assert isinstance(post_norm, ResPostBlock) and not post_norm.can_mean()
+    with pytest.raises(TypeError, match="mean_from"):  # a post-norm block's forward has no such shortcut
+        post_norm(x, mean_from=0)
+    with pytest.raises(ValueError, match="mean_from needs"):
+        Block(BlockConfig(embed_dim=24, num_heads=3, proj_drop_rate=0.1)).train()(x, mean_from=0)
 
 
 def test_drop_path_drops_whole_samples_and_keeps_the_expectation():
@@ -174,3 +192,43 @@ def test_a_causal_block_equals_the_same_block_given_a_causal_mask():
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     torch.testing.assert_close(causal_block(x), block(x, attn_mask=causal), atol=1e-6, rtol=1e-5)
     assert not torch.allclose(causal_block(x), block(x), atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("options", "cls"),
+    [
+        ({}, Block),
+        ({"post_norm": True, "init_values": 0.5}, ResPostBlock),
+        ({"window_size": 2}, WindowBlock),
+        ({"block_fn": "parallel_scaling"}, ParallelScalingBlock),
+        ({"block_fn": "parallel_things"}, ParallelThingsBlock),
+    ],
+)
+def test_make_block_builds_the_class_the_config_describes_and_every_one_is_a_block(options, cls):
+    config = BlockConfig(embed_dim=24, num_heads=3, **options)
+    block = make_block(config, grid=(3, 3))
+    assert type(block) is cls and block_class(config) is cls
+    assert isinstance(block, BLOCKS)  # what sharding wraps and checkpointing recomputes, one unit a block
+    assert block(torch.randn(2, 9, 24)).shape == (2, 9, 24)
+    if cls is not Block:
+        with pytest.raises(ValueError, match=r"build blocks with vit\.layers\.make_block"):
+            Block(config, grid=(3, 3))
+
+
+def test_a_post_norm_block_normalises_each_branch_after_it():
+    block = make_block(BlockConfig(embed_dim=24, num_heads=3, post_norm=True, init_values=0.5)).eval()
+    x = torch.randn(2, 7, 24)
+    h = x + block.norm1(block.attn(x))
+    torch.testing.assert_close(block(x), h + block.norm2(block.mlp(h)))
+    assert torch.equal(block.norm1.weight, torch.full((24,), 0.5)) and block.gamma_1 is None  # no LayerScale
+    with pytest.raises(ValueError, match="window_size is an option of pre-norm blocks"):
+        BlockConfig(post_norm=True, window_size=2)
+
+
+def test_attn_args_lists_every_keyword_the_attention_core_takes():
+    """One list of what a call tells the attention (AttnArgs); blocks and layers pass it through as is."""
+    core = inspect.signature(_AttentionBase.self_attention).parameters
+    assert set(AttnArgs.__annotations__) == set(core) - {"self", "qkv", "attn_mask"}
+    for cls in (Attention, Block, ResPostBlock, WindowBlock, ParallelScalingBlock, ParallelThingsBlock):
+        kinds = {p.name: p.kind for p in inspect.signature(cls.forward).parameters.values()}
+        assert kinds.get("kw") is inspect.Parameter.VAR_KEYWORD, cls

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import vit
 from tests.conftest import timm_and_ours
-from vit.layers import Attention, Block, BlockConfig, window_partition, window_unpartition
+from vit.layers import Attention, BlockConfig, WindowBlock, make_block, window_partition, window_unpartition
 
 RELPOS_NAMES = timm.list_models(module="vision_transformer_relpos")
 SAM_NAMES = timm.list_models(module="vision_transformer_sam")
@@ -183,7 +183,8 @@ def test_windowed_weights_placed_on_the_grid_give_the_windowed_attentions_output
     """A 5x5 grid in windows of 2 (padded to 6x6): each token's weights on its own window's tokens,
     zero elsewhere; times the tokens' values they give what the block's attention computed."""
     torch.manual_seed(0)
-    block = Block(BlockConfig(embed_dim=32, num_heads=2, window_size=2, qkv_bias=False), grid=(5, 5)).eval()
+    block = make_block(BlockConfig(embed_dim=32, num_heads=2, window_size=2, qkv_bias=False), grid=(5, 5)).eval()
+    assert isinstance(block, WindowBlock)
     x = torch.randn(3, 25, 32)
     computed = []  # the attention's output before its projection, per window
     hook = block.attn.proj.register_forward_hook(lambda m, args, out: computed.append(args[0]))
@@ -227,7 +228,7 @@ def test_relative_positions_and_windows_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match="unknown rel_pos_type"):
         BlockConfig(rel_pos_type="rope")
     with pytest.raises(ValueError, match="grid"):
-        Block(BlockConfig(embed_dim=32, num_heads=2, window_size=2))
+        make_block(BlockConfig(embed_dim=32, num_heads=2, window_size=2))
     with pytest.raises(ValueError, match="patch_drop_rate"):
         vit.create_model("vit_relpos_small_patch16_224", patch_drop_rate=0.5)
     with pytest.raises(ValueError, match="build it with that img_size"):

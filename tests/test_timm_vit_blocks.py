@@ -100,3 +100,11 @@ def test_block_options_refuse_what_they_cannot_build():
     with pytest.raises(ValueError, match="rope"):
         vit.create_model("vit_nano_patch4_16", posemb="rope", attn_layer="diff")
     assert isinstance(vit.create_model("vit_dpwee_patch16_reg1_gap_256", depth=1).blocks[0], ParallelScalingBlock)
+
+
+@pytest.mark.parametrize("block_fn", ["parallel_scaling", "parallel_things"])
+def test_sharding_takes_parallel_blocks_as_units_too(block_fn):
+    """ShardedStrategy shards one unit a block (vit.layers.BLOCKS): the parallel blocks are blocks too."""
+    from vit.sharding import check_shardable
+
+    check_shardable(None, vit.create_model("vit_nano_patch4_16", num_classes=3, block_fn=block_fn))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit.layers import Block, BlockConfig, KVCache, make_norm, moe_aux_loss
+from vit.layers import Block, BlockConfig, KVCache, make_block, make_norm, moe_aux_loss  # noqa: F401  (Block: vit.gpt.Block)
 from vit.position import rope_1d, sincos_1d
 from vit.registry import register_model
 
@@ -51,7 +51,7 @@ class GPT(nn.Module):
         self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim)
         self.pos_embed = nn.Embedding(c.block_size, c.embed_dim) if c.posemb == "learn" else None
         self.drop = nn.Dropout(c.dropout)
-        self.blocks = nn.ModuleList([Block(c, causal=True) for _ in range(c.depth)])
+        self.blocks = nn.ModuleList([make_block(c, causal=True) for _ in range(c.depth)])
         self.norm = make_norm(c.norm, c.embed_dim, c.norm_eps)
         self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
         self.lm_head.weight = self.tok_embed.weight  # weight tying (Press & Wolf 2017)

@@ -365,19 +365,11 @@ class NaFlexVit(VisionTransformer):
         return {"patches": self.norm(x), "patch_valid": patch_valid}
 
     def forward_intermediates(
-        self,
-        x: torch.Tensor | dict[str, torch.Tensor],
-        indices: int | list[int] | None = None,
-        return_prefix_tokens: bool = False,
-        norm: bool = False,
-        stop_early: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-        output_dict: bool = False,
-        patch_coord: torch.Tensor | None = None,
-        patch_valid: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
-    ) -> list | tuple[torch.Tensor, list] | dict[str, Any]:
+        self, x: torch.Tensor | dict[str, torch.Tensor], indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False, output_fmt: str = "NCHW",
+        intermediates_only: bool = False, output_dict: bool = False, patch_coord: torch.Tensor | None = None,
+        patch_valid: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+    ) -> list | tuple[torch.Tensor, list] | dict[str, Any]:  # fmt: skip
         """timm's NaFlexVit.forward_intermediates: VisionTransformer's for images; for patch sequences
         (timm's dict, or patches with `patch_coord`) each chosen block's tokens, (B, N, D) with padding
         ("NLC" only: each image has its own grid, which `patch_coord` places). `output_dict`: timm's
@@ -400,12 +392,7 @@ class NaFlexVit(VisionTransformer):
         if attn_mask is None:
             attn_mask = padding_mask(patch_valid, self.num_prefix_tokens, tokens.dtype)
         tokens, _, taken = self._run_blocks(tokens, None, take=set(take), depth=depth, attn_mask=attn_mask)
-        taken = [self.norm(t) for t in taken] if norm else taken
-        prefix = [t[:, : self.num_prefix_tokens] for t in taken]
-        out = [t[:, self.num_prefix_tokens :] for t in taken]
-        if output_fmt == "NCHW":
-            h, w = self.patch_grid(x)
-            out = [t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for t in out]
+        prefix, out = self._intermediates(taken, norm, output_fmt, self.patch_grid(x) if output_fmt == "NCHW" else None)
         return_prefix_tokens = return_prefix_tokens and self.num_prefix_tokens > 0  # timm's: none to return
         if output_dict:
             result: dict[str, Any] = {"image_intermediates": out}

@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from vit.position import RelPosBias, RelPosMlp
-from vit.registry import register_timm_names
-from vit.timm_args import record_timm_builder, timm_arg_names, timm_norm
+from vit.timm_args import no_equivalent, timm_family, timm_norm
 from vit.vision_transformer import Rope, VisionTransformer, ViTConfig
 
 
@@ -77,14 +76,10 @@ class VisionTransformerRelPos(VisionTransformer):
 # -- timm's names, read from timm's model functions ------------------------------------------------
 
 
-def timm_relpos_args(name: str, **kwargs: object) -> dict:
-    """The kwargs timm's `create_model(name, **kwargs)` builds its VisionTransformerRelPos with (its model
-    function's, read with timm's builder swapped for a recorder, and its pretrained config's)."""
-    import timm.models.vision_transformer_relpos as timm_relpos
-
-    return record_timm_builder(name, timm_relpos, "_create_vision_transformer_relpos", **kwargs)
-
-
+@timm_family(
+    "relative-position ViT", timm.models.vision_transformer_relpos, "_create_vision_transformer_relpos",
+    VisionTransformerRelPos, RelPosConfig, timm.models.vision_transformer_relpos.VisionTransformerRelPos,
+)  # fmt: skip
 def from_timm_relpos_args(args: dict) -> dict:
     """timm's VisionTransformerRelPos kwargs as RelPosConfig fields; anything without an equal is a ValueError."""
     import timm.models.vision_transformer_relpos as timm_relpos
@@ -115,13 +110,5 @@ def from_timm_relpos_args(args: dict) -> dict:
         elif key in theirs and key in fields:
             out[key] = value
         else:
-            name = getattr(value, "__name__", value)
-            raise ValueError(f"timm's VisionTransformerRelPos {key}={name!r} has no equivalent here")
+            raise no_equivalent("VisionTransformerRelPos", key, value)
     return out
-
-
-register_timm_names(
-    "relative-position ViT", [("*", "vision_transformer_relpos")], VisionTransformerRelPos, RelPosConfig,
-    lambda name, **kw: from_timm_relpos_args(timm_relpos_args(name, **kw)),
-    timm_arg_names(timm.models.vision_transformer_relpos.VisionTransformerRelPos),
-)  # fmt: skip

@@ -20,8 +20,7 @@ from timm.layers import resample_abs_pos_embed
 from torch import nn
 
 from vit.layers import LayerNorm2d
-from vit.registry import register_timm_names
-from vit.timm_args import record_timm_builder, timm_arg_names
+from vit.timm_args import no_equivalent, timm_family
 from vit.vision_transformer import VisionTransformer, ViTConfig, _take_indices
 
 SAM_POOLS = ("avg", "max", "avgmax", "")
@@ -185,14 +184,6 @@ class Sam(VisionTransformer):
 # -- timm's names, read from timm's model functions ------------------------------------------------
 
 
-def timm_sam_args(name: str, **kwargs: object) -> dict:
-    """The kwargs timm's `create_model(name, **kwargs)` builds its VisionTransformerSAM with (its model function's,
-    read with timm's builder swapped for a recorder, and its pretrained config's)."""
-    import timm.models.vision_transformer_sam as timm_sam
-
-    return record_timm_builder(name, timm_sam, "_create_vision_transformer", **kwargs)
-
-
 # timm's VisionTransformerSAM kwargs we have no equal for, when set away from timm's default: what they
 # are, and what to use instead.
 _REFUSED = {
@@ -206,6 +197,10 @@ _REFUSED = {
 }
 
 
+@timm_family(
+    "SAM", timm.models.vision_transformer_sam, "_create_vision_transformer", Sam, SamConfig,
+    timm.models.vision_transformer_sam.VisionTransformerSAM,
+)  # fmt: skip
 def from_timm_sam_args(args: dict) -> dict:
     """timm's VisionTransformerSAM kwargs as SamConfig fields; anything without an equal is a ValueError."""
     fields = {f.name for f in dataclasses.fields(SamConfig)}
@@ -233,13 +228,5 @@ def from_timm_sam_args(args: dict) -> dict:
         elif key in theirs and key in fields:
             out[key] = value
         else:
-            name = getattr(value, "__name__", value)
-            raise ValueError(f"timm's VisionTransformerSAM {key}={name!r} has no equivalent here")
+            raise no_equivalent("VisionTransformerSAM", key, value)
     return out
-
-
-register_timm_names(
-    "SAM", [("*", "vision_transformer_sam")], Sam, SamConfig,
-    lambda name, **kw: from_timm_sam_args(timm_sam_args(name, **kw)),
-    timm_arg_names(timm.models.vision_transformer_sam.VisionTransformerSAM),
-)  # fmt: skip

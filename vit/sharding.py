@@ -43,7 +43,7 @@ from vit.fault_tolerance import (
     checkpoint_complete,
     nan_advice,
 )
-from vit.layers import Block
+from vit.layers import BLOCKS
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class ShardedStrategy(ModelParallelStrategy):
 
 def check_shardable(task: Any, model: nn.Module | None) -> None:
     """What ShardedStrategy cannot train, refused before anything runs."""
-    if model is None or not any(isinstance(m, Block) for m in model.modules()):
+    if model is None or not any(isinstance(m, BLOCKS) for m in model.modules()):
         raise ValueError(
             "ShardedStrategy shards models made of vit.layers.Block (the ViTs, the GPT); "
             f"{type(model).__name__} has none: use strategy ddp"
@@ -160,7 +160,7 @@ def shard_model(model: nn.Module, mesh: Any, mp_policy: Any = None, reshard_afte
 
     options = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     for module in model.modules():
-        if isinstance(module, Block):
+        if isinstance(module, BLOCKS):
             fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
     return model

@@ -23,6 +23,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from types import ModuleType
 from typing import Any
 from unittest import mock
 
@@ -133,6 +134,30 @@ def record_timm_builder(name: str, module: object, builder: str, **kwargs: objec
         else:
             raise ValueError(f"timm's {name} does not build its model through timm's {builder}")
     return timm_pretrained_defaults(name) | recorded
+
+
+def timm_family(
+    family: str, module: ModuleType, builder: str, build: Callable[[Any], nn.Module], config_cls: type, timm_cls: type
+) -> Callable[[Callable[[dict], dict]], Callable[[dict], dict]]:
+    """A decorator that registers the names of timm's model `module` (vit.registry.register_timm_names):
+    the decorated function turns the kwargs timm's `builder` gets for a name (`record_timm_builder`) into
+    `config_cls` fields, or refuses them with a ValueError; `timm_cls` is the timm class they build."""
+
+    def register(from_timm_args: Callable[[dict], dict]) -> Callable[[dict], dict]:
+        def fields_of(name: str, **kwargs: object) -> dict:
+            return from_timm_args(record_timm_builder(name, module, builder, **kwargs))
+
+        register_timm_names(
+            family, [("*", module.__name__.rpartition(".")[2])], build, config_cls, fields_of, timm_arg_names(timm_cls)
+        )
+        return from_timm_args
+
+    return register
+
+
+def no_equivalent(timm_cls: str, key: str, value: object) -> ValueError:
+    """The error for a kwarg of timm's `timm_cls` that means nothing here."""
+    return ValueError(f"timm's {timm_cls} {key}={getattr(value, '__name__', value)!r} has no equivalent here")
 
 
 def timm_arg_names(cls: type) -> frozenset[str]:

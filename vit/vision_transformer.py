@@ -9,6 +9,7 @@ functions in vit.timm_args; checkpoints of other layouts are fitted to the model
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
@@ -342,7 +343,8 @@ class VisionTransformer(nn.Module):
                 kwargs["mean_from"] = last_mean_from
             if self.grad_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(
-                    block, x, attn_mask, table, None, num_queries, return_attn, use_reentrant=False, **kwargs
+                    block, x, attn_mask, rope=table, num_queries=num_queries, return_attn=return_attn,
+                    use_reentrant=False, **kwargs,
                 )  # fmt: skip
             else:
                 out = block(x, attn_mask, rope=table, num_queries=num_queries, return_attn=return_attn, **kwargs)
@@ -376,16 +378,25 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take = _take_indices(len(self.blocks), indices)
         depth = max(take) + 1 if stop_early else None
-        tokens, _, taken = self._run_blocks(*self._embed(x), take=set(take), depth=depth, grid=self.patch_grid(x))
+        grid = self.patch_grid(x)
+        tokens, _, taken = self._run_blocks(*self._embed(x), take=set(take), depth=depth, grid=grid)
+        prefix, out = self._intermediates(taken, norm, output_fmt, grid)
+        if return_prefix_tokens:
+            out = list(zip(out, prefix, strict=True))
+        return out if intermediates_only else (self.norm(tokens), out)
+
+    def _intermediates(
+        self, taken: list[torch.Tensor], norm: bool, output_fmt: str, grid: tuple[int, int] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Blocks' outputs as forward_intermediates returns them: their prefix tokens and their patches,
+        after the final norm if `norm`; the patches (B, D, H, W) on `grid` with output_fmt "NCHW"."""
         taken = [self.norm(t) for t in taken] if norm else taken
         prefix = [t[:, : self.num_prefix_tokens] for t in taken]
         out = [t[:, self.num_prefix_tokens :] for t in taken]
         if output_fmt == "NCHW":
-            h, w = self.patch_grid(x)
+            h, w = grid
             out = [t.reshape(t.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for t in out]
-        if return_prefix_tokens:
-            out = list(zip(out, prefix, strict=True))
-        return out if intermediates_only else (self.norm(tokens), out)
+        return prefix, out
 
     def prune_intermediate_layers(
         self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
@@ -565,23 +576,25 @@ VIT_SIZES: dict[str, dict[str, int]] = {
     "nano": dict(embed_dim=128, depth=4, num_heads=4),
 }
 
-# name -> (size, patch size, image size), registered in vit.timm_args. ImageNet models carry timm's names.
-VIT_MODELS: dict[str, tuple[str, int, int]] = {
-    "vit_tiny_patch16_224": ("Ti", 16, 224),
-    "vit_small_patch16_224": ("S", 16, 224),
-    "vit_base_patch16_224": ("B", 16, 224),
-    "vit_base_patch16_384": ("B", 16, 384),
-    "vit_large_patch16_224": ("L", 16, 224),
-    "vit_huge_patch14_224": ("H", 14, 224),
+# The names vit.timm_args registers from the size table, vit_{size}_patch{patch size}_{image size}.
+# ImageNet models carry timm's names.
+VIT_NAMES = (
+    "vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224", "vit_base_patch16_384",
+    "vit_large_patch16_224", "vit_huge_patch14_224",
     # CIFAR (32x32) and Tiny-ImageNet (64x64) sized inputs: 8x8 patch grids.
-    "vit_tiny_patch4_32": ("Ti", 4, 32),
-    "vit_small_patch4_32": ("S", 4, 32),
-    "vit_micro_patch4_32": ("micro", 4, 32),
-    "vit_tiny_patch8_64": ("Ti", 8, 64),
-    "vit_micro_patch8_64": ("micro", 8, 64),
+    "vit_tiny_patch4_32", "vit_small_patch4_32", "vit_micro_patch4_32", "vit_tiny_patch8_64", "vit_micro_patch8_64",
     # The offline default: 8x8 digits upsampled to 16x16, a 4x4 grid.
-    "vit_nano_patch4_16": ("nano", 4, 16),
-}
+    "vit_nano_patch4_16",
+)  # fmt: skip
+
+
+def _vit_name_fields(name: str) -> tuple[str, int, int]:
+    """A VIT_NAMES name as (its VIT_SIZES size, patch size, image size)."""
+    size, patch, img = re.fullmatch(r"vit_([a-z]+)_patch(\d+)_(\d+)", name).groups()
+    return {"tiny": "Ti", "small": "S", "base": "B", "large": "L", "huge": "H"}.get(size, size), int(patch), int(img)
+
+
+VIT_MODELS: dict[str, tuple[str, int, int]] = {name: _vit_name_fields(name) for name in VIT_NAMES}
 
 
 # -- hybrids: one of timm's CNNs as patch embedding ---------------------------------------------------

@@ -6,15 +6,16 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Unpack
 
 import torch
 from torch import nn
 
-from vit.layers.attention import REL_POS_TYPES, Attention, KVCache, _AttentionBase
+from vit.layers.attention import Attention, AttnArgs, _AttentionBase
+from vit.layers.attention_variants import REL_POS_TYPES, window_attention_to_grid, window_partition, window_unpartition
 from vit.layers.drop import DropPath, LayerScale
-from vit.layers.mlp import MLP_KINDS, Mlp, SwiGLU, make_mlp
+from vit.layers.mlp import MLP_KINDS, Mlp, make_mlp
 from vit.layers.norm import make_act, make_norm
-from vit.layers.windows import window_attention_to_grid, window_partition, window_unpartition
 from vit.options import number, require, whole
 
 
@@ -103,6 +104,8 @@ class BlockConfig:
                              "qkv_fused, no scale_attn_inner / scale_mlp)")  # fmt: skip
         if self.post_norm and self.block_fn != "block":
             raise ValueError("post_norm is an option of block_fn='block'")
+        if self.post_norm and self.window_size:
+            raise ValueError("window_size is an option of pre-norm blocks (post_norm=False)")
         if self.layer_scale not in ("ls", "gamma"):
             raise ValueError(f"layer_scale must be 'ls' (timm's ViT) or 'gamma' (timm's EVA), got {self.layer_scale!r}")
         if self.mlp not in MLP_KINDS:
@@ -154,16 +157,15 @@ class Block(nn.Module):
     it, and `depth`, the block's number (differential attention's lambda_init depends on it);
     `causal=True` makes the self-attention causal (the GPT). Rotary tables come in forward.
     With layer_scale="gamma" the LayerScale vectors are the block's own `gamma_1`, `gamma_2`
-    (timm's EVA names) and ls1, ls2 stay identities. `post_norm=True` is timm's ResPostBlock,
-    x = x + drop_path(norm1(attn(x))), x = x + drop_path(norm2(mlp(x))), with init_values the norms'
-    initial scale instead of a LayerScale. `attn_only_layer_scale`: ls2 / gamma_2 stay off (Sapiens2).
+    (timm's EVA names) and ls1, ls2 stay identities. `attn_only_layer_scale`: ls2 / gamma_2 stay off
+    (Sapiens2). `grid` (rows, columns) is the patch grid of the tokens after `num_prefix_tokens`,
+    which relative positions need.
 
-    `grid` (rows, columns) is the patch grid of the tokens after `num_prefix_tokens`, which relative
-    positions and windows need. `window_size` > 0 (SAM's, ViTDet's): the attention runs within each
-    window_size x window_size window of the grid, the normed grid zero-padded on the bottom and right
-    to whole windows (padding tokens are keys too, as in SAM); its weights are then per window,
-    (B x windows, heads, window_size^2, window_size^2).
+    Its variants share its parameters and names: ResPostBlock (post_norm) and WindowBlock
+    (window_size); `make_block` builds the one a config describes.
     """
+
+    post_norm = False
 
     def __init__(
         self,
@@ -178,15 +180,14 @@ class Block(nn.Module):
         c, dim = config, config.embed_dim
         if c.block_fn != "block":
             raise ValueError(f"block_fn={c.block_fn!r} is not a Block; build blocks with vit.layers.make_block")
-        if c.window_size and (grid is None or num_prefix_tokens):
-            raise ValueError("window_size needs the patch grid and no prefix tokens")
-        self.post_norm = c.post_norm
-        self.grid, self.window_size = grid, c.window_size
+        if block_class(c) is not type(self):
+            raise ValueError(f"this config describes a {block_class(c).__name__}, not a {type(self).__name__}; "
+                             "build blocks with vit.layers.make_block")  # fmt: skip
+        self.grid = grid
         self.norm1 = make_norm(c.norm, dim, c.norm_eps)
-        attn_grid = (c.window_size, c.window_size) if c.window_size else grid
-        self.attn = _attention(c, causal, depth, attn_grid, num_prefix_tokens)
-        ls_modules = c.init_values and c.layer_scale == "ls" and not c.post_norm
-        gammas = c.init_values is not None and c.layer_scale == "gamma" and not c.post_norm  # timm's EVA: also at 0
+        self.attn = _attention(c, causal, depth, self.attention_grid(c, grid, num_prefix_tokens), num_prefix_tokens)
+        ls_modules = c.init_values and c.layer_scale == "ls" and not self.post_norm
+        gammas = c.init_values is not None and c.layer_scale == "gamma" and not self.post_norm  # timm's EVA: also at 0
         self.ls1 = LayerScale(dim, c.init_values) if ls_modules else nn.Identity()
         self.gamma_1 = nn.Parameter(torch.full((dim,), float(c.init_values))) if gammas else None
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
@@ -196,75 +197,126 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, c.init_values) if ls_modules and mlp_ls else nn.Identity()
         self.gamma_2 = nn.Parameter(torch.full((dim,), float(c.init_values))) if gammas and mlp_ls else None
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        if c.post_norm and c.init_values is not None:
-            with torch.no_grad():
-                self.norm1.weight.fill_(c.init_values)
-                self.norm2.weight.fill_(c.init_values)
+
+    def attention_grid(
+        self, config: BlockConfig, grid: tuple[int, int] | None, num_prefix_tokens: int
+    ) -> tuple[int, int] | None:
+        """The grid the attention's relative positions span: the tokens' own (a window's in WindowBlock)."""
+        return grid
 
     def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        kv_cache: KVCache | None = None,
-        num_queries: int | None = None,
-        return_attn: bool = False,
-        grid: tuple[int, int] | None = None,
-        mean_from: int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`return_attn=True` also returns this block's attention weights, (B, heads, N, N).
-        `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction of the cost.
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, mean_from: int | None = None,
+        **kw: Unpack[AttnArgs],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(B, N, dim) -> (B, N, dim); `return_attn=True` also returns this block's attention weights,
+        (B, heads, N, N); `num_queries=n` returns only the first n tokens, `block(x)[:, :n]` at a fraction
+        of the cost; `attn_mask` and the other keywords: Attention.forward (AttnArgs).
         `mean_from=s` returns `block(x)[:, s:].mean(1)`, (B, dim), for average pooling straight after
         the block (`can_mean`): fc2, the LayerScale and the drop path are linear per image, so fc2
-        runs once on the mean hidden state instead of on every token (a third of the MLP's work).
-        `attn_mask`, `rope`, `kv_cache`: see Attention.forward (per window with window_size).
-        `grid`: the tokens' patch grid when it is not the built one (windows, relative positions)."""
+        runs once on the mean hidden state instead of on every token (a third of the MLP's work)."""
         if mean_from is not None and not self.can_mean():
             raise ValueError("mean_from needs a pre-norm block without windows, a dense MLP, no dropout after fc2")
-        grid = self.grid if grid is None else grid
-        y = x if self.post_norm else self.norm1(x)
-        if self.window_size:
-            if num_queries is not None or kv_cache is not None:
-                raise ValueError("windowed attention takes neither num_queries nor a key/value cache")
-            y, padded = window_partition(y, grid, self.window_size)
-        y = self.attn(
-            y, attn_mask=attn_mask, rope=rope, kv_cache=kv_cache, num_queries=num_queries, return_attn=return_attn,
-            grid=None if self.window_size else grid,  # a window's grid is its own
-        )  # fmt: skip
-        y, attn = y if return_attn else (y, None)
-        if self.window_size:
-            y = window_unpartition(y, grid, padded, self.window_size)
-        if num_queries is not None:
-            x = x[:, :num_queries]
-        if self.post_norm:
-            x = x + self.drop_path1(self.norm1(y))
-            x = x + self.drop_path2(self.norm2(self.mlp(x)))
-            return (x, attn) if return_attn else x
-        x = x + self.drop_path1(self.ls1(y) if self.gamma_1 is None else self.gamma_1 * y)
-        if mean_from is not None:
+        y, attn = self.attn.with_weights(self.norm1(x), attn_mask, **kw)
+        x = _queries(x, kw) + self.drop_path1(_scaled(y, self.ls1, self.gamma_1))
+        if mean_from is None:
+            x = x + self.drop_path2(_scaled(self.mlp(self.norm2(x)), self.ls2, self.gamma_2))
+        else:
             x = x[:, mean_from:]
             y = self.mlp.output(self.mlp.hidden(self.norm2(x)).mean(dim=1))
-            x = x.mean(dim=1)
-        else:
-            y = self.mlp(self.norm2(x))
-        x = x + self.drop_path2(self.ls2(y) if self.gamma_2 is None else self.gamma_2 * y)
-        return (x, attn) if return_attn else x
+            x = x.mean(dim=1) + self.drop_path2(_scaled(y, self.ls2, self.gamma_2))
+        return (x, attn) if kw.get("return_attn") else x
 
     def can_mean(self) -> bool:
-        """Whether forward takes `mean_from`: a pre-norm block without windows, a dense MLP, and no
+        """Whether forward takes `mean_from`: a pre-norm block (not a variant), a dense MLP, and no
         dropout after fc2 while training (a per-token mask does not commute with the mean)."""
         mlp = self.mlp
-        return (
-            not self.post_norm and not self.window_size and isinstance(mlp, (Mlp, SwiGLU))
-            and not (self.training and mlp.drop2.p > 0)
-        )  # fmt: skip
+        return type(self) is Block and isinstance(mlp, Mlp) and not (self.training and mlp.drop2.p > 0)
 
     def grid_attention(self, attn: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
-        """forward's `return_attn` weights -> (B, heads, N, N) over the block's tokens: a windowed
-        block's per-window weights placed on the patch grid (`window_attention_to_grid`)."""
-        if not self.window_size:
-            return attn
+        """forward's `return_attn` weights -> (B, heads, N, N) over the block's tokens (WindowBlock
+        places its per-window weights on the grid)."""
+        return attn
+
+
+class ResPostBlock(Block):
+    """Post-norm block (timm's ResPostBlock; EVA's post-norm block, relpos's ResPostRelPosBlock), the
+    norms after the branches and init_values their initial scale instead of a LayerScale:
+
+    x = x + drop_path(norm1(attn(x)))
+    x = x + drop_path(norm2(mlp(x)))
+    """
+
+    post_norm = True
+
+    def __init__(self, config: BlockConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        if config.init_values is not None:
+            with torch.no_grad():
+                self.norm1.weight.fill_(config.init_values)
+                self.norm2.weight.fill_(config.init_values)
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, **kw: Unpack[AttnArgs]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As Block.forward, without `mean_from`."""
+        y, attn = self.attn.with_weights(x, attn_mask, **kw)
+        x = _queries(x, kw) + self.drop_path1(self.norm1(y))
+        x = x + self.drop_path2(self.norm2(self.mlp(x)))
+        return (x, attn) if kw.get("return_attn") else x
+
+
+class WindowBlock(Block):
+    """Pre-norm block whose attention runs within each window_size x window_size window of the patch
+    grid (SAM's, ViTDet's): the normed grid is zero-padded on the bottom and right to whole windows
+    (padding tokens are keys too, as in SAM). Relative positions span a window. Its weights are per
+    window, (B x windows, heads, window_size^2, window_size^2); `grid_attention` places them."""
+
+    def __init__(self, config: BlockConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.window_size = config.window_size
+
+    def attention_grid(
+        self, config: BlockConfig, grid: tuple[int, int] | None, num_prefix_tokens: int
+    ) -> tuple[int, int] | None:
+        if grid is None or num_prefix_tokens:
+            raise ValueError("window_size needs the patch grid and no prefix tokens")
+        return (config.window_size, config.window_size)
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, **kw: Unpack[AttnArgs]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As Block.forward, without `num_queries`, `kv_cache` or `mean_from`; `attn_mask` and `rope` per window."""
+        if kw.get("num_queries") is not None or kw.get("kv_cache") is not None:
+            raise ValueError("windowed attention takes neither num_queries nor a key/value cache")
+        grid = kw.pop("grid", None) or self.grid
+        y, padded = window_partition(self.norm1(x), grid, self.window_size)
+        y, attn = self.attn.with_weights(y, attn_mask, **kw)  # a window's grid is its own
+        x = x + self.drop_path1(_scaled(window_unpartition(y, grid, padded, self.window_size), self.ls1, self.gamma_1))
+        x = x + self.drop_path2(_scaled(self.mlp(self.norm2(x)), self.ls2, self.gamma_2))
+        return (x, attn) if kw.get("return_attn") else x
+
+    def grid_attention(self, attn: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         return window_attention_to_grid(attn, self.grid if grid is None else grid, self.window_size)
+
+
+def _queries(x: torch.Tensor, kw: AttnArgs) -> torch.Tensor:
+    """The residual stream of the tokens that queried: the first `num_queries`, or all."""
+    n = kw.get("num_queries")
+    return x if n is None else x[:, :n]
+
+
+def _scaled(y: torch.Tensor, ls: nn.Module, gamma: torch.Tensor | None) -> torch.Tensor:
+    """A branch's output through its LayerScale: the `ls` module (timm's ViT) or the `gamma` vector (EVA)."""
+    return ls(y) if gamma is None else gamma * y
+
+
+def block_class(config: BlockConfig) -> type[nn.Module]:
+    """The block class a config describes: its block_fn, and for "block" post_norm or window_size."""
+    if config.block_fn == "parallel_scaling":
+        return ParallelScalingBlock
+    if config.block_fn == "parallel_things":
+        return ParallelThingsBlock
+    return ResPostBlock if config.post_norm else WindowBlock if config.window_size else Block
 
 
 class ParallelScalingBlock(_AttentionBase):
@@ -307,26 +359,19 @@ class ParallelScalingBlock(_AttentionBase):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        kv_cache: KVCache | None = None,
-        num_queries: int | None = None,
-        return_attn: bool = False,
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, **kw: Unpack[AttnArgs]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As Block.forward."""
         h, qkv = self.in_proj(self.in_norm(x)).split(self.in_split, dim=-1)
-        y, attn = self.self_attention(qkv, attn_mask, rope, kv_cache, num_queries, return_attn)
-        if num_queries is not None:
-            x, h = x[:, :num_queries], h[:, :num_queries]
+        y, attn = self.self_attention(qkv, attn_mask, **kw)
+        x, h = _queries(x, kw), _queries(h, kw)
         h = self.mlp_drop(self.mlp_act(h if self.mlp_bias is None else h + self.mlp_bias))
         if self.out_proj is not None:
             y = self.out_proj(torch.cat((y, h), dim=-1))
         else:
             y = self.attn_out_proj(y) + self.mlp_out_proj(h)
         x = x + self.drop_path(self.ls(y))
-        return (x, attn) if return_attn else x
+        return (x, attn) if kw.get("return_attn") else x
 
     def grid_attention(self, attn: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """As Block.grid_attention: the weights as they are (no windows)."""
@@ -361,26 +406,19 @@ class ParallelThingsBlock(nn.Module):
         self.ffns = nn.ModuleList([branch("mlp", _mlp(c)) for _ in range(c.num_parallel)])
 
     def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        kv_cache: KVCache | None = None,
-        num_queries: int | None = None,
-        return_attn: bool = False,
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, **kw: Unpack[AttnArgs]
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """As Block.forward, without a key/value cache (each branch would need its own)."""
-        if kv_cache is not None:
+        if kw.get("kv_cache") is not None:
             raise ValueError("a ParallelThingsBlock keeps no key/value cache")
         outs, attns = [], []
         for b in self.attns:
-            y = b.attn(b.norm(x), attn_mask=attn_mask, rope=rope, num_queries=num_queries, return_attn=return_attn)
-            y, attn = y if return_attn else (y, None)
+            y, attn = b.attn.with_weights(b.norm(x), attn_mask, **kw)
             outs.append(b.drop_path(b.ls(y)))
             attns.append(attn)
-        x = (x if num_queries is None else x[:, :num_queries]) + torch.stack(outs).sum(dim=0)
+        x = _queries(x, kw) + torch.stack(outs).sum(dim=0)
         x = x + torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
-        return (x, tuple(attns)) if return_attn else x
+        return (x, tuple(attns)) if kw.get("return_attn") else x
 
     def grid_attention(self, attn: tuple[torch.Tensor, ...], grid: tuple[int, int] | None = None) -> torch.Tensor:
         """forward's per-branch weights -> (B, num_parallel x heads, N, N), the branches side by side."""
@@ -395,14 +433,16 @@ def make_block(
     grid: tuple[int, int] | None = None,
     num_prefix_tokens: int = 0,
 ) -> nn.Module:
-    """The block `config.block_fn` names: Block, ParallelScalingBlock or ParallelThingsBlock. `grid`,
-    `num_prefix_tokens`: the tokens' patch grid after the prefix tokens (Block's relative positions, windows)."""
-    if config.block_fn == "block":
-        return Block(
-            config, drop_path=drop_path, causal=causal, depth=depth, grid=grid, num_prefix_tokens=num_prefix_tokens
-        )
-    cls = {"parallel_scaling": ParallelScalingBlock, "parallel_things": ParallelThingsBlock}
-    return cls[config.block_fn](config, drop_path=drop_path, causal=causal, depth=depth)
+    """The block the config describes (`block_class`): Block, ResPostBlock, WindowBlock, ParallelScalingBlock
+    or ParallelThingsBlock. `grid`, `num_prefix_tokens`: the tokens' patch grid after the prefix tokens
+    (relative positions, windows; the parallel blocks have neither)."""
+    cls = block_class(config)
+    if issubclass(cls, Block):
+        return cls(config, drop_path, causal, depth, grid, num_prefix_tokens)
+    return cls(config, drop_path=drop_path, causal=causal, depth=depth)
+
+
+BLOCKS = (Block, ParallelScalingBlock, ParallelThingsBlock)  # every block class; Block's variants subclass it
 
 
 def set_fused_attn(model: nn.Module, enabled: bool) -> None:

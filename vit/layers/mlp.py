@@ -13,14 +13,16 @@ from vit.layers.norm import make_act, make_norm
 class Mlp(nn.Module):
     """fc1 -> GELU (or `act`) -> fc2, the transformer feed-forward layer. `norm` (a make_norm kind)
     normalises the hidden layer before fc2 (timm's `norm_layer`, NormFormer's; EVA's scale_mlp).
-    `bias=False`: fc1 and fc2 without biases (timm's `proj_bias`, AIMv2)."""
+    `bias=False`: fc1 and fc2 without biases (timm's `proj_bias`, AIMv2). `fc1`: a subclass's own
+    first layers (SwiGLU's), registered, and so initialised, first."""
 
     def __init__(
         self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "gelu", norm: str | None = None,
-        norm_eps: float = 1e-6, bias: bool = True,
+        norm_eps: float = 1e-6, bias: bool = True, **fc1: nn.Module,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim, bias=bias)
+        for name, layer in (fc1 or {"fc1": nn.Linear(dim, hidden_dim, bias=bias)}).items():
+            setattr(self, name, layer)
         self.act = make_act(act)
         self.drop1 = nn.Dropout(drop)
         self.norm = make_norm(norm, hidden_dim, norm_eps) if norm else nn.Identity()
@@ -38,7 +40,7 @@ class Mlp(nn.Module):
         return self.output(self.hidden(x))
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(Mlp):
     """fc2(SiLU(gate) * value): the gated feed-forward layer of PaLM and LLaMA (Shazeer 2020).
 
     fc1 computes value and gate in one matmul (first half value, second half gate). Three
@@ -52,20 +54,14 @@ class SwiGLU(nn.Module):
         self, dim: int, hidden_dim: int, drop: float = 0.0, act: str = "silu", gate_first: bool = False,
         split: bool = False, norm: str | None = None, norm_eps: float = 1e-6, bias: bool = True,
     ) -> None:  # fmt: skip
-        super().__init__()
-        self.gate_first = gate_first
         if split:
-            self.fc1_g, self.fc1_x = nn.Linear(dim, hidden_dim, bias=bias), nn.Linear(dim, hidden_dim, bias=bias)
+            fc1 = {"fc1_g": nn.Linear(dim, hidden_dim, bias=bias), "fc1_x": nn.Linear(dim, hidden_dim, bias=bias)}
         else:
-            self.fc1 = nn.Linear(dim, 2 * hidden_dim, bias=bias)
-        self.act = make_act(act)
-        self.drop1 = nn.Dropout(drop)
-        self.norm = make_norm(norm, hidden_dim, norm_eps) if norm else nn.Identity()
-        self.fc2 = nn.Linear(hidden_dim, dim, bias=bias)
-        self.drop2 = nn.Dropout(drop)
+            fc1 = {"fc1": nn.Linear(dim, 2 * hidden_dim, bias=bias)}
+        super().__init__(dim, hidden_dim, drop, act, norm, norm_eps, bias, **fc1)
+        self.gate_first = gate_first
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """Everything before fc2: forward(x) is output(hidden(x))."""
         if hasattr(self, "fc1_g"):
             value, gate = self.fc1_x(x), self.fc1_g(x)
         else:
@@ -73,12 +69,6 @@ class SwiGLU(nn.Module):
             if self.gate_first:
                 value, gate = gate, value
         return self.norm(self.drop1(self.act(gate) * value))
-
-    def output(self, h: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(h))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.hidden(x))
 
 
 def swiglu_hidden_dim(mlp_hidden_dim: int, multiple_of: int = 8) -> int:

@@ -196,6 +196,18 @@ def draw_rand_augment(rng: Rng, ops: int, magnitude: float, count: int = 1) -> n
     return params
 
 
+def draw_crop_flip(
+    rng: Rng, height: int, width: int, augment: Augment, ratio: tuple[float, float] = (3 / 4, 4 / 3)
+) -> tuple[tuple[int, int, int, int], bool]:
+    """An image's crop box (top, left, height, width) and flip, in that order from `rng`:
+    `augment`'s random resized crop of aspect ratios `ratio` (crop "rrc") or the whole image, then
+    its flip. The device path's draw and NaFlex's (which takes ratios near the image's)."""
+    box = (0, 0, height, width)
+    if augment.crop == "rrc":
+        box = random_resized_crop_box(rng, height, width, augment.crop_scale, ratio)
+    return box, augment.hflip and rng.random() < 0.5
+
+
 def draw_augmentation(
     seed: int | None, height: int, width: int, index: int, augment: Augment | None, crop_pct: float = 1.0
 ) -> Augmentation:
@@ -207,9 +219,7 @@ def draw_augmentation(
         box, flip, ra = center_crop_box(height, width, crop_pct), False, np.full(RA_COLUMNS, np.nan)
     else:
         rng = random.Random(None if seed is None else int(seed))  # seeded in microseconds, numpy's in 12
-        whole = (0, 0, height, width)
-        box = random_resized_crop_box(rng, height, width, augment.crop_scale) if augment.crop == "rrc" else whole
-        flip = augment.hflip and rng.random() < 0.5
+        box, flip = draw_crop_flip(rng, height, width, augment)
         ra = draw_rand_augment(rng, *augment.randaugment)[0]
     return Augmentation(
         torch.tensor(box), torch.tensor(flip), torch.from_numpy(ra), torch.tensor(index),

@@ -5,7 +5,7 @@ path's whole-image resize, and normalisation. Pixels are float in [0, 255] betwe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -71,6 +71,26 @@ def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float])
         for values in ([1 / (255 * s) for s in std], [-m / s for m, s in zip(mean, std, strict=True)])
     )  # made on the host and copied without waiting for the device
     return torch.addcmul(shift, images, scale)
+
+
+def resized_crop(
+    image: np.ndarray,
+    box: tuple[int, int, int, int],
+    size: tuple[int, int],
+    flip: bool = False,
+    uint8_op: Callable[..., dict] | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """The box of an RGB uint8 image (H, W, 3) resized to `size` (bicubic, antialiased, whole levels:
+    evaluation's resize), mirrored if `flip`, then `uint8_op` applied to it as uint8 (H, W, 3) (an
+    albumentations pipeline: RandAugment), normalised if mean and std are given: float (3, h, w),
+    else in [0, 255]. One image of the per-sample NaFlex path, in one call."""
+    pixels = resize_box(chw(image), box, size, whole_levels=True)
+    pixels = pixels.flip(-1) if flip else pixels
+    if uint8_op is not None:
+        pixels = chw(uint8_op(image=hwc(pixels[0]))["image"])[None]
+    return pixels[0] if mean is None or std is None else normalize(pixels, mean, std)[0]
 
 
 def eval_pixels(image: np.ndarray, img_size: int, crop_pct: float = 1.0) -> np.ndarray:

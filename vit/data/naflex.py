@@ -92,6 +92,12 @@ def sequence_grid(height: int, width: int, max_patches: int) -> tuple[int, int]:
     return max(grid for grid in grids if min(grid) >= 1)
 
 
+def sequence_size(height: int, width: int, naflex: NaFlex) -> tuple[int, int]:
+    """The (height, width) in pixels an image of height x width is resized to: its sequence_grid in whole patches."""
+    rows, columns = sequence_grid(height, width, naflex.max_patches)
+    return rows * naflex.patch_size, columns * naflex.patch_size
+
+
 def most(fits: Callable[[int], bool], high: int) -> int:
     """The largest n in 0..high that `fits` (0 does, and `fits` holds up to some n and not after),
     by bisection: a few dozen steps for any budget, where a list of every n would take gigabytes."""

@@ -12,17 +12,16 @@ import torch
 from albumentations.pytorch import ToTensorV2
 
 from vit.data.augment import Augment  # the options' name the linter knows as a constant default
-from vit.data.draws import CROPS, SHARPEN_LIGHTNESS, rand_augment_ranges, random_resized_crop_box
+from vit.data.draws import CROPS, SHARPEN_LIGHTNESS, draw_crop_flip, rand_augment_ranges
 from vit.data.geometry import (
     ResizeWhole,
     eval_pixels,  # noqa: F401  (vit.data.memory's import of it)
     eval_resize,
     normalize,
-    resize_box,
+    resized_crop,
 )
 from vit.data.geometry import chw as _chw
-from vit.data.geometry import hwc as _hwc
-from vit.data.naflex import CROP_ASPECT, NaFlex, sequence_grid
+from vit.data.naflex import CROP_ASPECT, NaFlex, sequence_size
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -119,8 +118,9 @@ class SequenceEvalTransform:
         self.naflex, self.mean, self.std = naflex, mean, std
 
     def __call__(self, *, image: np.ndarray) -> dict[str, torch.Tensor]:
-        box = (0, 0, image.shape[0], image.shape[1])
-        return {"image": _to_sequence_size(image, box, self.naflex, self.mean, self.std)}
+        height, width = image.shape[:2]
+        size = sequence_size(height, width, self.naflex)
+        return {"image": resized_crop(image, (0, 0, height, width), size, mean=self.mean, std=self.std)}
 
 
 class SequenceTrainTransform:
@@ -152,34 +152,10 @@ class SequenceTrainTransform:
 
     def __call__(self, *, image: np.ndarray) -> dict[str, torch.Tensor]:
         height, width = image.shape[:2]
-        box = (0, 0, height, width)
-        if self.augment.crop == "rrc":
-            ratio = tuple(width / height * r for r in CROP_ASPECT)
-            box = random_resized_crop_box(self.rng, height, width, self.augment.crop_scale, ratio)
-        flip = self.augment.hflip and self.rng.random() < 0.5
-        if self.rand_augment is None:
-            return {"image": _to_sequence_size(image, box, self.naflex, self.mean, self.std, flip)}
-        pixels = _hwc(_to_sequence_size(image, box, self.naflex, flip=flip))
-        pixels = self.rand_augment(image=pixels)["image"]
-        return {"image": normalize(_chw(pixels)[None], self.mean, self.std)[0]}
-
-
-def _to_sequence_size(
-    image: np.ndarray,
-    box: tuple[int, int, int, int],
-    naflex: NaFlex,
-    mean: tuple[float, ...] | None = None,
-    std: tuple[float, ...] | None = None,
-    flip: bool = False,
-) -> torch.Tensor:
-    """The box of an RGB uint8 image resized to its sequence grid (bicubic, antialiased, whole
-    levels: EvalTransform's resize), mirrored if `flip`: float (3, H, W), normalised if mean and std
-    are given, else in [0, 255]."""
-    rows, columns = sequence_grid(box[2], box[3], naflex.max_patches)
-    size = (rows * naflex.patch_size, columns * naflex.patch_size)
-    pixels = resize_box(_chw(image), box, size, whole_levels=True)
-    pixels = pixels.flip(-1) if flip else pixels
-    return pixels[0] if mean is None or std is None else normalize(pixels, mean, std)[0]
+        ratio = (width / height * CROP_ASPECT[0], width / height * CROP_ASPECT[1])
+        box, flip = draw_crop_flip(self.rng, height, width, self.augment, ratio)
+        size = sequence_size(box[2], box[3], self.naflex)
+        return {"image": resized_crop(image, box, size, flip, self.rand_augment, self.mean, self.std)}
 
 
 def _resize(img_size: int) -> A.Lambda:

@@ -125,17 +125,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return image_folder(tmp_path_factory.mktemp("walk") / "images")
 
 
-NAFLEX_TURNS = (
-    "NaFlex's per-image transform (vit.data.transforms.SequenceTrainTransform) is seeded, then called, and calls "
-    "vit.data.draws, vit.data.naflex and vit.data.geometry once each for every image: 86 returns at batch 8, 10 an "
-    "image (f4ec2a4: 117, 14)"
-)
-
-
-@pytest.mark.parametrize(
-    "path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=NAFLEX_TURNS)) if p == "naflex" else p
-             for p in PATHS],
-)  # fmt: skip
+@pytest.mark.parametrize("path", list(PATHS))
 def test_a_batch_walks_forward(folder: Path, path: str, tmp_path: Path) -> None:
     one, eight = (returns(batch_walk(folder, path, b, tmp_path / "cache")) for b in (1, 8))
     per_image = (eight - one) / 7

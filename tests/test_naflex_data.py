@@ -194,6 +194,20 @@ def test_training_crops_keep_near_the_images_aspect_and_follow_the_sample_seed()
     assert outcomes == {(True, False), (False, True)}  # the whole image as it is, or its mirror image
 
 
+def test_a_batch_transformed_in_one_call_is_each_image_transformed_with_its_seed():
+    """A loader worker's batch goes through SequenceTrainTransform.apply_batch (vit.data.images.
+    ImageFiles.__getitems__): the same pixels as each image seeded and transformed alone."""
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((60, 180), (90, 40), (33, 33))]
+    seeds = [11, 7, 2**31 + 5]
+    for augment in (Augment(crop_scale=(0.3, 1.0), randaugment_ops=2), Augment(crop="resize")):
+        transform = SequenceTrainTransform(NaFlex(max_patches=64, patch_size=8), augment, MEAN, STD)
+        batch = transform.apply_batch(images, seeds)
+        for image, seed, out in zip(images, seeds, batch, strict=True):
+            transform.set_random_seed(seed)
+            assert torch.equal(transform(image=image)["image"], out)
+
+
 def test_the_options_that_make_square_batches_are_refused_with_naflex(tmp_path):
     root = write_aspect_folder(tmp_path / "data", per_class=1)
     naflex = {"max_patches": 16, "patch_size": 8}

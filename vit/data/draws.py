@@ -208,6 +208,13 @@ def draw_crop_flip(
     return box, augment.hflip and rng.random() < 0.5
 
 
+def draw_crop_flips(
+    rngs: Sequence[Rng], sizes: Sequence[tuple[int, int]], augment: Augment, ratios: Sequence[tuple[float, float]]
+) -> list[tuple[tuple[int, int, int, int], bool]]:
+    """draw_crop_flip for each image of a batch (its generator, (height, width) and ratios), in one call."""
+    return [draw_crop_flip(rng, h, w, augment, ratio) for rng, (h, w), ratio in zip(rngs, sizes, ratios, strict=True)]
+
+
 def draw_augmentation(
     seed: int | None, height: int, width: int, index: int, augment: Augment | None, crop_pct: float = 1.0
 ) -> Augmentation:

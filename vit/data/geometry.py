@@ -6,6 +6,7 @@ path's whole-image resize, and normalisation. Pixels are float in [0, 255] betwe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,6 +92,26 @@ def resized_crop(
     if uint8_op is not None:
         pixels = chw(uint8_op(image=hwc(pixels[0]))["image"])[None]
     return pixels[0] if mean is None or std is None else normalize(pixels, mean, std)[0]
+
+
+def resized_crops(
+    images: Sequence[np.ndarray],
+    boxes: Sequence[tuple[int, int, int, int]],
+    sizes: Sequence[tuple[int, int]],
+    flips: Sequence[bool],
+    uint8_op: Any | None = None,
+    op_seeds: Sequence[int] | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> list[torch.Tensor]:
+    """resized_crop of each image of a batch, in one call; `uint8_op` (an albumentations pipeline)
+    seeded with the image's `op_seeds` entry before it is applied to that image."""
+    out = []
+    for k, (image, box, size, flip) in enumerate(zip(images, boxes, sizes, flips, strict=True)):
+        if uint8_op is not None and op_seeds is not None:
+            uint8_op.set_random_seed(op_seeds[k])
+        out.append(resized_crop(image, box, size, flip, uint8_op, mean, std))
+    return out
 
 
 def eval_pixels(image: np.ndarray, img_size: int, crop_pct: float = 1.0) -> np.ndarray:

@@ -410,11 +410,19 @@ class ImageFiles(_SeededTransform, FileSamples):
 
     def __getitems__(self, items: Sequence[int | tuple[int, int]]) -> list[Any]:
         """A loader worker's batch: the samples read in `read_order`, returned in the order asked.
-        Each sample depends only on its own (index, seed), so the order read changes nothing else."""
+        Each sample depends only on its own (index, seed), so the order read changes nothing else.
+        A transform with `apply_batch(images, seeds)` (NaFlex's) takes the batch's images in one call."""
         out: list[Any] = [None] * len(items)
-        for k in self.read_order([item[0] if isinstance(item, tuple) else item for item in items]):
-            out[k] = self[items[k]]
-        return out
+        order = self.read_order([item[0] if isinstance(item, tuple) else item for item in items])
+        apply_batch = getattr(self.transform, "apply_batch", None)
+        if apply_batch is None or not all(isinstance(item, tuple) for item in items):
+            for k in order:
+                out[k] = self[items[k]]
+            return out
+        for k in order:
+            out[k] = self.load(items[k][0])  # type: ignore[index]
+        images = apply_batch([image for image, _ in out], [item[1] for item in items])  # type: ignore[index]
+        return [(image, label) for image, (_, label) in zip(images, out, strict=True)]
 
 
 def channels_first(pixels: np.ndarray) -> torch.Tensor:

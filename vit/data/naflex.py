@@ -98,6 +98,11 @@ def sequence_size(height: int, width: int, naflex: NaFlex) -> tuple[int, int]:
     return rows * naflex.patch_size, columns * naflex.patch_size
 
 
+def sequence_sizes(sizes: Sequence[tuple[int, int]], naflex: NaFlex) -> list[tuple[int, int]]:
+    """sequence_size of each (height, width), in one call."""
+    return [sequence_size(height, width, naflex) for height, width in sizes]
+
+
 def most(fits: Callable[[int], bool], high: int) -> int:
     """The largest n in 0..high that `fits` (0 does, and `fits` holds up to some n and not after),
     by bisection: a few dozen steps for any budget, where a list of every n would take gigabytes."""

@@ -5,6 +5,8 @@ Inputs are RGB uint8 arrays; outputs float CHW tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import albumentations as A
 import cv2
 import numpy as np
@@ -12,16 +14,17 @@ import torch
 from albumentations.pytorch import ToTensorV2
 
 from vit.data.augment import Augment  # the options' name the linter knows as a constant default
-from vit.data.draws import CROPS, SHARPEN_LIGHTNESS, draw_crop_flip, rand_augment_ranges
+from vit.data.draws import CROPS, SHARPEN_LIGHTNESS, draw_crop_flip, draw_crop_flips, rand_augment_ranges
 from vit.data.geometry import (
     ResizeWhole,
     eval_pixels,  # noqa: F401  (vit.data.memory's import of it)
     eval_resize,
     normalize,
     resized_crop,
+    resized_crops,
 )
 from vit.data.geometry import chw as _chw
-from vit.data.naflex import CROP_ASPECT, NaFlex, sequence_size
+from vit.data.naflex import CROP_ASPECT, NaFlex, sequence_size, sequence_sizes
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -156,6 +159,18 @@ class SequenceTrainTransform:
         box, flip = draw_crop_flip(self.rng, height, width, self.augment, ratio)
         size = sequence_size(box[2], box[3], self.naflex)
         return {"image": resized_crop(image, box, size, flip, self.rand_augment, self.mean, self.std)}
+
+    def apply_batch(self, images: Sequence[np.ndarray], seeds: Sequence[int]) -> list[torch.Tensor]:
+        """Each image as `set_random_seed(seed)` then `__call__` transform it, the batch's crop draws,
+        sizes and pixels a call each (a loader worker's batch: vit.data.images.ImageFiles.__getitems__)."""
+        rngs = [np.random.default_rng(seed) for seed in seeds]
+        op_seeds = None if self.rand_augment is None else [int(rng.integers(2**32)) for rng in rngs]
+        shapes = [image.shape[:2] for image in images]
+        ratios = [(w / h * CROP_ASPECT[0], w / h * CROP_ASPECT[1]) for h, w in shapes]
+        drawn = draw_crop_flips(rngs, shapes, self.augment, ratios)
+        boxes, flips = [box for box, _ in drawn], [flip for _, flip in drawn]
+        sizes = sequence_sizes([box[2:] for box in boxes], self.naflex)
+        return resized_crops(images, boxes, sizes, flips, self.rand_augment, op_seeds, self.mean, self.std)
 
 
 def _resize(img_size: int) -> A.Lambda:

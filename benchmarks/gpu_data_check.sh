@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The data check on a lent GPU machine in one call of about 9 minutes: the ImageNet recipes' loader,
-# model-alone and end-to-end speeds (benchmarks/data.md's GPU table), their hand-over parts, the
-# speed of one EVA-family and one NaFlex model against timm's (gpu.md), and the GPU's name, into $OUT. First, here: `bash benchmarks/gpu_wheels.sh` (the wheels the
-# machine lacks, into .whl/); then on the machine, carrying .whl: `bash benchmarks/gpu_data_check.sh`.
+# The data check on a lent GPU machine in one call of about 9.5 minutes: the ImageNet recipes' loader,
+# model-alone and end-to-end speeds (benchmarks/data.md's GPU table), their hand-over parts, our
+# augmentation kernels against kornia's and torchvision's (data.md), the speed of one EVA-family and
+# one NaFlex model against timm's (gpu.md), and the GPU's name, into $OUT. First, here:
+# `bash benchmarks/gpu_wheels.sh` (the wheels the machine lacks, into .whl/); then on the machine,
+# carrying .whl: `bash benchmarks/gpu_data_check.sh`.
 # Each step has its own time limit, so one that hangs leaves the others' tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +28,10 @@ timeout 130 "${check[@]}" --data-recipes configs/imagenet_resnet50.yaml --data-v
 echo "resnet50 exit $?" >>"$OUT/status.txt"
 timeout 60 python3 -m benchmarks.data_parts --root "$tree" >"$OUT/data_parts.txt" 2>&1
 echo "data_parts exit $?" >>"$OUT/status.txt"
+# each row is printed as it is measured: a run cut short keeps those done
+timeout 45 python3 -m benchmarks.data_kernels --device cuda --cases ImageNet-like --reps 2 \
+  --json "$OUT/data_kernels.json" >"$OUT/data_kernels.txt" 2>&1
+echo "data_kernels exit $?" >>"$OUT/status.txt"
 # timm's own model of each name beside ours, bf16 autocast; an older timm without the name fails this row only.
 timeout 70 python3 scripts/benchmark.py --device cuda --dtype bf16 --sections vit --reps 3 \
   --models vit_small_patch16_dinov3:256:128,naflexvit_base_patch16_gap:128:64 --out "$OUT/families" \

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The wheels a GPU machine without our extra packages needs for `scripts/gpu_check.py --checks data`
-# (albumentations, jsonargparse, pydantic, litdata and their dependencies), at the versions of this
-# checkout's .venv, for Python 3.12, into .whl/ (ignored by git). On the GPU machine:
+# (albumentations, jsonargparse, pydantic, litdata and their dependencies) and benchmarks/data_kernels.py
+# (kornia), at the versions of this checkout's .venv, for Python 3.12, into .whl/ (ignored by git). On
+# the GPU machine:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
 packages=(albumentations albucore simsimd stringzilla pydantic pydantic-core annotated-types typing-inspection
-  jsonargparse docstring-parser typeshed-client litdata boto3 botocore s3transfer jmespath obstore)
+  jsonargparse docstring-parser typeshed-client litdata boto3 botocore s3transfer jmespath obstore kornia kornia_rs)
 pins=()
 for name in "${packages[@]}"; do
   pins+=("$name==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$name'))")")

@@ -27,7 +27,9 @@ from vit.explain import (
     FRACTIONS,
     auc,
     baseline_maps,
+    box_scores,
     cell_masks,
+    centre_gaussian,
     class_interleaved_order,
     deletion_insertion_curves,
     fill_cells,
@@ -41,7 +43,7 @@ from vit.explain import (
     relevance_order,
     remove_patches,
 )
-from vit.rollout import METHODS, attention_rollout, box_scores, centre_gaussian
+from vit.relevance import METHODS, attention_rollout
 
 KEY = (1, 2)  # the one patch (row, column) of a 4x4 grid of 4x4-pixel patches the model looks at
 

@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image, ImageFont
 
 from tests.test_explain import _checkpoint
-from vit import rollout
+from vit import render
 from vit.tools import rollout as export
 
 
@@ -20,7 +20,7 @@ def test_a_one_method_sheet_is_four_cells_wide_with_each_row_named_by_its_file(t
         Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(path)
     drawn = []
     monkeypatch.setattr(
-        export, "contact_sheet", lambda rows, *a, **k: drawn.append(rows) or rollout.contact_sheet(rows, *a, **k)
+        export, "contact_sheet", lambda rows, *a, **k: drawn.append(rows) or render.contact_sheet(rows, *a, **k)
     )
     ckpt = _checkpoint(tmp_path / "vit.ckpt", num_classes=3)
     out = export.main(["--checkpoint", str(ckpt), str(images), "--out", str(tmp_path / "out"), "--sheet-size", "48"])
@@ -34,8 +34,8 @@ def test_a_one_method_sheet_is_four_cells_wide_with_each_row_named_by_its_file(t
 def test_a_caption_too_wide_for_the_sheet_keeps_its_start_and_end():
     font = ImageFont.load_default(size=10)
     name = "nested/" + "a_rather_long_file_name_" * 4 + "0001"
-    short = rollout.shorten(name, font, 150)
+    short = render.shorten(name, font, 150)
     assert font.getlength(short) <= 150 < font.getlength(name)
     start, end = short.split("...")
     assert name.startswith(start) and name.endswith(end) and end.endswith("_0001") and len(start) >= len(end)
-    assert rollout.shorten("cat", font, 150) == "cat"
+    assert render.shorten("cat", font, 150) == "cat"

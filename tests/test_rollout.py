@@ -19,24 +19,21 @@ from vit import create_model, set_fused_attn
 from vit.checkpoint import Preprocess, RecordedScore, load_model, load_pretrained, recorded_score
 from vit.data.images import read_rgb
 from vit.data.transforms import eval_transform
-from vit.rollout import (
+from vit.explain import box_scores, centre_gaussian
+from vit.relevance import (
     METHODS,
     attention_rollout,
-    box_scores,
-    centre_gaussian,
-    colorize,
-    contact_sheet,
     discard_lowest,
     gradcam,
     gradient_rollout,
     gradient_rollout_joint,
     joint_to_map,
     last_layer_attention,
-    render_panel,
     rollout,
     rollout_maps,
     tokens_entering_last_block,
 )
+from vit.render import colorize, contact_sheet, render_panel
 from vit.tools import rollout as export
 
 ROOT = Path(__file__).resolve().parents[1]

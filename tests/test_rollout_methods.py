@@ -19,7 +19,8 @@ from PIL import Image
 from tests.test_explain import _checkpoint
 from vit.checkpoint import load_model
 from vit.data.transforms import eval_transform
-from vit.rollout import contact_sheet, render_panel, rollout_maps
+from vit.relevance import rollout_maps
+from vit.render import contact_sheet, render_panel
 from vit.tools import rollout as export
 
 

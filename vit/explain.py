@@ -1,6 +1,6 @@
 """How faithful an explanation map is: the perturbation tests the literature scores maps with.
 
-A map here is a relevance score per patch, (B, grid_h, grid_w), as `vit.rollout.rollout_maps`
+A map here is a relevance score per patch, (B, grid_h, grid_w), as `vit.relevance.rollout_maps`
 returns for every method. The tests take the model, the normalised images (B, 3, H, W) and the maps,
 remove (or insert) whole patches in the maps' order and re-classify; they call nothing but
 `model(images) -> logits`, so they work for any classifier, ResNets included, with any map on a grid
@@ -13,9 +13,11 @@ that divides the image.
   relevant patches are deleted from the image (low AUC is good) or inserted into a blank canvas
   (high AUC is good).
 - Baselines that look at no image: `random_maps` and the centred Gaussian (`baseline_maps`).
+- Scores against object boxes: the pointing game and energy in box (`box_scores`); the centred
+  Gaussian (`centre_gaussian`) is their baseline that looks at no image.
 - `outlier_norm_fraction`: the share of patch tokens with outlier norms (the artefacts Darcet et al.
   2024 remove with register tokens), and `off_centre`: the images whose object box is far from the
-  middle, where a centre prior cannot win the pointing game (`vit.rollout.box_scores`).
+  middle, where a centre prior cannot win the pointing game (`box_scores`).
 
 A removed patch is replaced by a fill value, 0 by default: in normalised images that is the
 dataset's mean colour. Everything runs under `torch.no_grad()`, batched over the images (one forward
@@ -28,9 +30,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from vit.rollout import centre_gaussian
 
 FRACTIONS = tuple(i / 10 for i in range(10))  # 0, 0.1, ..., 0.9: Chefer et al.'s perturbation steps
 BASELINES = ("random", "centre")
@@ -220,7 +221,7 @@ def random_maps(batch: int, grid: Sequence[int], generator: torch.Generator | No
 
 def baseline_maps(name: str, batch: int, grid: Sequence[int], generator: torch.Generator | None = None) -> torch.Tensor:
     """The maps that look at no image, by name: "random" (`random_maps`) or "centre" (the centred
-    Gaussian of `vit.rollout.centre_gaussian` on the patch grid, sigma a quarter of each side)."""
+    Gaussian of `centre_gaussian` on the patch grid, sigma a quarter of each side)."""
     if name == "random":
         return random_maps(batch, grid, generator)
     if name == "centre":
@@ -257,7 +258,7 @@ def off_centre(boxes: torch.Tensor, size: int, min_dist: float, exclude_centre: 
     """(B,) True for the images whose object box lies away from the image centre.
 
     Boxes are (x0, y0, x1, y1), inclusive pixel coordinates on size x size images (as
-    `vit.rollout.box_scores` takes them). An image is kept when the Euclidean distance from the box
+    `box_scores` takes them). An image is kept when the Euclidean distance from the box
     centre ((x0 + x1) / 2, (y0 + y1) / 2) to the image centre ((size - 1) / 2, both axes) is at least
     `min_dist` pixels; with `exclude_centre` the box must also hold none of the image's central
     pixels (one for odd sizes, four for even), so a centred map's peak misses every kept box and the
@@ -349,3 +350,43 @@ def class_interleaved_order(labels: Sequence[int] | torch.Tensor, seed: int = 0)
         shuffled = members[torch.randperm(len(members), generator=generator)].tolist()
         keyed += [(rank, c, index) for rank, index in enumerate(shuffled)]
     return [index for _, _, index in sorted(keyed)]
+
+
+# -- scoring against object boxes ---------------------------------------------------------------
+
+
+def box_scores(maps: torch.Tensor, boxes: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How well (B, h, w) maps find the objects in (B, 4) boxes on size x size images: pointing
+    hits and energy-in-box fractions, (B,) each. Boxes are (x0, y0, x1, y1), inclusive pixel
+    coordinates, as in Tiny-ImageNet's annotations.
+
+    Pointing: the peak of the map, upsampled bilinearly to the image, lies inside the box. Energy:
+    the share of the upsampled map's mass inside the box after min-max scaling it to [0, 1], so a
+    constant offset (which rollout's identity term adds) does not count; a flat map scores the box's
+    share of the image.
+    """
+    m = maps.float()[:, None]
+    if m.shape[-1] != size:
+        m = F.interpolate(m, size=(size, size), mode="bilinear", align_corners=False)
+    m = m[:, 0].flatten(1)
+    lo, hi = m.min(dim=1, keepdim=True).values, m.max(dim=1, keepdim=True).values
+    m = (m - lo) / (hi - lo).clamp(min=1e-12)
+    pixels = torch.arange(size, dtype=torch.float32)
+    ys, xs = pixels[:, None].expand(size, size).flatten(), pixels[None, :].expand(size, size).flatten()
+    x0, y0, x1, y1 = (boxes[:, i : i + 1].float() for i in range(4))
+    inside = (xs >= x0) & (xs <= x1) & (ys >= y0) & (ys <= y1)  # (B, size * size)
+    hits = inside.gather(1, m.argmax(dim=1, keepdim=True))[:, 0].float()
+    total = m.sum(dim=1)
+    energy = torch.where(total > 0, (m * inside).sum(dim=1) / total.clamp(min=1e-12), inside.float().mean(dim=1))
+    return hits, energy
+
+
+def centre_gaussian(batch: int, size: int | tuple[int, int], sigma_frac: float = 0.25) -> torch.Tensor:
+    """(batch, size, size) Gaussians centred on the image (sigma = sigma_frac x size): the baseline
+    that looks at no image, the prior that objects sit in the middle. `size` (h, w) gives (batch, h, w)
+    with sigma_frac x h and sigma_frac x w along the two axes (e.g. on a patch grid)."""
+    h, w = (size, size) if isinstance(size, int) else size
+    ry = (torch.arange(h, dtype=torch.float32) - (h - 1) / 2) / (sigma_frac * h)
+    rx = (torch.arange(w, dtype=torch.float32) - (w - 1) / 2) / (sigma_frac * w)
+    g = torch.exp(-(ry[:, None] ** 2 + rx[None, :] ** 2) / 2)
+    return g.expand(batch, h, w)

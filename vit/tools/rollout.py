@@ -54,7 +54,8 @@ from vit.data.augment import center_crop_box
 from vit.data.images import ImageArrays, ImageFiles, read_rgb
 from vit.data.preprocess import Preprocess
 from vit.export import image_spec
-from vit.rollout import METHODS, check_vit, contact_sheet, denormalise, render_panel, rollout_maps
+from vit.relevance import METHODS, check_vit, rollout_maps
+from vit.render import contact_sheet, denormalise, render_panel
 from vit.tools.args import image_files, positive_int
 from vit.vision_transformer import VisionTransformer
 

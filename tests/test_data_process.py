@@ -125,7 +125,7 @@ def test_a_data_process_that_cannot_serve_leaves_the_batches_to_the_training_pro
                 assert torch.equal(x, x2) and torch.equal(y, y2)
     assert caplog.text.count("the data process cannot serve the training process") == 1
     assert UNAVAILABLE[failure] in caplog.text and "data.data_process false" in caplog.text
-    assert there._data_process is None and not there.process
+    assert there._data_process is None and not there.data_process.serves  # the training process makes them from now on
 
 
 def test_an_epoch_left_early_is_dropped_and_a_resumed_one_starts_at_its_next_batch(jpegs):
@@ -395,7 +395,7 @@ def test_buffers_whose_copies_are_still_queued_are_waited_for_only_when_the_chil
     before = signal.signal(signal.SIGALRM, deadlocked)
     signal.alarm(60)  # a deadlock fails the test instead of hanging it
     try:
-        batches = [batch[0].tolist() for batch, _ in process.epoch({})]
+        batches = [batch[0].tolist() for batch, _ in process.epoch(None)]
         waits = Queued.synchronized
         process.close()
     finally:

@@ -80,3 +80,22 @@ def test_a_batch_size_set_after_setup_makes_a_new_spec_the_next_loader_takes(tmp
     with pytest.raises(OptionError, match=r"data\.batch_size: got 0, expected a whole number of at least 1"):
         data.batch_size = 0  # checked again
     assert data.spec.batch_size == 5
+
+
+def test_the_sampler_state_sent_to_the_data_process_is_what_makes_its_order(tmp_path):
+    """vit.data.process.SamplerState: epoch, seed and resume position; a copy of the sampler given
+    it yields what the sampler yields. A sampler whose order is fixed has none."""
+    from torch.utils.data import SequentialSampler
+
+    from vit.data.process import SamplerState
+
+    sampler = ResumableSampler(range(20), seed=11)
+    sampler.set_epoch(3)
+    sampler.resume_epoch, sampler.resume_position = 3, 6
+    state = SamplerState.of(sampler)
+    assert state == SamplerState(epoch=3, seed=11, resume_epoch=3, resume_position=6)
+    copy = ResumableSampler(range(20))
+    state.apply(copy)
+    theirs, ours = list(copy), list(sampler)  # each starts its epoch once at the resume position
+    assert theirs == ours and len(ours) == 14
+    assert SamplerState.of(SequentialSampler(range(4))) is None

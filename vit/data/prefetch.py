@@ -28,7 +28,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 
-from vit.data.process import DataProcess, DataProcessUnavailable, sampler_state
+from vit.data.process import DataProcess, DataProcessUnavailable, SamplerState
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,21 @@ class LoaderTimes:
 
 
 class PreparedLoader(DataLoader):
-    """A DataLoader whose batches pass through `prepare(batch, device)` before they are handed out:
-    in threads, up to `ahead` batches early (0: in the caller's thread, when each is drawn; None:
-    1 on CUDA, 0 on the CPU, where the threads only compete with the model for the same cores).
-    `prepare` may be a sequence of stages, each taking the last one's output: a thread each, one
-    batch waiting between two. `device()` names the device, read when an epoch's iteration starts.
+    """A DataLoader whose batches pass through `prepare(batch, device)` before they are handed out.
+    `prepare` may be a sequence of stages, each taking the last one's output. Who runs them is
+    chosen when an epoch starts, before its first batch:
 
-    An exception in `prepare` (a file that does not decode) is raised where the batch is drawn.
-    Leaving an epoch early (max_steps, an interruption) stops the threads before the next begins.
+    - `InTrainingProcess`: in the caller's thread when each batch is drawn (`ahead` 0), or a thread
+      a stage, up to `ahead` batches early (None: 1 on CUDA, 0 on the CPU, where the threads only
+      compete with the model for the same cores);
+    - `InDataProcess` (`process`): a process of its own (vit.data.process). If it cannot serve
+      this process (it did not start, its buffers cannot be shared), the training process makes
+      that epoch's batches and every later one's: the same batches, as the loader's sampler starts
+      its epoch only once the data process has sent the first.
+
+    `device()` names the device, read when an epoch starts. An exception in `prepare` (a file that
+    does not decode) is raised where the batch is drawn. Leaving an epoch early (max_steps, an
+    interruption) stops its threads before the next begins.
     """
 
     def __init__(
@@ -74,14 +81,18 @@ class PreparedLoader(DataLoader):
     ) -> None:
         super().__init__(dataset, *args, **kwargs)
         self.stages: list[Stage] = [] if prepare is None else [prepare] if callable(prepare) else list(prepare)
-        self.device, self.ahead, self.process = device, ahead, process
+        self.device, self.ahead = device, ahead
         self.times = LoaderTimes()
-        self._stop_running: Callable[[], None] | None = None
-        self._data_process: DataProcess | None = None
+        self.in_process = InTrainingProcess(self.stages)
+        self.data_process = InDataProcess() if process else None
+
+    @property
+    def _data_process(self) -> DataProcess | None:
+        """The running data process, if any."""
+        return self.data_process.process if self.data_process is not None else None
 
     def __iter__(self) -> Iterator[Any]:
-        if self._stop_running is not None:  # the last epoch's threads, if it was left early
-            self._stop_running()
+        self.in_process.stop()  # the last epoch's threads, if it was left early
         if not self.stages:
             return super().__iter__()
         stages = len(self.stages)
@@ -90,70 +101,114 @@ class PreparedLoader(DataLoader):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         ahead = self.ahead if self.ahead is not None else int(device.type == "cuda")
-        if self.process:
+        if self.data_process is not None and self.data_process.serves:
             return self._from_process(device, ahead)
-        batches = super().__iter__()
-        if ahead <= 0:
-            return self._on_demand(batches, device)
-        return self._ahead(batches, device, ahead)
+        return self.in_process.epoch(super().__iter__(), device, ahead, self.times)
+
+    def _in_child(self, device: torch.device) -> Callable[[], PreparedLoader]:
+        """This loader as the data process makes it: the same batches, prepared in its own threads."""
+        return partial(
+            PreparedLoader, self.dataset, batch_size=self.batch_size, drop_last=self.drop_last,
+            sampler=self.sampler, num_workers=self.num_workers, collate_fn=self.collate_fn,
+            pin_memory=self.pin_memory, persistent_workers=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor, worker_init_fn=self.worker_init_fn, prepare=self.stages,
+            device=partial(torch.device, str(device)), ahead=self.ahead,
+        )  # fmt: skip
 
     def _from_process(self, device: torch.device, ahead: int) -> Iterator[Any]:
-        """The batches made by this loader's data process (vit.data.process): `ahead` + 1 of them
-        ready at most (at least 1), while the training step has the last one."""
-        if self._data_process is None or self._data_process.device != device:
-            if self._data_process is not None:
-                self._data_process.close()
-            make = partial(
-                PreparedLoader, self.dataset, batch_size=self.batch_size, drop_last=self.drop_last,
-                sampler=self.sampler, num_workers=self.num_workers, collate_fn=self.collate_fn,
-                pin_memory=self.pin_memory, persistent_workers=self.persistent_workers,
-                prefetch_factor=self.prefetch_factor, worker_init_fn=self.worker_init_fn, prepare=self.stages,
-                device=partial(torch.device, str(device)), ahead=self.ahead,
-            )  # fmt: skip
-            self._data_process = DataProcess(make, device, ring=max(1, ahead) + 2, batch_size=self.batch_size or 1)
-        state = sampler_state(self.sampler)
-        if hasattr(self.sampler, "begin_epoch"):  # the child's sampler starts the epoch: this one moves on with it
+        """The data process's batches; the training process's own if it cannot serve (said once)."""
+        assert self.data_process is not None
+        state = SamplerState.of(self.sampler)
+        make = self._in_child(device)
+        batches = self.data_process.epoch(make, device, ahead, self.batch_size or 1, state, self.times)
+        try:
+            first = next(batches, _DONE)
+        except DataProcessUnavailable as e:
+            log.warning("%s: this loader makes its batches in the training process instead "
+                        "(data.data_process false), as fast on the CPU, slower on a GPU", e)  # fmt: skip
+            yield from self.in_process.epoch(DataLoader.__iter__(self), device, ahead, self.times)
+            return
+        if hasattr(self.sampler, "begin_epoch"):  # the child's sampler started the epoch: this one moves on with it
             self.sampler.begin_epoch()
-        return self._taken(self._data_process.epoch(state), state)
+        if first is _DONE:
+            return
+        yield first
+        yield from batches
 
     def close(self) -> None:
         """Stops this loader's threads and its data process, if running."""
-        if self._stop_running is not None:
-            self._stop_running()
-        if self._data_process is not None:
-            self._data_process.close()
-            self._data_process = None
+        self.in_process.stop()
+        if self.data_process is not None:
+            self.data_process.close()
 
-    def _taken(self, batches: Iterator[Any], state: dict[str, Any]) -> Iterator[Any]:
-        """The data process's batches; if it cannot serve this process (it did not start, or its
-        buffers cannot reach this process), the loader makes them itself from then on (the same
-        batches: the sampler's `state` from before the epoch)."""
-        handed_out = False
+
+class InDataProcess:
+    """A loader's batches made by a data process (vit.data.process); `serves` turns false for good
+    when the process cannot serve this one."""
+
+    def __init__(self) -> None:
+        self.process: DataProcess | None = None
+        self.serves = True
+
+    def epoch(
+        self,
+        make: Callable[[], Any],
+        device: torch.device,
+        ahead: int,
+        batch_size: int,
+        state: SamplerState | None,
+        times: LoaderTimes,
+    ) -> Iterator[Any]:
+        """One pass of the loader `make()` builds in the child, its sampler set to `state`: `ahead` + 1
+        batches ready at most (at least 1), while the training step has the last one.
+        DataProcessUnavailable, before the first batch, if the process cannot serve this one."""
+        if self.process is None or self.process.device != device:
+            self.close()
+            self.process = DataProcess(make, device, ring=max(1, ahead) + 2, batch_size=batch_size)
+        batches = self.process.epoch(state)
         while True:
             asked = time.perf_counter()
             try:
                 item = next(batches, _DONE)
-            except DataProcessUnavailable as e:
-                if handed_out:
-                    raise
-                log.warning("%s: this loader makes its batches in the training process instead "
-                            "(data.data_process false), as fast on the CPU, slower on a GPU", e)  # fmt: skip
+            except DataProcessUnavailable:
                 self.close()
-                self.process = False
-                vars(self.sampler).update(state)
-                yield from iter(self)
-                return
+                self.serves = False
+                raise
             if item is _DONE:
                 return
-            handed_out = True
             batch, stage_times = item
-            self.times.waited.append(time.perf_counter() - asked)
+            times.waited.append(time.perf_counter() - asked)
             for k, (wall, cpu) in enumerate(stage_times):
-                self.times.prepared[k].append(wall)
-                self.times.prepared_cpu[k].append(cpu)
+                times.prepared[k].append(wall)
+                times.prepared_cpu[k].append(cpu)
             yield batch
 
-    def _on_demand(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None
+
+
+class InTrainingProcess:
+    """The stages run in the training process, on CUDA streams of their own: each batch in the
+    caller's thread when it is drawn (`ahead` 0), or a thread a stage, the last up to `ahead`
+    batches early, one batch waiting between two."""
+
+    def __init__(self, stages: list[Stage]) -> None:
+        self.stages = stages
+        self._stop_running: Callable[[], None] | None = None
+
+    def stop(self) -> None:
+        """Stops the last epoch's threads, if it was left early."""
+        if self._stop_running is not None:
+            self._stop_running()
+
+    def epoch(self, batches: Iterator[Any], device: torch.device, ahead: int, times: LoaderTimes) -> Iterator[Any]:
+        if ahead <= 0:
+            return self._on_demand(batches, device, times)
+        return self._ahead(batches, device, ahead, times)
+
+    def _on_demand(self, batches: Iterator[Any], device: torch.device, times: LoaderTimes) -> Iterator[Any]:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         while True:
             asked = time.perf_counter()
@@ -162,11 +217,13 @@ class PreparedLoader(DataLoader):
                 return
             item = (batch, None)
             for k in range(len(self.stages)):
-                item = self._prepared(k, item, device, stream)
-            self.times.waited.append(time.perf_counter() - asked)
+                item = self._prepared(k, item, device, stream, times)
+            times.waited.append(time.perf_counter() - asked)
             yield _hand_over(*item, device)
 
-    def _prepared(self, k: int, item: tuple[Any, Any], device: torch.device, stream: Any) -> tuple[Any, Any]:
+    def _prepared(
+        self, k: int, item: tuple[Any, Any], device: torch.device, stream: Any, times: LoaderTimes
+    ) -> tuple[Any, Any]:
         """Stage k on `item` (the last stage's output and, on CUDA, the event marking its end) and,
         on CUDA, an event marking this stage's end on `stream`: the work is queued there, not on the
         stream the model's kernels are queued on, so a host sync inside it (the decoder's) waits
@@ -179,11 +236,11 @@ class PreparedLoader(DataLoader):
                 out = self.stages[k](_hand_over(*item, device), device)
                 event = torch.cuda.Event()
                 event.record(stream)
-        self.times.prepared[k].append(time.perf_counter() - start)
-        self.times.prepared_cpu[k].append(time.thread_time() - cpu)
+        times.prepared[k].append(time.perf_counter() - start)
+        times.prepared_cpu[k].append(time.thread_time() - cpu)
         return out, event
 
-    def _ahead(self, batches: Iterator[Any], device: torch.device, ahead: int) -> Iterator[Any]:
+    def _ahead(self, batches: Iterator[Any], device: torch.device, ahead: int, times: LoaderTimes) -> Iterator[Any]:
         stop = threading.Event()
         last = len(self.stages) - 1
         queues: list[queue.Queue] = [queue.Queue(maxsize=ahead if k == last else 1) for k in range(last + 1)]
@@ -210,7 +267,7 @@ class PreparedLoader(DataLoader):
                         if isinstance(item, BaseException):  # an earlier stage's: passed on to the consumer
                             put(k, item)
                             return
-                        if stop.is_set() or not put(k, self._prepared(k, item, device, stream)):
+                        if stop.is_set() or not put(k, self._prepared(k, item, device, stream, times)):
                             return
             except BaseException as e:  # raised in the consumer's thread, at this batch
                 put(k, e)
@@ -230,10 +287,15 @@ class PreparedLoader(DataLoader):
         self._stop_running = stop_running
         for thread in threads:
             thread.start()
-        return self._hand_out(queues[last], stop, stop_running, device)
+        return self._hand_out(queues[last], stop, stop_running, device, times)
 
     def _hand_out(
-        self, ready: queue.Queue, stop: threading.Event, stop_running: Callable[[], None], device: torch.device
+        self,
+        ready: queue.Queue,
+        stop: threading.Event,
+        stop_running: Callable[[], None],
+        device: torch.device,
+        times: LoaderTimes,
     ) -> Iterator[Any]:
         try:
             while True:
@@ -243,7 +305,7 @@ class PreparedLoader(DataLoader):
                     raise RuntimeError("this epoch's batches were stopped: a later iter(loader) began another epoch")
                 if item is _DONE:
                     return
-                self.times.waited.append(time.perf_counter() - asked)
+                times.waited.append(time.perf_counter() - asked)
                 if isinstance(item, BaseException):
                     raise item
                 yield _hand_over(*item, device)

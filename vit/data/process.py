@@ -10,8 +10,8 @@ the CPU, CUDA IPC on a GPU). The training process's work for a batch is reading 
 copying the buffer into tensors of its own (so the batch lives as long as the step wants it) and
 handing the buffer back once that copy is done.
 
-The order is the loader's sampler's: at each epoch the training process sends the sampler's plain
-fields (epoch, resume position, seed, rank), so the process yields the batches (and each image's
+The order is the loader's sampler's: at each epoch the training process sends where the sampler's
+order stands (`SamplerState`: epoch, seed, resume position), so the process yields the batches (and each image's
 augmentation, vit.data.sampling) the loader would have yielded itself. Leaving an epoch early stops
 the process's at its next batch; an error there is raised where the batch is taken.
 
@@ -36,6 +36,7 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -97,10 +98,27 @@ def _not_shared(reason: str) -> DataProcessUnavailable:
     )
 
 
-def sampler_state(sampler: Any) -> dict[str, Any]:
-    """The sampler's plain fields (epoch, resume position, seed, rank, ...): what makes its order,
-    without the dataset it holds."""
-    return {k: v for k, v in vars(sampler).items() if v is None or isinstance(v, bool | int | float | str)}
+@dataclass(frozen=True)
+class SamplerState:
+    """Where a resumable sampler's order stands (vit.data.sampling.ResumableSampler): what the data
+    process's copy of the sampler, made with the loader, takes at each epoch. Its rank, process
+    count and dataset do not change during a run; these do (Lightning's `set_epoch`, a resume)."""
+
+    epoch: int
+    seed: int
+    resume_epoch: int
+    resume_position: int
+
+    @classmethod
+    def of(cls, sampler: Any) -> SamplerState | None:
+        """The state of `sampler`; None for one whose order is fixed (evaluation's, in order)."""
+        if not hasattr(sampler, "resume_position"):
+            return None
+        return cls(sampler.epoch, sampler.seed, sampler.resume_epoch, sampler.resume_position)
+
+    def apply(self, sampler: Any) -> None:
+        sampler.epoch, sampler.seed = self.epoch, self.seed
+        sampler.resume_epoch, sampler.resume_position = self.resume_epoch, self.resume_position
 
 
 class DataProcess:
@@ -176,7 +194,7 @@ class DataProcess:
             _kill(self._process)
             self._process = None
 
-    def epoch(self, state: dict[str, Any]) -> Iterator[tuple[tuple[torch.Tensor, ...], list[tuple[float, float]]]]:
+    def epoch(self, state: SamplerState | None) -> Iterator[tuple[tuple[torch.Tensor, ...], list[tuple[float, float]]]]:
         """The batches of one pass of the loader, its sampler set to `state`, each with the (wall,
         CPU) seconds its stages took in the child (vit.data.prefetch.LoaderTimes)."""
         self.start()
@@ -398,12 +416,13 @@ class _Server:
             if self.parent is not None and not self.parent.is_alive():
                 return None, ("stop", 0, None)
 
-    def run_epoch(self, token: int, state: dict[str, Any]) -> tuple[Any, ...] | None:
+    def run_epoch(self, token: int, state: SamplerState | None) -> tuple[Any, ...] | None:
         """One pass; an order that arrives during it ends the pass early and is returned."""
         if self.lost is not None:  # its loader cannot make the pass
             self.ready.put(("error", token, self.lost))
             return None
-        vars(self.loader.sampler).update(state)
+        if state is not None:
+            state.apply(self.loader.sampler)
         try:
             for batch in self.loader:
                 slot, order = self.free_slot()

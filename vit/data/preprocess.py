@@ -71,7 +71,7 @@ class Preprocess:
         """RGB uint8 images (H, W, 3), any sizes, each as evaluation resizes and normalises it, not yet
         batched: (3, S, S) by vit.data.transforms.eval_transform with these settings; with a budget
         (3, rows x patch, columns x patch), the grid vit.data.transforms.SequenceEvalTransform gives it."""
-        # vit.data loads Lightning: imported only where images are read
+        # vit.data.transforms loads albumentations and OpenCV: imported only where images are read
         from vit.data.naflex import NaFlex
         from vit.data.transforms import SequenceEvalTransform, eval_transform
 

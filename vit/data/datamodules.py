@@ -365,7 +365,25 @@ class CIFARDataModule(ImageDataModule):
         )
 
 
-class ImageFolderDataModule(ImageDataModule):
+class FolderSplits(ImageDataModule):
+    """What an image folder and its streaming conversion share: the splits `<train_dir>` and
+    `<val_dir>` of their root, and the crop defaults that follow img_size (`folder_crop`)."""
+
+    def __init__(
+        self,
+        train_dir: str = "train",
+        val_dir: str = "val",
+        img_size: int = 224,
+        augment: Augment = Augment(crop=None, crop_padding=None),  # following img_size
+        eval_crop_pct: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        set_option_groups(self, augment=augment)
+        super().__init__(**folder_crop(img_size, self.augment, eval_crop_pct, kwargs), **kwargs)
+        self.train_dir, self.val_dir = train_dir, val_dir
+
+
+class ImageFolderDataModule(FolderSplits):
     """ImageNet-style trees: `root/<train_dir>/<class>/*` and `root/<val_dir>/<class>/*`; or a
     folder of class folders as it is, `root/<class>/*`, with `val_holdout` (a stratified share held
     out for validation, the same images every run). With `val_holdout`, `<val_dir>` is not needed:
@@ -386,25 +404,15 @@ class ImageFolderDataModule(ImageDataModule):
     img_size, and evaluation sees the whole image.
     """
 
-    def __init__(
-        self,
-        root: str = "data/imagenet",
-        train_dir: str = "train",
-        val_dir: str = "val",
-        img_size: int = 224,
-        augment: Augment = Augment(crop=None, crop_padding=None),  # following img_size
-        eval_crop_pct: float | None = None,
-        **kwargs: Any,
-    ) -> None:
-        set_option_groups(self, augment=augment)
-        super().__init__(**folder_crop(img_size, self.augment, eval_crop_pct, kwargs), **kwargs)
-        self.root, self.train_dir, self.val_dir = Path(root), train_dir, val_dir
+    def __init__(self, root: str = "data/imagenet", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.root = Path(root)
         train = self._train_folder()
         # Scan the class folders now: the CLI links num_classes to the model's at instantiation (vit.cli).
         self.classes, self._train_samples = scan_image_folder(train)
-        val = self.root / val_dir
+        val = self.root / self.val_dir
         if not self.val_holdout and not val.is_dir():
-            layouts = _FOLDER_LAYOUTS.format(root=self.root, train=train_dir, val=val_dir)
+            layouts = _FOLDER_LAYOUTS.format(root=self.root, train=self.train_dir, val=self.val_dir)
             raise FileNotFoundError(f"{val} does not exist: {layouts}")
         self.num_classes = len(self.classes)
         self.class_names = readable_class_names(self.classes, self.root)
@@ -464,7 +472,7 @@ def folder_crop(
     return dict(img_size=img_size, augment=augment, eval_crop_pct=eval_crop_pct)
 
 
-class StreamingDataModule(ImageDataModule):
+class StreamingDataModule(FolderSplits):
     """An image folder converted into litdata chunks by `scripts/convert_streaming.py`:
     `root/<train_dir>` and `root/<val_dir>`, where root is a local folder, a shared filesystem or
     object storage (`s3://bucket/prefix`, read with litdata's credentials and caching).
@@ -481,23 +489,17 @@ class StreamingDataModule(ImageDataModule):
     def __init__(
         self,
         root: str = "data/imagenet-streaming",
-        train_dir: str = "train",
-        val_dir: str = "val",
-        img_size: int = 224,
-        augment: Augment = Augment(crop=None, crop_padding=None),  # following img_size
-        eval_crop_pct: float | None = None,
         shuffle_window: int = 8,
         chunk_cache_dir: str | None = None,
         chunk_cache_size: str | None = None,
         **kwargs: Any,
     ) -> None:
         whole(shuffle_window, 1, "data.shuffle_window", "chunks each process reads from at a time")
-        set_option_groups(self, augment=augment)
-        super().__init__(**folder_crop(img_size, self.augment, eval_crop_pct, kwargs), **kwargs)
-        self.root, self.train_dir, self.val_dir = root.rstrip("/"), train_dir, val_dir
+        super().__init__(**kwargs)
+        self.root = root.rstrip("/")
         self.shuffle_window, self.stream_cache = shuffle_window, (chunk_cache_dir, chunk_cache_size)
         # Read the training split's index now: the CLI links num_classes to the model's at instantiation.
-        self._train = StreamingImages(f"{self.root}/{train_dir}", self.train_transform, self.skip_corrupt,
+        self._train = StreamingImages(f"{self.root}/{self.train_dir}", self.train_transform, self.skip_corrupt,
                                       *self.stream_cache)  # fmt: skip
         self.classes, self.class_names = self._train.classes, self._train.class_names
         self.num_classes = len(self.classes)

@@ -6,7 +6,8 @@ import pickle
 from types import SimpleNamespace
 
 import vit.data.sampling as sampling
-from vit.data.sampling import ResumableSampler, SamplerState
+from vit.data.process import SamplerState
+from vit.data.sampling import ResumableSampler
 from vit.seeds import Purpose, sample_seeds, seed_for, step_seed
 
 
@@ -46,9 +47,9 @@ def test_a_copy_of_a_sampler_given_its_state_yields_the_same_pairs_from_the_resu
     copy = pickle.loads(pickle.dumps(sampler))  # the data process's, made when it started
     sampler.set_epoch(3)
     sampler.seed, sampler.resume_epoch, sampler.resume_position = 11, 3, 6
-    state = sampler.state()
+    state = SamplerState.of(sampler)
     assert state == SamplerState(epoch=3, seed=11, resume_epoch=3, resume_position=6)
-    copy.load_state(pickle.loads(pickle.dumps(state)))
+    pickle.loads(pickle.dumps(state)).apply(copy)
     expected = list(sampler)
     assert list(copy) == expected and len(expected) == 20 - 6
     assert list(sampler)[:6] == [(i, seed_for(11, Purpose.SAMPLE, 3, i)) for i in sampler.epoch_order()[:6]]

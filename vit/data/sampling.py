@@ -8,7 +8,6 @@ batches and augmentations an uninterrupted run would have seen.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -27,19 +26,6 @@ from vit.seeds import Purpose, sample_seeds, seed_for
 log = logging.getLogger(__name__)
 
 SEED_RUN = 1024  # sample seeds drawn at a time: a few milliseconds, where a whole ImageNet epoch's take seconds
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerState:
-    """What a ResumableSampler's order for an epoch depends on beyond how it was built: the epoch,
-    the run seed and where a resumed epoch starts (in images). A loader hands it to the copy of its
-    sampler in its data process before each epoch (vit.data.process), so that copy yields the
-    same (index, seed) pairs."""
-
-    epoch: int
-    seed: int
-    resume_epoch: int
-    resume_position: int
 
 
 class ResumableSampler(DistributedSampler):
@@ -64,14 +50,6 @@ class ResumableSampler(DistributedSampler):
         indices = self.epoch_order()[start:]
         runs = (indices[i : i + SEED_RUN] for i in range(0, len(indices), SEED_RUN))
         return itertools.chain.from_iterable(map(functools.partial(sample_seeds, self.seed, self.epoch), runs))
-
-    def state(self) -> SamplerState:
-        return SamplerState(self.epoch, self.seed, self.resume_epoch, self.resume_position)
-
-    def load_state(self, state: SamplerState) -> None:
-        """Take `state` (another copy's, as `state()` gave it)."""
-        self.epoch, self.seed = state.epoch, state.seed
-        self.resume_epoch, self.resume_position = state.resume_epoch, state.resume_position
 
     def begin_epoch(self) -> int:
         """Where this epoch starts: the resume position once, after a resume into it, else 0."""

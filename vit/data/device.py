@@ -34,9 +34,8 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from vit.data.augment import Augment  # the options' name the linter knows as a constant default
 from vit.data.crops import TRAIN_RESIZE_DTYPE, crop_resize_flip
-from vit.data.draws import Augmentation, draw_augmentation, draw_augmentations
+from vit.data.draws import Augment, Augmentation, draw_augmentation, draw_augmentations
 from vit.data.geometry import EVAL_RESIZE, normalize
 from vit.data.images import (  # noqa: F401  (JPEG_MAGIC, image_size, read_header: read from here too)
     JPEG_MAGIC,

@@ -13,8 +13,7 @@ import numpy as np
 import torch
 from albumentations.pytorch import ToTensorV2
 
-from vit.data.augment import Augment  # the options' name the linter knows as a constant default
-from vit.data.draws import CROPS, SHARPEN_LIGHTNESS, draw_crop_flip, draw_crop_flips, rand_augment_ranges
+from vit.data.draws import CROPS, SHARPEN_LIGHTNESS, Augment, draw_crop_flip, draw_crop_flips, rand_augment_ranges
 from vit.data.geometry import (
     ResizeWhole,
     eval_pixels,  # noqa: F401  (vit.data.memory's import of it)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from vit.data.geometry import resize_boxes
+from vit.data.geometry import resize_box
 
 
 def crop_resize_flip(
@@ -38,9 +38,9 @@ def crop_resize_flip(
 def _resize_each(
     images: Sequence[torch.Tensor], box: torch.Tensor, flip: torch.Tensor, size: int, mode: str = "bilinear"
 ) -> torch.Tensor:
-    batch = resize_boxes(images, box.tolist(), size, mode)
-    flip = flip.to(batch.device, non_blocking=True)  # a copy the host does not wait for
-    return torch.where(flip[:, None, None, None], batch.flip(-1), batch)
+    # each crop mirrored as it is made: no second pass over the whole batch
+    crops = (resize_box(image, tuple(b), size, mode) for image, b in zip(images, box.tolist(), strict=True))
+    return torch.cat([crop.flip(-1) if f else crop for crop, f in zip(crops, flip.tolist(), strict=True)])
 
 
 # x size: longer images are resized one at a time (a batch of 128 padded to 560 px, at 224: 0.5 GB of floats)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from vit.data.geometry import resize_box
+from vit.data.geometry import resize_boxes
 
 
 def crop_resize_flip(
@@ -38,9 +38,7 @@ def crop_resize_flip(
 def _resize_each(
     images: Sequence[torch.Tensor], box: torch.Tensor, flip: torch.Tensor, size: int, mode: str = "bilinear"
 ) -> torch.Tensor:
-    # each crop mirrored as it is made: no second pass over the whole batch
-    crops = (resize_box(image, tuple(b), size, mode) for image, b in zip(images, box.tolist(), strict=True))
-    return torch.cat([crop.flip(-1) if f else crop for crop, f in zip(crops, flip.tolist(), strict=True)])
+    return resize_boxes(images, box.tolist(), size, mode, flips=flip.tolist())
 
 
 # x size: longer images are resized one at a time (a batch of 128 padded to 560 px, at 224: 0.5 GB of floats)

@@ -46,6 +46,20 @@ def resize_box(
     return out.clamp_(0, 255) if mode == "bicubic" else out  # bicubic overshoots at edges
 
 
+def resize_boxes(
+    images: Sequence[torch.Tensor],
+    boxes: Sequence[Sequence[int]],
+    size: int,
+    mode: str = EVAL_RESIZE,
+    flips: Sequence[bool] | None = None,
+) -> torch.Tensor:
+    """resize_box for each image and its box, float (B, 3, size, size), one image at a time; each
+    mirrored as it is made where `flips` says (no second pass over the whole batch)."""
+    flips = flips or [False] * len(images)
+    crops = (resize_box(i, tuple(b), size, mode) for i, b in zip(images, boxes, strict=True))
+    return torch.cat([c.flip(-1) if f else c for c, f in zip(crops, flips, strict=True)])
+
+
 def eval_resize(image: torch.Tensor, size: int, crop_pct: float, whole_levels: bool = False) -> torch.Tensor:
     """uint8 (3, H, W) -> float (3, size, size) in [0, 255]: evaluation's pixels on every path, the
     centred square of crop_pct x the shorter side (center_crop_box) resized with EVAL_RESIZE."""

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vit.data.device import EncodedFiles, collate_encoded, decode_encoded, read_header
-from vit.data.images import CUT_ZEROS, CorruptImageError, ImageFiles, Sample, jpeg_damage, read_rgb
+from vit.data.device import EncodedFiles, collate_encoded, decode_encoded
+from vit.data.images import CUT_ZEROS, CorruptImageError, ImageFiles, Sample, jpeg_damage, read_header, read_rgb
 from vit.data.memory import to_tensor_images
 from vit.tools.convert_streaming import encoded
 from vit.tools.data_check import synthetic_photo

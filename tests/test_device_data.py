@@ -34,10 +34,9 @@ from vit.data.device import (
     decode_and_augment,
     decode_batch,
     decode_encoded,
-    read_header,
 )
-from vit.data.images import MISSING, CorruptImageError, ImageFiles, Sample, read_rgb
-from vit.data.transforms import eval_pixels
+from vit.data.geometry import eval_pixels
+from vit.data.images import MISSING, CorruptImageError, ImageFiles, Sample, read_header, read_rgb
 from vit.tools.data_check import synthetic_photo
 
 

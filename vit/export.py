@@ -56,7 +56,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vit.data.augment import EVAL_RESIZE
 from vit.data.preprocess import Preprocess
-from vit.layers import _pair
+from vit.layers.patch import _pair
 from vit.naflex import NaFlexVit, pack
 from vit.resnet import CifarResNet
 from vit.vision_transformer import VisionTransformer

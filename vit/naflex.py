@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit.layers import ACTIVATIONS, AttentionPoolLatent, _pair, check_divisible
+from vit.layers import ACTIVATIONS, AttentionPoolLatent, check_divisible
+from vit.layers.patch import _pair
 from vit.registry import register_timm_names
 from vit.timm_args import record_timm_builder, timm_arg_names, timm_norm
 from vit.vision_transformer import VisionTransformer, ViTConfig, _take_indices, rescale_block_outputs_

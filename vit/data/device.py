@@ -37,7 +37,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from vit.data.crops import TRAIN_RESIZE_DTYPE, crop_resize_flip
 from vit.data.draws import Augment, Augmentation, draw_augmentation, draw_augmentations
 from vit.data.geometry import EVAL_RESIZE, normalize
-from vit.data.images import (  # noqa: F401  (JPEG_MAGIC, image_size, read_header: read from here too)
+from vit.data.images import (
     JPEG_MAGIC,
     MISSING,
     CorruptImageError,
@@ -47,8 +47,6 @@ from vit.data.images import (  # noqa: F401  (JPEG_MAGIC, image_size, read_heade
     channels_first,
     decode_rgb,
     decoded_in_worker,
-    image_size,
-    read_header,
     undecodable,
 )
 from vit.data.randaugment import rand_augment

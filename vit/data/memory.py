@@ -25,9 +25,9 @@ from torch.utils.data import Dataset
 
 from vit.data import host
 from vit.data.augment import EVAL_RESIZE
+from vit.data.geometry import eval_pixels
 from vit.data.images import ImageArrays, ImageFiles
 from vit.data.sampling import ResumableSampler
-from vit.data.transforms import eval_pixels
 from vit.seeds import Purpose, seed_for
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from albumentations.pytorch import ToTensorV2
 from vit.data.draws import CROPS, SHARPEN_LIGHTNESS, Augment, draw_crop_flip, draw_crop_flips, rand_augment_ranges
 from vit.data.geometry import (
     ResizeWhole,
-    eval_pixels,  # noqa: F401  (vit.data.memory's import of it)
     eval_resize,
     normalize,
     resized_crop,

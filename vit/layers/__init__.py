@@ -50,7 +50,6 @@ from vit.layers.patch import (
     HybridEmbed,
     PatchDropout,
     PatchEmbed,
-    _pair,  # noqa: F401  (vit.export and vit.naflex use it)
     check_divisible,
     whiten_patch_embed_,
 )

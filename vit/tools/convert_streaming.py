@@ -39,10 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from vit.data.device import JPEG_MAGIC, image_size
 from vit.data.images import (
     DECODE_ERRORS,
+    JPEG_MAGIC,
     CorruptImageError,
+    image_size,
     read_file,
     read_rgb,
     readable_class_names,
@@ -60,7 +61,7 @@ SOURCES = "sources.json"  # in each split: {relative path of each source image: 
 def encoded(path: Path, max_side: int | None, quality: int) -> bytes:
     """The bytes to store for the image file `path`; CorruptImageError naming it if it is not
     readable: a damaged JPEG (vit.data.images.jpeg_damage) or one whose header does not parse
-    (vit.data.device.read_header: its compressed data is first decoded in training), any other
+    (vit.data.images.read_header: its compressed data is first decoded in training), any other
     file that does not decode (decoded here: few files are not JPEGs)."""
     data = read_file(path)  # first: a broken link named as one, a missing file not taken for a corrupt one
     if max_side is not None:

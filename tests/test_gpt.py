@@ -38,6 +38,40 @@ def test_lm_head_is_tied_to_the_token_embedding():
     assert model.lm_head.weight is model.tok_embed.weight
 
 
+def test_an_untied_head_is_a_parameter_of_its_own_and_trains_apart_from_the_embedding():
+    model = _gpt(tie_head=False)
+    assert model.lm_head.weight is not model.tok_embed.weight
+    names = dict(model.named_parameters())
+    assert "lm_head.weight" in names and sum(p.numel() for p in names.values()) == (
+        sum(p.numel() for p in _gpt().parameters()) + 20 * 128
+    )
+    model(torch.randint(0, 20, (2, 8))).square().mean().backward()
+    assert not torch.equal(model.lm_head.weight.grad, model.tok_embed.weight.grad)
+
+
+def test_zero_init_starts_every_block_as_the_identity():
+    model = _gpt(tie_head=False, zero_init=True)
+    idx = torch.randint(0, 20, (2, 12))
+    zeroed = [n for n, p in model.named_parameters() if n.endswith("weight") and not p.any()]
+    assert sorted(zeroed) == sorted(
+        [f"blocks.{i}.{w}" for i in range(4) for w in ("attn.proj.weight", "mlp.fc2.weight")] + ["lm_head.weight"]
+    )
+    with torch.no_grad():
+        x = model.tok_embed(idx) + model.pos_embed(torch.arange(12))
+        for block in model.blocks:  # each adds zero to the residual stream
+            assert torch.equal(block(x), x)
+        assert torch.equal(model(idx), torch.zeros(2, 12, 20))  # uniform predictions: loss ln(20) at step 0
+
+
+def test_relu_squared_mlp_is_relu_then_square():
+    model = _gpt(act_layer="relu_squared")
+    mlp = model.blocks[0].mlp
+    x = torch.randn(3, 5, 128)
+    with torch.no_grad():
+        expected = mlp.fc2(torch.relu(mlp.fc1(x)) ** 2)
+        torch.testing.assert_close(mlp(x), expected, atol=0, rtol=0)
+
+
 def test_generation_is_reproducible_with_a_seeded_generator():
     model = _gpt()
     prompt = torch.tensor([[1, 2, 3]])

@@ -130,6 +130,24 @@ def test_validation_windows_are_one_fixed_set(text_file):
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def test_val_holdout_validates_on_the_end_of_the_training_text_and_tests_on_the_validation_split(text_file):
+    text = text_file.read_text()
+    n_train = int(len(text) * 0.9)
+    n_fit = n_train - int(n_train * 0.2)
+    plain = TextDataModule(str(text_file), block_size=16, val_windows=40)
+    held = TextDataModule(str(text_file), block_size=16, val_windows=40, val_holdout=0.2)
+    plain.setup("fit")
+    held.setup("fit")
+    assert len(held.train_set.tokens) == n_fit and len(plain.train_set.tokens) == n_train
+    assert held.val_set.tokens.tolist() == plain.train_set.tokens[n_fit:].tolist()  # the training text's end
+    # the test split is the validation split of a run without the holdout: the same 40 windows
+    assert held.test_set.tokens.tolist() == plain.val_set.tokens.tolist()
+    assert held.test_set.starts == plain.val_set.starts == plain.test_set.starts
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(held.test_dataloader(), plain.val_dataloader(), strict=True))
+    with pytest.raises(ValueError, match=r"data.val_holdout: got 1.0, expected the share of the training text"):
+        TextDataModule(str(text_file), val_holdout=1.0)
+
+
 def test_training_windows_cover_random_offsets_and_depend_on_the_seed(text_file):
     data = TextDataModule(str(text_file), block_size=16, batch_size=64)
     data.setup("fit")
@@ -184,8 +202,7 @@ def test_a_failed_download_is_one_try_that_names_the_url_the_file_and_data_path(
 # -- model ----------------------------------------------------------------------------------------
 
 
-def test_the_gpt_and_the_vit_import_the_same_block_class():
-    assert vit.gpt.Block is Block  # the ViT builds its blocks through vit.layers.make_block
+def test_the_gpt_and_the_vit_are_built_of_the_same_block_class():
     gpt, vit_model = create_model("gpt_char_cpu", vocab_size=20), create_model("vit_nano_patch4_16")
     assert {type(b) for b in gpt.blocks} == {type(b) for b in vit_model.blocks} == {Block}
 

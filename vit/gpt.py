@@ -2,8 +2,9 @@
 
 Token + learned position embeddings -> L Blocks (causal) -> norm -> LM head tied to the token
 embedding (nanoGPT's layout, with our shared Block). The config switches on the newer options of
-the Block (RMSNorm, SwiGLU, mixture of experts, qk-norm) and the position encoding: "learn", a fixed
-"sincos" table, or "rope" (rotary q/k; runs at contexts longer than block_size).
+the Block (RMSNorm, SwiGLU, ReLU², mixture of experts, qk-norm), the position encoding ("learn", a
+fixed "sincos" table, or "rope": rotary q/k, which runs at contexts longer than block_size), and
+modded-nanogpt's untied head and zero-initialised output projections.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit.layers import Block, BlockConfig, KVCache, make_block, make_norm, moe_aux_loss  # noqa: F401  (Block: vit.gpt.Block)
+from vit.layers import BlockConfig, KVCache, make_block, make_norm, moe_aux_loss
 from vit.position import rope_1d, sincos_1d
 from vit.registry import register_model
 
@@ -33,6 +34,10 @@ class GPTConfig(BlockConfig):
     # unless those are set.
     dropout: float = 0.0
     posemb: str = "learn"  # "learn", "sincos" (fixed, Vaswani et al.) or "rope" (rotary q and k)
+    tie_head: bool = True  # the LM head shares the token embedding's weights; False: a head of its own
+    # Zero-initialised attn.proj, fc2 and untied head (modded-nanogpt): each block starts as the
+    # identity and the first steps learn from the embeddings alone.
+    zero_init: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,20 +59,28 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([make_block(c, causal=True) for _ in range(c.depth)])
         self.norm = make_norm(c.norm, c.embed_dim, c.norm_eps)
         self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_embed.weight  # weight tying (Press & Wolf 2017)
+        if c.tie_head:
+            self.lm_head.weight = self.tok_embed.weight  # weight tying (Press & Wolf 2017)
         self.init_weights()
 
     def init_weights(self) -> None:
         """GPT-2's: normal(0.02), zero biases; the projections into the residual stream get
-        std 0.02/sqrt(2*depth) so the stream's variance does not grow with depth."""
+        std 0.02/sqrt(2*depth) so the stream's variance does not grow with depth (0 with zero_init,
+        as does an untied head)."""
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
+        c = self.config
         for name, p in self.blocks.named_parameters():  # every expert's fc2 too
             if name.endswith(("attn.proj.weight", "fc2.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.depth))
+                if c.zero_init:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, std=0.02 / math.sqrt(2 * c.depth))
+        if c.zero_init and not c.tie_head:
+            nn.init.zeros_(self.lm_head.weight)
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed.weight"}

@@ -110,8 +110,11 @@ class TextDataModule(RunSeed, L.LightningDataModule):
         block_size: context length, the window size (the model's block_size defaults to it).
         batch_size: windows per step and process.
         val_fraction: the last part of the text held out for validation.
-        val_windows: how many fixed windows (start offsets drawn with `val_seed`) validation scores,
-            at most one per start offset the split has.
+        val_holdout: a share of the training text (its end) held out as the validation split, for
+            tuning: the `val_fraction` part is then the test split (`scripts/train.py test`) and
+            validation never sees it. 0: validation scores the `val_fraction` part.
+        val_windows: how many fixed windows (start offsets drawn with `val_seed`) validation (and
+            the test) scores, at most one per start offset the split has.
         num_workers: loader processes; windows are slices of one tensor, so 0 is usually fastest.
     """
 
@@ -121,6 +124,7 @@ class TextDataModule(RunSeed, L.LightningDataModule):
         block_size: int = 64,
         batch_size: int = 12,
         val_fraction: float = 0.1,
+        val_holdout: float = 0.0,
         val_windows: int = 1000,
         val_seed: int = 0,
         num_workers: int = 0,
@@ -131,12 +135,15 @@ class TextDataModule(RunSeed, L.LightningDataModule):
         whole(batch_size, 1, "data.batch_size", "windows per batch")
         number(val_fraction, "data.val_fraction", "the share of the text held out, in (0, 1)", 0, 1, open_low=True)
         require(val_fraction < 1, "data.val_fraction", val_fraction, "the share of the text held out, in (0, 1)")
+        number(val_holdout, "data.val_holdout", "the share of the training text held out, in [0, 1)", 0, 1)
+        require(val_holdout < 1, "data.val_holdout", val_holdout, "the share of the training text held out, in [0, 1)")
         whole(val_windows, 1, "data.val_windows", "windows validation scores")
         whole(num_workers, 0, "data.num_workers", "loader processes; 0 loads in the training process")
         self.path = path
         self.block_size = block_size
         self.batch_size = batch_size
         self.val_fraction = val_fraction
+        self.val_holdout = val_holdout
         self.val_windows = val_windows
         self.val_seed = val_seed
         self.num_workers = num_workers
@@ -144,6 +151,7 @@ class TextDataModule(RunSeed, L.LightningDataModule):
         self.tokenizer: CharTokenizer | None = None
         self.train_set: RandomWindows | None = None
         self.val_set: FixedWindows | None = None
+        self.test_set: FixedWindows | None = None
 
     @property
     def text_path(self) -> Path:
@@ -173,18 +181,25 @@ class TextDataModule(RunSeed, L.LightningDataModule):
         self.tokenizer = CharTokenizer.from_text(text)
         tokens = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)
         n_train = int(len(tokens) * (1 - self.val_fraction))
-        train, val = tokens[:n_train], tokens[n_train:]
-        for name, split in (("training", train), ("validation", val)):
+        n_fit = n_train - int(n_train * self.val_holdout)
+        train, held, test = tokens[:n_fit], tokens[n_fit:n_train], tokens[n_train:]
+        splits = [("training", train), ("held-out validation", held)] if self.val_holdout else [("training", train)]
+        for name, split in (*splits, ("validation" if not self.val_holdout else "test", test)):
             if len(split) <= self.block_size:
                 raise ValueError(
                     f"the {name} split of {self.text_path} has {len(split)} characters, not more than "
                     f"block_size {self.block_size} (a window needs block_size + 1); use a longer text or a "
                     "smaller block_size"
                 )
-        rng = np.random.default_rng(self.val_seed)
-        starts = rng.integers(len(val) - self.block_size, size=min(self.val_windows, len(val) - self.block_size))
         self.train_set = RandomWindows(train, self.block_size, max(1, len(train) // self.block_size))
-        self.val_set = FixedWindows(val, self.block_size, starts.tolist())
+        self.test_set = self._fixed_windows(test)
+        self.val_set = self._fixed_windows(held) if self.val_holdout else self.test_set
+
+    def _fixed_windows(self, tokens: torch.Tensor) -> FixedWindows:
+        """`val_windows` windows of `tokens` at start offsets drawn with `val_seed`."""
+        rng = np.random.default_rng(self.val_seed)
+        starts = rng.integers(len(tokens) - self.block_size, size=min(self.val_windows, len(tokens) - self.block_size))
+        return FixedWindows(tokens, self.block_size, starts.tolist())
 
     def train_dataloader(self) -> DataLoader:
         return resumable_loader(
@@ -200,4 +215,4 @@ class TextDataModule(RunSeed, L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        return DataLoader(self.test_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

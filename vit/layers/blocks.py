@@ -28,7 +28,7 @@ class BlockConfig:
     Defaults are the ViT paper's / timm's block: norm "layernorm" | "rmsnorm" (eps norm_eps); mlp
     "gelu" | "swiglu" (hidden 2/3 x mlp_ratio x width: the same parameter count) | "glu" (timm's
     packed layout) | "swiglu_packed" | "swiglu_split" (timm's EVA layouts; see make_mlp), with
-    act_layer "gelu" | "gelu_tanh" | "quick_gelu" | "silu"; num_experts > 1 for a mixture-of-experts
+    act_layer "gelu" | "gelu_tanh" | "quick_gelu" | "silu" | "relu_squared"; num_experts > 1 for a mixture-of-experts
     MLP (experts_top_k experts per token, expert_capacity a capacity factor or None for dropless);
     qk_norm; init_values for LayerScale (None: none). The fields after expert_capacity are timm's
     EVA block options, under timm's names; after proj_bias, timm's other ViT blocks (`make_block`).

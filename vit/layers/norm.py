@@ -38,11 +38,19 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
+class ReLUSquared(nn.Module):
+    """relu(x)^2 (So et al. 2021, "Primer"): the MLP activation of modded-nanogpt's GPTs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x).square()
+
+
 ACTIVATIONS = {
     "gelu": nn.GELU,
     "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # SigLIP's
     "quick_gelu": QuickGELU,
     "silu": nn.SiLU,
+    "relu_squared": ReLUSquared,
 }
 
 

@@ -96,7 +96,7 @@ def _mixed_run(tmp_path, max_steps: int, accumulate: int, ckpt_path: str | None 
         accumulate_grad_batches=accumulate, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[every_step, draws],
     )  # fmt: skip
-    data = DigitsDataModule(batch_size=16, in_memory=True, mixup={"mixup_alpha": 0.8})
+    data = DigitsDataModule(batch_size=16, pipeline="memory", mixup={"mixup_alpha": 0.8})
     trainer.fit(tiny_vit(), data, ckpt_path=ckpt_path)
     return draws
 

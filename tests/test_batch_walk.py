@@ -37,8 +37,8 @@ MAX_PER_IMAGE = 2  # (batch of 8 - batch of 1) / 7
 
 PATHS: dict[str, dict[str, Any]] = {
     "per_sample": {},
-    "in_memory": dict(in_memory=True),
-    "device_decode": dict(device_decode=True, data_process=False, augment=dict(crop="rrc", randaugment_ops=2)),
+    "memory": dict(pipeline="memory"),
+    "device": dict(pipeline="device", data_process=False, augment=dict(crop="rrc", randaugment_ops=2)),
     "naflex": dict(naflex="naflex"),
 }
 
@@ -101,10 +101,12 @@ def batch_walk(root: Path, path: str, batch_size: int, cache: Path) -> dict[str,
     options = dict(PATHS[path])
     if options.get("naflex"):
         options["naflex"] = NaFlex(max_patches=16, patch_size=8)
+    if options.get("pipeline") == "memory":
+        options["memory"] = {"cache_dir": str(cache)}
     augment = {"randaugment_ops": 2, **options.pop("augment", {})}
     data = ImageFolderDataModule(
         root=str(root), img_size=32, batch_size=batch_size, num_workers=0, val_holdout=0.1, augment=augment,
-        cache_dir=str(cache), **options,
+        **options,
     )  # fmt: skip
     data.setup("fit")
     loader = data.train_dataloader()

@@ -1,4 +1,4 @@
-"""The data process (`data.data_process`): device_decode's decoding and augmenting in a process of
+"""The data process (`data.data_process`): the device pipeline's decoding and augmenting in a process of
 its own, handing finished batches to the training process, with the batches the training process
 would have made itself."""
 
@@ -33,7 +33,7 @@ from vit.data.process import DataProcess, DataProcessFailed
 
 def _module(data: Path, **options) -> ImageFolderDataModule:
     module = ImageFolderDataModule(
-        str(data), img_size=40, batch_size=4, device_decode=True, augment={"crop": "rrc", "randaugment_ops": 2},
+        str(data), img_size=40, batch_size=4, pipeline="device", augment={"crop": "rrc", "randaugment_ops": 2},
         **{"num_workers": 0, **options},
     )  # fmt: skip
     module.setup("fit")
@@ -169,7 +169,7 @@ def test_the_training_process_dispatches_four_ops_a_batch_whatever_its_size(jpeg
     for process in (False, True):
         for batch_size in (4, 8):
             module = ImageFolderDataModule(str(jpegs), img_size=72, batch_size=batch_size, num_workers=0,
-                                           device_decode=True, data_process=process)  # fmt: skip
+                                           pipeline="device", data_process=process)  # fmt: skip
             module.setup("fit")
             loader = module.train_dataloader()
             batches = iter(loader)
@@ -244,7 +244,7 @@ def test_a_sigterm_to_the_runs_process_group_stops_it_with_its_stop_line_alone(t
     from tests.test_run_safety import base
 
     data = write_image_folder(tmp_path / "data", train=12, val=4, ext="jpg")
-    options = ["--data.in_memory", "false", "--data.device_decode", "true", "--data.data_process", "true",
+    options = ["--data.pipeline", "device", "--data.data_process", "true",
                "--data.augment.crop", "rrc", "--data.batch_size", "4", "--data.num_workers", "1",
                "--trainer.max_epochs", "1", "--trainer.callbacks+=tests.test_data_process.SignalDataProcess",
                "--trainer.callbacks.signal=SIGTERM", "--trainer.callbacks.whom=group"]  # fmt: skip
@@ -306,8 +306,9 @@ def _left(*pids: int, within: float = 2.0) -> list[int]:
     return [pid for pid in pids if _alive(pid)]
 
 
-def test_the_data_process_needs_device_decoding():
-    with pytest.raises(ValueError, match=r"data\.data_process: got True, expected false or null unless --data\.device"):
+def test_the_data_process_needs_the_device_pipeline():
+    expected = r"data\.data_process: got True, expected false or null unless --data\.pipeline device"
+    with pytest.raises(ValueError, match=expected):
         ImageFolderDataModule(str(ROOT / "tests"), img_size=224, data_process=True)
 
 
@@ -354,7 +355,7 @@ def test_the_data_process_reads_streaming_chunks_as_the_training_process_does(tm
     loaders = []
     for process in (False, True):
         module = StreamingDataModule(str(tmp_path / "s"), img_size=40, batch_size=4, num_workers=1,
-                                     device_decode=True, data_process=process,
+                                     pipeline="device", data_process=process,
                                      augment={"crop": "rrc", "randaugment_ops": 2})  # fmt: skip
         module.setup("fit")
         loaders.append(module.train_dataloader())
@@ -465,7 +466,7 @@ def _stopped_run(tmp_path: Path, capfd, *callback: str) -> tuple[int, str, list[
 
     data = write_image_folder(tmp_path / "data", train=12, val=4, ext="jpg")
     shm = set(os.listdir("/dev/shm"))
-    options = ["--data.in_memory", "false", "--data.device_decode", "true", "--data.data_process", "true",
+    options = ["--data.pipeline", "device", "--data.data_process", "true",
                "--data.augment.crop", "rrc", "--data.batch_size", "4", "--data.num_workers", "1",
                "--trainer.max_epochs", "1", "--trainer.callbacks+=tests.test_data_process.SignalDataProcess",
                *(f"--trainer.callbacks.{option}" for option in callback)]  # fmt: skip

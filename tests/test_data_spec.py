@@ -15,6 +15,8 @@ from lightning.pytorch.utilities.parsing import lightning_setattr
 from tests.conftest import write_image_folder
 from vit.data import ImageFolderDataModule
 from vit.data.augment import Augment
+from vit.data.device import DeviceDecode
+from vit.data.memory import Memory
 from vit.data.naflex import NaFlex
 from vit.data.pipelines import FromFiles, InMemory, PerSample, Sequences, pipeline_for
 from vit.data.sampling import ResumableSampler
@@ -24,10 +26,10 @@ from vit.options import OptionError
 
 def test_the_spec_is_frozen_and_holds_what_runs():
     augment = Augment(crop="pad_crop", crop_padding=2)
-    spec = DataSpec(img_size=16, batch_size=8, num_workers=2, train_sizes=[[0.5, 16], [0, 8]], in_memory=True,
-                    augment=augment)  # fmt: skip
+    spec = DataSpec(img_size=16, batch_size=8, num_workers=2, pipeline="memory",
+                    memory=Memory(train_sizes=[[0.5, 16], [0, 8]]), augment=augment)  # fmt: skip
     assert spec.persistent_workers is True and spec.num_workers == 2  # None resolved
-    assert spec.train_sizes == [(0.0, 8), (0.5, 16)]  # sorted by progress
+    assert spec.memory.train_sizes == [(0.0, 8), (0.5, 16)]  # sorted by progress
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.batch_size = 4  # type: ignore[misc]
     assert spec.replace(batch_size=4).batch_size == 4 and spec.batch_size == 8
@@ -36,21 +38,55 @@ def test_the_spec_is_frozen_and_holds_what_runs():
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(worker_decode=0.5), r"data\.worker_decode: got 0\.5, expected 0 unless --data\.device_decode true"),
-        (dict(data_process=True), r"data\.data_process: got True, expected false or null unless --data\.device"),
-        (dict(in_memory=True), r"data\.augment\.crop: got .rrc., expected pad_crop or resize with --data\.in_memory"),
-        (dict(train_sizes=[[0, 8]]), r"data\.train_sizes: got \[\[0, 8\]\], expected null unless --data\.in_memory"),
+        (dict(data_process=True), r"data\.data_process: got True, expected false or null unless --data\.pipeline dev"),
+        (dict(pipeline="memory"), r"data\.augment\.crop: got .rrc., expected pad_crop or resize with --data\.pipel"),
+        (dict(pipeline="device", augment=Augment(crop="pad_crop")),
+         r"data\.augment\.crop: got .pad_crop., expected rrc or resize with --data\.pipeline device"),
+        (dict(augment=Augment(cutout=4)), r"data\.augment\.cutout: got 4, expected 0 unless --data\.pipeline memory"),
+        (dict(pipeline="memory", augment=Augment(crop="pad_crop"), naflex=NaFlex(max_patches=16)),
+         r"data\.augment\.crop: got .pad_crop., expected rrc or resize with --data\.naflex"),
+        (dict(pipeline="memory", augment=Augment(crop="resize"), naflex=NaFlex(max_patches=16)),
+         r"data\.pipeline: got .memory., expected per_sample with --data\.naflex"),
+        (dict(pipeline="in_memory"), r"data\.pipeline: got .in_memory., expected per_sample \(each image in a loader"),
     ],
-)
+)  # fmt: skip
 def test_every_rule_between_options_is_checked_by_the_spec(options, message):
     with pytest.raises(OptionError, match=message):
         DataSpec(**options)
 
 
-def test_the_pipeline_is_the_one_the_options_choose():
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(device=DeviceDecode(worker_decode=0.5)),
+         r"^data\.device\.worker_decode: got 0\.5, expected 0\.0 unless --data\.pipeline device \(an option of the "
+         r"device pipeline; --data\.pipeline is per_sample\)$"),
+        (dict(pipeline="memory", augment=Augment(crop="pad_crop"), device=DeviceDecode(prefetch=1)),
+         r"^data\.device\.prefetch: got 1, expected null unless --data\.pipeline device .*is memory\)$"),
+        (dict(memory=Memory(train_sizes=[[0, 8]])),
+         r"^data\.memory\.train_sizes: got \[\(0\.0, 8\)\], expected null unless --data\.pipeline memory"),
+        (dict(pipeline="device", memory=Memory(cache_dir="cache")),
+         r"^data\.memory\.cache_dir: got 'cache', expected null unless --data\.pipeline memory .*is device\)$"),
+    ],
+)  # fmt: skip
+def test_an_option_of_another_pipeline_is_refused_naming_the_pipeline_it_belongs_to(options, message):
+    with pytest.raises(OptionError, match=message):
+        DataSpec(**options)
+
+
+def test_a_group_checks_its_own_values():
+    with pytest.raises(OptionError, match=r"^data\.device\.worker_decode: got 1\.5, expected a share of the JPEGs"):
+        DeviceDecode(worker_decode=1.5)
+    with pytest.raises(OptionError, match=r"^data\.device\.prefetch: got -1, expected a whole number of at least 0"):
+        DeviceDecode(prefetch=-1)
+    with pytest.raises(OptionError, match=r"^data\.memory\.train_sizes: got \[\[2, 8\]\], expected \[\[progress"):
+        Memory(train_sizes=[[2, 8]])
+
+
+def test_the_pipeline_is_the_one_the_pipeline_option_names():
     assert type(pipeline_for(DataSpec())) is PerSample
-    assert type(pipeline_for(DataSpec(in_memory=True, augment=Augment(crop="pad_crop")))) is InMemory
-    assert type(pipeline_for(DataSpec(device_decode=True))) is FromFiles
+    assert type(pipeline_for(DataSpec(pipeline="memory", augment=Augment(crop="pad_crop")))) is InMemory
+    assert type(pipeline_for(DataSpec(pipeline="device"))) is FromFiles
     assert type(pipeline_for(DataSpec(naflex=NaFlex(max_patches=16), augment=Augment(crop="rrc")))) is Sequences
 
 

@@ -1,4 +1,4 @@
-"""Image files decoded and augmented on the training device (`data.device_decode`, vit.data.device):
+"""Image files decoded and augmented on the training device (`data.pipeline device`, vit.data.device):
 the same pixels as the per-sample path's decoder, the same crop distribution, corrupt files named,
 and runs that resume bit for bit."""
 
@@ -114,8 +114,6 @@ def test_worker_decode_has_that_share_of_the_jpegs_decoded_in_the_workers_the_sa
         assert batch.pixels.is_shared() and len(batch.sizes) == int((batch.lengths == 0).sum()) > 5
         for image, expected in zip(decode_batch(batch.images("cpu"), "cpu"), pixels[20 * k : 20 * k + 20], strict=True):
             assert image.shape == expected.shape and (image.int() - expected.int()).abs().max() <= 1
-    with pytest.raises(ValueError, match=r"worker_decode is a share of the JPEGs, from 0 to 1; got 1\.5"):
-        EncodedFiles(samples, train=False, worker_decode=1.5)
 
 
 def test_formats_the_device_decoder_does_not_take_decode_as_the_per_sample_path_decodes_them(tmp_path):
@@ -479,7 +477,7 @@ def test_a_file_the_training_process_cannot_decode_is_named_or_skipped_as_the_wo
 
 def _recipe(data: Path, run: Path, *extra: str) -> list[str]:
     """configs/imagenet_resnet50.yaml (random resized crops, 0.875 eval crop, SGD, label smoothing) with
-    a ResNet-18 at 72 px on a small JPEG folder, device_decode (a batch ahead, in a thread, as on a
+    a ResNet-18 at 72 px on a small JPEG folder, the device pipeline (a batch ahead, in a thread, as on a
     GPU; half the JPEGs decoded in the loader worker) and RandAugment on: 3 epochs of 4 steps."""
     return [
         "fit", "--config", str(ROOT / "configs/imagenet_resnet50.yaml"), *QUIET,
@@ -487,7 +485,7 @@ def _recipe(data: Path, run: Path, *extra: str) -> list[str]:
         "--trainer.strategy", "auto", "--trainer.precision", "32-true", "--trainer.max_epochs", "3",
         "--trainer.logger", "false", "--model.model_name", "resnet18", "--data.root", str(data),
         "--data.img_size", "72", "--data.batch_size", "8", "--data.num_workers", "0",
-        "--data.device_decode", "true", "--data.device_prefetch", "1", "--data.worker_decode", "0.5",
+        "--data.pipeline", "device", "--data.device.prefetch", "1", "--data.device.worker_decode", "0.5",
         "--data.augment.randaugment_ops", "2", *extra,
     ]  # fmt: skip
 
@@ -517,10 +515,10 @@ def test_device_decoding_refuses_what_it_does_not_do():
     from vit.data import ImageFolderDataModule
 
     with pytest.raises(ValueError, match=r"data\.augment\.crop: got 'pad_crop', expected rrc or resize with --data"):
-        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, augment={"crop": "pad_crop"})
-    with pytest.raises(ValueError, match="default, which device_decode does not do"):  # small images' default crop
-        ImageFolderDataModule(str(ROOT / "tests"), img_size=32, device_decode=True)
-    with pytest.raises(ValueError, match=r"data\.worker_decode: got 0\.5, expected 0 unless --data\.device_decode"):
-        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, worker_decode=0.5)
-    with pytest.raises(ValueError, match=r"data\.worker_decode: got -0\.1, expected a share .* from 0 to 1"):
-        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device_decode=True, worker_decode=-0.1)
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, pipeline="device", augment={"crop": "pad_crop"})
+    with pytest.raises(ValueError, match="default, which the device pipeline does not do"):  # small images' crop
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=32, pipeline="device")
+    with pytest.raises(ValueError, match=r"data\.device\.worker_decode: got 0\.5, expected 0\.0 unless --data\.pipel"):
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, device={"worker_decode": 0.5})
+    with pytest.raises(ValueError, match=r"data\.device\.worker_decode: got -0\.1, expected a share .* from 0 to 1"):
+        ImageFolderDataModule(str(ROOT / "tests"), img_size=224, pipeline="device", device={"worker_decode": -0.1})

@@ -149,9 +149,9 @@ def test_holdout_is_stratified_disjoint_and_fixed():
 def test_holdout_takes_exactly_what_was_asked_when_classes_outnumber_it(tmp_path):
     """5 of 10 balanced classes used to round to 0 held-out images: no validation, no warning."""
     folder = write_image_folder(tmp_path, classes=10, train=3, val=1, size=8)
-    for in_memory in (False, True):
+    for pipeline in ("per_sample", "memory"):
         dm = ImageFolderDataModule(
-            str(folder), img_size=8, in_memory=in_memory, val_holdout=5, augment={"crop": "pad_crop"}
+            str(folder), img_size=8, pipeline=pipeline, val_holdout=5, augment={"crop": "pad_crop"}
         )
         dm.setup("fit")
         assert len(dm.val_set) == 5 and len(dm.train_set) == 25
@@ -271,7 +271,7 @@ def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(t
         str(tmp_path),
         val_dir="test",
         img_size=8,
-        in_memory=True,
+        pipeline="memory",
         val_holdout=4,
         batch_size=4,
         augment={"crop": "pad_crop"},
@@ -283,11 +283,11 @@ def test_in_memory_folder_module_holds_out_validation_and_keeps_the_test_split(t
     assert data.on_after_batch_transfer((x, y), 0)[0].dtype == torch.float32
 
 
-def test_batch_options_need_the_in_memory_path():
-    with pytest.raises(ValueError, match="in_memory"):
+def test_batch_options_need_the_memory_pipeline():
+    with pytest.raises(ValueError, match=r"--data\.pipeline memory"):
         DigitsDataModule(augment={"cutout": 4})
     with pytest.raises(ValueError, match=r"augment\.crop: got 'rrc', expected pad_crop or resize with --data"):
-        DigitsDataModule(in_memory=True, augment={"crop": "rrc"})
+        DigitsDataModule(pipeline="memory", augment={"crop": "rrc"})
 
 
 def _memory_recipe() -> tuple[ImageClassifier, DigitsDataModule]:
@@ -296,7 +296,7 @@ def _memory_recipe() -> tuple[ImageClassifier, DigitsDataModule]:
         schedule={"warmup_fraction": 0.1},
     )  # fmt: skip
     data = DigitsDataModule(
-        batch_size=64, in_memory=True, augment={"cutout": 4, "randaugment_ops": 2},
+        batch_size=64, pipeline="memory", augment={"cutout": 4, "randaugment_ops": 2},
         mixup={"mixup_alpha": 0.8, "cutmix_alpha": 1.0},
     )  # fmt: skip
     return module, data
@@ -336,7 +336,7 @@ def test_progressive_sizes_follow_the_run_and_validation_stays_full_size(tmp_pat
             sizes["val"] = batch[0].shape[-1]
 
     module = ImageClassifier("vit_nano_patch4_16", {"posemb": "sincos2d"}, num_classes=10)
-    data = DigitsDataModule(batch_size=64, in_memory=True, train_sizes=[[0, 8], [0.5, 16]])
+    data = DigitsDataModule(batch_size=64, pipeline="memory", memory={"train_sizes": [[0, 8], [0.5, 16]]})
     trainer = quiet_trainer(tmp_path, max_steps=10, limit_val_batches=1, callbacks=[Spy()])
     trainer.fit(module, data)
     trainer.validate(module, data, verbose=False)
@@ -362,7 +362,7 @@ def test_patch_drop_schedule_follows_the_run_and_validation_sees_every_patch(tmp
         num_classes=10,
         patch_drop_schedule=[[0.6, 0.0], [0, 0.5]],  # any order; replaces the model's 0.25
     )
-    data = DigitsDataModule(batch_size=64, in_memory=True)
+    data = DigitsDataModule(batch_size=64, pipeline="memory")
     trainer = quiet_trainer(tmp_path, max_steps=10, limit_val_batches=1, callbacks=[Spy()])
     trainer.fit(module, data)
     assert [tokens[s] for s in range(10)] == [8] * 6 + [16] * 4  # 16 patches, half dropped until 60%
@@ -687,7 +687,7 @@ def _whitened_classifier() -> ImageClassifier:
 
 def test_whiten_patch_embed_whitens_the_first_batch_once_and_not_again_on_resume(tmp_path):
     spy = _PatchEmbedSpy()
-    data = DigitsDataModule(batch_size=64, in_memory=True)
+    data = DigitsDataModule(batch_size=64, pipeline="memory")
     trainer = quiet_trainer(tmp_path, max_steps=2, limit_val_batches=1, callbacks=[spy])
     trainer.fit(_whitened_classifier(), data)
     expected = torch.nn.Conv2d(3, 128, 4, stride=4)  # vit_nano is 128 wide

@@ -119,7 +119,7 @@ RECIPES = {
     "cifar10_resnet.yaml": [],
     "cifar100_vit.yaml": [],
     "tiny_imagenet_vit.yaml": ["--model.model_kwargs", "{drop_path_rate: 0.1, img_size: 32}"],
-    # device_decode
+    # the device pipeline
     "imagenet_vit_b16.yaml": ["--model.model_name", "vit_tiny_patch4_32", "--data.augment.crop", "rrc"],
     "imagenet_resnet50.yaml": ["--model.model_name", "resnet18", "--data.augment.crop", "rrc"],
 }
@@ -289,7 +289,7 @@ def test_a_corrupt_image_under_ddp_stops_every_rank_with_the_error(tmp_path):
     corrupt = data / "train" / "class0" / "3.jpg"
     corrupt.write_bytes(corrupt.read_bytes()[:300])
     stopped = run_script(
-        cifar_recipe(data, tmp_path / "run", "--data.in_memory", "false", "--trainer.accelerator", "cpu",
+        cifar_recipe(data, tmp_path / "run", "--data.pipeline", "per_sample", "--trainer.accelerator", "cpu",
                      "--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.batch_size", "4"),
         env={"MASTER_PORT": str(_free_port())}, timeout=120,  # it hung forever before
     )  # fmt: skip
@@ -305,7 +305,7 @@ def test_a_nan_loss_on_one_ddp_rank_stops_every_rank_at_the_same_step(tmp_path):
     forever, and no checkpoint of the NaN state is written."""
     data = write_image_folder(tmp_path / "data")
     stopped = run_script(
-        cifar_recipe(data, tmp_path / "run", "--data.in_memory", "false", "--trainer.accelerator", "cpu",
+        cifar_recipe(data, tmp_path / "run", "--data.pipeline", "per_sample", "--trainer.accelerator", "cpu",
                      "--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.batch_size", "4",
                      "--trainer.callbacks+=tests.faults.PoisonAt", "--trainer.callbacks.step=2",
                      "--trainer.callbacks.rank=1"),
@@ -327,7 +327,7 @@ def test_skip_corrupt_under_ddp_keeps_the_ranks_in_step_to_the_end(tmp_path):
     for path in (data / "train" / "class0" / "3.png", data / "val" / "class1" / "0.png"):
         path.write_bytes(path.read_bytes()[:300])
     done = run_script(
-        cifar_recipe(data, tmp_path / "run", "--data.in_memory", "false", "--trainer.accelerator", "cpu",
+        cifar_recipe(data, tmp_path / "run", "--data.pipeline", "per_sample", "--trainer.accelerator", "cpu",
                      "--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.batch_size", "4",
                      "--data.skip_corrupt", "true", "--trainer.max_epochs", "2"),
         env={"MASTER_PORT": str(_free_port())}, timeout=180,
@@ -350,7 +350,7 @@ def test_a_signal_to_one_ddp_rank_stops_every_rank_after_the_same_step_and_saves
     (their marks, reduced on the device, are read a step later), save one interrupt checkpoint
     together, the run says how to resume and exits 128 + the signal; resuming finishes the run."""
     data = write_image_folder(tmp_path / "data")
-    ddp = ["--data.in_memory", "false", "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
+    ddp = ["--data.pipeline", "per_sample", "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
            "--trainer.devices", "2", "--data.batch_size", "4"]  # fmt: skip
     stopped = run_script(
         cifar_recipe(data, tmp_path / "run", *ddp, *signal_at(5, signal_name, rank=rank)),

@@ -213,7 +213,8 @@ def test_the_options_that_make_square_batches_are_refused_with_naflex(tmp_path):
     naflex = {"max_patches": 16, "patch_size": 8}
     refused = [
         ({"mixup": {"mixup_alpha": 0.8}}, r"data\.mixup\.mixup_alpha: got 0\.8, expected 0 with --data\.naflex"),
-        ({"in_memory": True}, r"data\.in_memory: got True, expected false with --data\.naflex"),
+        ({"pipeline": "memory"}, r"data\.pipeline: got 'memory', expected per_sample with --data\.naflex"),
+        ({"pipeline": "device"}, r"data\.pipeline: got 'device', expected per_sample with --data\.naflex"),
         ({"augment": {"crop": "pad_crop"}}, r"data\.augment\.crop: got 'pad_crop', expected rrc or resize with"),
         ({"eval_crop_pct": 0.875}, r"data\.eval_crop_pct: got 0\.875, expected 1 with --data\.naflex"),
     ]

@@ -23,10 +23,12 @@ CASES = [
     ("val_holdout", "5000", "holds out 1 to 1427 of them .* this holds out 5000"),  # 1,437 digits to train on
     ("eval_crop_pct", "0", "the share of the resized image kept, in \\(0, 1\\]"),
     ("eval_crop_pct", "1.5", "the share of the resized image kept, in \\(0, 1\\]"),
-    ("device_prefetch", "-1", "a whole number of at least 0"),
-    ("worker_decode", "2", "a share of device_decode's JPEGs, from 0 to 1"),
+    ("device.prefetch", "-1", "a whole number of at least 0"),
+    ("device.worker_decode", "2", "a share of the JPEGs decoded on the device, from 0 to 1"),
+    ("pipeline", "in_memory", "per_sample \\(each image in a loader worker\\), memory .* or device"),
     ("std", "[0.2, 0, 0.2]", "3 numbers, one a channel, each above 0"),
-    ("train_sizes", "[[0.5, 0]]", "\\[\\[progress from 0 to 1, size in pixels\\], ...\\]"),
+    ("memory.train_sizes", "[[0.5, 0]]", "\\[\\[progress from 0 to 1, size in pixels\\], ...\\]"),
+    ("memory.cache_dir", "cache", "null unless --data.pipeline memory \\(an option of the memory pipeline; --"),
     ("augment.crop_scale", "[1.0, 0.08]", "\\[low, high\\] area fractions with 0 < low <= high <= 1"),
     ("augment.randaugment_ops", "14", "at most the 13 ops there are"),
     ("augment.randaugment_magnitude", "11", "a strength from 0 to 10"),
@@ -134,11 +136,11 @@ def _run(tmp_path, *options: str) -> None:
         (["--model.optimizer.name", "muon", "--model.finetune.freeze_blocks", "4"],
          "error: --model.optimizer.name: got 'muon', expected adamw or sgd: vit_nano_patch4_16 trains no weight "
          "matrix of transformer blocks for Muon to orthogonalise (it has none, or they are frozen)"),
-        (["--data.in_memory", "true", "--data.train_sizes", "[[0, 12], [0.5, 16]]"],
+        (["--data.pipeline", "memory", "--data.memory.train_sizes", "[[0, 12], [0.5, 16]]"],
          "error: --model.model_kwargs.dynamic_img_size: got False, expected true to train at [12] px "
-         "(data.train_sizes): the position embedding is resampled from the 16 px grid to each"),
-        (["--data.in_memory", "true", "--data.train_sizes", "[[0, 14]]", "--data.augment.crop_padding", "1"],
-         "error: --data.train_sizes: got [14], expected sizes a multiple of the patch size 4 (12 or 16)"),
+         "(data.memory.train_sizes): the position embedding is resampled from the 16 px grid to each"),
+        (["--data.pipeline", "memory", "--data.memory.train_sizes", "[[0, 14]]", "--data.augment.crop_padding", "1"],
+         "error: --data.memory.train_sizes: got [14], expected sizes a multiple of the patch size 4 (12 or 16)"),
     ],
 )  # fmt: skip
 def test_options_that_do_not_go_together_are_refused_before_training(tmp_path, capsys, options, expected):

@@ -1,4 +1,4 @@
-"""Batches prepared on the device ahead of the step (`data.device_prefetch`, vit.data.prefetch):
+"""Batches prepared on the device ahead of the step (`data.device.prefetch`, vit.data.prefetch):
 the same batches in the same order as when each is prepared on demand, errors raised where the
 batch is drawn, and no thread left running when an epoch is left early."""
 
@@ -22,9 +22,9 @@ def _preparing_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "vit-prepare-batches"]
 
 
-def _device_decode(root, ahead: int, workers: int) -> ImageFolderDataModule:
+def _device_pipeline(root, ahead: int, workers: int) -> ImageFolderDataModule:
     data = ImageFolderDataModule(
-        str(root), img_size=48, batch_size=4, num_workers=workers, device_decode=True, device_prefetch=ahead,
+        str(root), img_size=48, batch_size=4, num_workers=workers, pipeline="device", device={"prefetch": ahead},
         augment={"crop": "rrc", "randaugment_ops": 2},
     )  # fmt: skip
     data.setup("fit")
@@ -36,7 +36,7 @@ def test_prefetched_batches_equal_those_prepared_on_demand(tmp_path, workers):
     root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
     epochs = {}
     for ahead in (0, 2):
-        loader = _device_decode(root, ahead, workers).train_dataloader()
+        loader = _device_pipeline(root, ahead, workers).train_dataloader()
         epochs[ahead] = []
         for epoch in range(2):
             loader.sampler.set_epoch(epoch)  # as Lightning does
@@ -52,8 +52,8 @@ def test_prefetched_batches_equal_those_prepared_on_demand(tmp_path, workers):
 
 def test_a_file_that_does_not_decode_is_named_where_its_batch_is_drawn(tmp_path):
     root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
-    data = _device_decode(root, ahead=2, workers=0)
-    loader = data.pipeline.eval_loader(data.spec, data.val_set, data.run())  # in order: 2 batches of 4
+    data = _device_pipeline(root, ahead=2, workers=0)
+    loader = data.composed.eval_loader(data.spec, data.val_set, data.run())  # in order: 2 batches of 4
     broken = data.val_set.samples[5].path
     jpeg = Path(broken).read_bytes()  # its header is read in the worker; decoding fails (no scan)
     Path(broken).write_bytes(jpeg[:300] + bytes(len(jpeg) - 302) + jpeg[-2:])
@@ -67,8 +67,8 @@ def test_a_file_that_does_not_decode_is_named_where_its_batch_is_drawn(tmp_path)
 
 def test_leaving_an_epoch_early_stops_the_thread_and_the_next_epoch_is_whole(tmp_path):
     root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
-    loader = _device_decode(root, ahead=2, workers=1).train_dataloader()
-    on_demand = list(_device_decode(root, ahead=0, workers=1).train_dataloader())
+    loader = _device_pipeline(root, ahead=2, workers=1).train_dataloader()
+    on_demand = list(_device_pipeline(root, ahead=0, workers=1).train_dataloader())
     batches = iter(loader)
     next(batches)
     time.sleep(0.5)  # the threads (decoding, augmenting) have filled their queues and wait
@@ -97,7 +97,7 @@ def test_the_thread_prepares_at_most_ahead_batches_before_they_are_drawn():
 
 
 def test_by_default_only_a_gpu_gets_batches_prepared_ahead():
-    """device_prefetch None: 1 on CUDA, 0 on the CPU, where a thread would only take cores from the model."""
+    """device.prefetch None: 1 on CUDA, 0 on the CPU, where a thread would only take cores from the model."""
     threads = []
 
     def prepare(batch, device):
@@ -116,7 +116,7 @@ def test_by_default_only_a_gpu_gets_batches_prepared_ahead():
 
 def test_an_old_epoch_finished_late_does_not_forget_the_running_threads(tmp_path):
     root = write_image_folder(tmp_path / "data", train=5, val=2, size=64, ext="jpg")
-    loader = _device_decode(root, ahead=1, workers=0).train_dataloader()
+    loader = _device_pipeline(root, ahead=1, workers=0).train_dataloader()
     old = iter(loader)
     next(old)
     new = iter(loader)  # the next epoch starts (and stops the old one's thread) before the old is closed

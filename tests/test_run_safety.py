@@ -23,7 +23,7 @@ def base(data: Path, run: Path, *overrides: str, command: str = "fit") -> list[s
     return [
         command, "--config", str(ROOT / "configs/cifar10_vit.yaml"), "--trainer.default_root_dir", str(run), *QUIET,
         "--data", "vit.data.ImageFolderDataModule", "--data.root", str(data), "--data.val_dir", "val",
-        "--data.img_size", "32", "--data.in_memory", "true", "--data.batch_size", "12", "--data.num_workers", "0",
+        "--data.img_size", "32", "--data.pipeline", "memory", "--data.batch_size", "12", "--data.num_workers", "0",
         "--trainer.logger", "false", *(["--trainer.max_epochs", "2", "--checkpoint.every_n_train_steps", "3"]
                                        if command == "fit" else []), *overrides,
     ]  # fmt: skip
@@ -106,13 +106,13 @@ def test_a_resume_that_fails_while_restoring_writes_no_checkpoint(tmp_path, data
     assert {p.name: p.read_bytes() for p in (run / "checkpoints").glob("*.ckpt")} == before
 
 
-@pytest.mark.parametrize("in_memory", ["true", "false"])
+@pytest.mark.parametrize("pipeline", ["memory", "per_sample"])
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_a_truncated_jpeg_stops_the_run_naming_the_file(tmp_path, data, capsys, in_memory, split):
+def test_a_truncated_jpeg_stops_the_run_naming_the_file(tmp_path, data, capsys, pipeline, split):
     corrupt = data / split / "class1" / "0.jpg"
     corrupt.write_bytes(corrupt.read_bytes()[:400])
     with pytest.raises(SystemExit) as stopped:
-        main(base(data, tmp_path / "run", "--data.in_memory", in_memory))
+        main(base(data, tmp_path / "run", "--data.pipeline", pipeline))
     assert stopped.value.code == 1
     assert last_error(capsys).startswith(f"error: cannot decode image {corrupt}: ")
 
@@ -121,7 +121,7 @@ def test_a_truncated_jpeg_read_by_a_loader_worker_is_named_in_one_line(tmp_path,
     corrupt = data / "train" / "class2" / "3.jpg"
     corrupt.write_bytes(corrupt.read_bytes()[:400])
     with pytest.raises(SystemExit) as stopped:
-        main(base(data, tmp_path / "run", "--data.in_memory", "false", "--data.num_workers", "1"))
+        main(base(data, tmp_path / "run", "--data.pipeline", "per_sample", "--data.num_workers", "1"))
     assert stopped.value.code == 1
     assert last_error(capsys).startswith(f"error: cannot decode image {corrupt}: ")
 
@@ -135,14 +135,14 @@ def test_decompression_bombs_and_broken_symlinks_are_named_and_skipped_with_skip
     bomb = data / "train" / "class2" / "bomb.png"
     Image.new("RGB", (64, 64)).save(bomb)
     with pytest.raises(SystemExit) as stopped:
-        main(base(data, tmp_path / "run", "--data.in_memory", "false"))
+        main(base(data, tmp_path / "run", "--data.pipeline", "per_sample"))
     assert stopped.value.code == 1
     message = last_error(capsys)
     assert message.startswith(f"error: cannot decode image {bomb}: ") and "decompression bomb" in message
 
     (data / "val" / "class3" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
     with caplog.at_level("WARNING", logger="vit"):
-        done = main(base(data, tmp_path / "run2", "--data.in_memory", "false", "--data.skip_corrupt", "true"))
+        done = main(base(data, tmp_path / "run2", "--data.pipeline", "per_sample", "--data.skip_corrupt", "true"))
     assert done.trainer.global_step == 8
     assert f"skipped cannot decode image {bomb}" in caplog.text
     gone = data / "val" / "class3" / "gone.jpg"
@@ -153,7 +153,7 @@ def test_decompression_bombs_and_broken_symlinks_are_named_and_skipped_with_skip
     with caplog.at_level("WARNING", logger="vit"):
         done = main(base(data, tmp_path / "run3", "--data.skip_corrupt", "true"))
     assert done.trainer.global_step == 8 and f"skipped cannot read image {gone}: it is a broken symlink" in caplog.text
-    device = ["--data.in_memory", "false", "--data.device_decode", "true", "--data.augment.crop", "rrc"]
+    device = ["--data.pipeline", "device", "--data.augment.crop", "rrc"]
     with pytest.raises(SystemExit) as stopped:
         main(base(data, tmp_path / "run4", *device))
     assert stopped.value.code == 1
@@ -367,7 +367,7 @@ def test_a_one_process_run_resumed_on_two_ddp_ranks_goes_on_after_the_images_see
     and the peak learning rate follows the global batch (4e-3 x 6 / 128)."""
     from tests.test_fault_tolerance import _free_port, run_script
 
-    run, per_sample = tmp_path / "run", ["--data.in_memory", "false"]
+    run, per_sample = tmp_path / "run", ["--data.pipeline", "per_sample"]
     with pytest.raises(SystemExit):
         main(base(data, run, *per_sample, *signal_at(5, "SIGTERM")))
     ddp = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2"]

@@ -214,19 +214,19 @@ def test_a_loader_worker_reads_a_streaming_sample_once_whatever_decodes_it(tmp_p
 
 def test_streaming_images_decoded_into_memory_are_cached_by_their_chunks(tmp_path):
     convert_image_folder(_source(tmp_path, train=2), tmp_path / "stream")
-    data = StreamingDataModule(str(tmp_path / "stream"), img_size=16, batch_size=4, num_workers=0, in_memory=True,
-                               cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    data = StreamingDataModule(str(tmp_path / "stream"), img_size=16, batch_size=4, num_workers=0, pipeline="memory",
+                               memory={"cache_dir": str(tmp_path / "cache")})  # fmt: skip
     data.setup("fit")
     x, _, _ = next(iter(data.train_dataloader()))
     assert x.shape == (4, 3, 16, 16) and x.dtype == torch.uint8
     assert next(iter(data.val_dataloader()))[0].shape == (4, 3, 16, 16)
     cached = {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("images-*.npz")}
     assert len(cached) == 2  # train and val
-    again = StreamingDataModule(str(tmp_path / "stream"), img_size=16, batch_size=4, num_workers=0, in_memory=True,
-                                cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    again = StreamingDataModule(str(tmp_path / "stream"), img_size=16, batch_size=4, num_workers=0, pipeline="memory",
+                                memory={"cache_dir": str(tmp_path / "cache")})  # fmt: skip
     again.setup("fit")
     again.train_dataloader(), again.val_dataloader()
-    decoded = [d.pipeline.dataset(d.spec, d.train_set, d.run(), train=True).images for d in (again, data)]
+    decoded = [d.composed.dataset(d.spec, d.train_set, d.run(), train=True).images for d in (again, data)]
     assert torch.equal(*decoded)
     assert {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("images-*.npz")} == cached  # read
 
@@ -258,7 +258,7 @@ def test_the_chunked_order_gives_each_process_an_equal_share_of_its_own_chunks()
 
 
 def _recipe(stream: Path, run: Path, *extra: str) -> list[str]:
-    """configs/imagenet_resnet50.yaml (device_decode, random resized crops, SGD) with a ResNet-18
+    """configs/imagenet_resnet50.yaml (the device pipeline, random resized crops, SGD) with a ResNet-18
     at 32 px on the converted folder: 3 epochs of 4 steps."""
     return [
         "fit", "--config", str(ROOT / "configs/imagenet_resnet50.yaml"), *QUIET,
@@ -305,8 +305,8 @@ def test_two_ddp_processes_read_distinct_samples_of_a_streaming_set_and_stay_ide
         "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2",
         "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false",
         "--data", "vit.data.StreamingDataModule", "--data.root", str(tmp_path / "stream"), "--data.img_size", "16",
-        "--data.augment.crop", "rrc", "--data.device_decode", "true", "--data.batch_size", "6",
-        "--data.num_workers", "1", "--data.device_prefetch", prefetch,
+        "--data.augment.crop", "rrc", "--data.pipeline", "device", "--data.batch_size", "6",
+        "--data.num_workers", "1", "--data.device.prefetch", prefetch,
     ]  # fmt: skip
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
     result = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,

@@ -157,13 +157,13 @@ def test_a_mistyped_class_path_is_one_line_with_the_closest_real_one(given, mess
 
 def test_an_option_a_class_refuses_is_its_own_message_not_a_dump(tmp_path, capsys):
     """--data.img_size 96 on the in-memory CIFAR recipe: the crop the folder picks for 96 px is the
-    random resized crop, which in_memory cannot do; the message says so, not `crop='rrc'` in 75 lines."""
+    random resized crop, which the memory pipeline cannot do; the message says so, not `crop='rrc'` in 75 lines."""
     folder = write_image_folder(tmp_path / "data", classes=2, train=2, val=1)
     args = ["fit", "--config", str(ROOT / "configs/cifar10_vit.yaml"), "--data", "vit.data.ImageFolderDataModule",
             "--data.root", str(folder), "--data.val_dir", "val", "--data.img_size", "96"]  # fmt: skip
     last = _last_error_line(args, capsys, 1)
     assert last.startswith("error: data.img_size 96 is above 64, where the image folder trains with random resized")
-    assert "--data.augment.crop pad_crop" in last and "--data.in_memory false" in last
+    assert "--data.augment.crop pad_crop" in last and "--data.pipeline per_sample" in last
 
 
 def test_image_size_and_class_count_are_set_once_on_the_data_and_reach_the_model(tmp_path, capsys):
@@ -258,8 +258,8 @@ def test_the_cpu_finetune_config_moves_a_tiny_imagenet_run_to_cifar10(tmp_path, 
     CIFAR-10 model at the backbone's 64 px, by config alone: same blocks, new head."""
     tiny, cifar = shared_path("data/tiny-imagenet-200"), shared_path("data/cifar10")
     # Per-sample loading: decoding both datasets into memory would take a minute.
-    few = ["--data.batch_size", "16", "--data.num_workers", "0", "--trainer.max_epochs", "1", "--data.in_memory",
-           "false", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]  # fmt: skip
+    few = ["--data.batch_size", "16", "--data.num_workers", "0", "--trainer.max_epochs", "1", "--data.pipeline",
+           "per_sample", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]  # fmt: skip
     pretrained = fit("configs/tiny_imagenet_vit.yaml", tmp_path / "pre", "--data.root", str(tiny), *few)
     source = pretrained.trainer.checkpoint_callback.last_model_path
     with caplog.at_level(logging.INFO, logger="vit"):

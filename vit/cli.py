@@ -45,7 +45,7 @@ from vit.fault_tolerance import (
     stop_message,
     stop_signal,
 )
-from vit.options import OptionError, group_default, option_groups
+from vit.options import OptionError, StillWorks, group_default, option_groups
 from vit.weights import timm_preprocessing
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,27 @@ def _null_group_fields(args: list[str]) -> list[str]:
     return out
 
 
+def _without_unset_old_options(cfg: Any) -> Any:
+    """`cfg` without the data class's older options that still work (RENAMED's StillWorks) where
+    they are None: not given, as their new spelling says what runs."""
+    data = cfg.get("data") if hasattr(cfg, "get") else None
+    init_args = getattr(data, "init_args", None) if data is not None and not isinstance(data, dict) else None
+    if init_args is None or not getattr(data, "class_path", None):
+        return cfg
+    try:
+        renamed = getattr(class_of(data.class_path), "RENAMED", {})
+    except (ImportError, AttributeError):
+        return cfg
+    unset = [name for name, new in renamed.items() if isinstance(new, StillWorks) and name in init_args
+             and init_args[name] is None]  # fmt: skip
+    if not unset:
+        return cfg
+    cfg = cfg.clone()
+    for name in unset:
+        del cfg.data.init_args[name]
+    return cfg
+
+
 def _differs(given: Any, saved: Any) -> bool:
     """A dict option (model_kwargs) differs when a key given has another value in the checkpoint; keys
     only the checkpoint has were filled in by the run (a language model's vocab_size, from its data)."""
@@ -126,6 +147,11 @@ class TrainArgumentParser(LightningArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
+        """The config as jsonargparse writes it, less the data's older options left unset: `--print_config`
+        and a run's config.yaml spell each option once, the new way (vit.options.StillWorks)."""
+        return super().dump(_without_unset_old_options(cfg), *args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> Any:
         short = short_parse_error(message, self, TrainCLI.argv) if self.exit_on_error else None

@@ -65,7 +65,7 @@ def short_parse_error(message: str, parser: LightningArgumentParser, argv: list[
         params = [p for c in cls.__mro__ if "__init__" in vars(c) for p in inspect.signature(c.__init__).parameters]
         choices = [f"--{group[1]}.{p}" for p in params if p not in ("self", "args", "kwargs")]
         renamed = getattr(cls, "RENAMED", {}).get(option)
-        if renamed is not None:  # a config or command line from before the option groups
+        if isinstance(renamed, str):  # a config or command line from before the option groups (not StillWorks)
             return f"--{group[1]}.{option} is now --{group[1]}.{renamed} (the options of {class_path} are grouped)"
         if unknown[4]:  # a value for a whole group
             return f"--{group[1]}.{option} is a group of options: set one as --{group[1]}.{option}.NAME VALUE"

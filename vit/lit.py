@@ -382,11 +382,12 @@ class ImageClassifier(TrainingTask):
             )
         if getattr(data, "naflex", None) is not None:
             self._check_patch_sequences(data.naflex.patch_size)
-        if getattr(data, "train_sizes", None):
-            self._check_train_sizes([size for _, size in data.train_sizes])
+        train_sizes = getattr(getattr(data, "memory", None), "train_sizes", None)
+        if train_sizes:
+            self._check_train_sizes([size for _, size in train_sizes])
 
     def _check_train_sizes(self, sizes: list[int]) -> None:
-        """A ViT trained at other sizes (`data.train_sizes`) takes each as whole patches, with positions
+        """A ViT trained at other sizes (`data.memory.train_sizes`) takes each as whole patches, with positions
         for each grid: refused by name before the run, not at the step where the size changes."""
         config = model_config(self.hparams.model_name, **self.model_kwargs)
         if not isinstance(config, ViTConfig) or config.backbone is not None:
@@ -395,12 +396,12 @@ class ImageClassifier(TrainingTask):
             try:
                 check_grid(size, config.patch_size, config.dynamic_img_pad, whole_patches=True)
             except OptionError as error:
-                raise OptionError("data.train_sizes", sizes, f"sizes {error.expected}") from None
+                raise OptionError("data.memory.train_sizes", sizes, f"sizes {error.expected}") from None
         built = (config.img_size,) * 2 if isinstance(config.img_size, int) else tuple(config.img_size)
         other = [size for size in sizes if (size, size) != built]
         if other and config.posemb == "learn" and not config.dynamic_img_size:
             raise OptionError("model.model_kwargs.dynamic_img_size", False,
-                              f"true to train at {other} px (data.train_sizes): the position embedding is "
+                              f"true to train at {other} px (data.memory.train_sizes): the position embedding is "
                               f"resampled from the {config.img_size} px grid to each")  # fmt: skip
 
     def _check_patch_sequences(self, patch_size: int) -> None:

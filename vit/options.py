@@ -4,9 +4,11 @@
 A group is given as the dataclass (the CLI builds it from `--model.optimizer.lr 3e-4` or a config's
 `optimizer: {lr: 3e-4}`), in Python as a mapping of the fields that differ from the class's default
 for it, or None where that default is None. Where it is stored (hyperparameters, checkpoints) it is
-a plain dict. A class lists its options from before the groups in `RENAMED` (old name -> "group.field"):
-the CLI names the new place of an old option, and checkpoints with the old names still load
-(vit.training.TrainingTask.upgrade_hparams).
+a plain dict. A class lists its options from before the groups in `RENAMED`: an old name -> its
+place ("group.field"), which the CLI names when the old one is given, while checkpoints with the old
+names still load (vit.training.TrainingTask.upgrade_hparams); or -> `StillWorks`, an old option the
+class still takes wherever it is given, saying its new spelling in one line (vit.data.ImageDataModule's
+`in_memory`, now `pipeline: memory`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import numbers
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 Group = TypeVar("Group")
@@ -71,18 +74,90 @@ def set_option_groups(obj: object, **given: Any) -> tuple[dict[str, Any] | None,
     return tuple(plain)
 
 
-def upgrade(values: Mapping[str, Any], renamed: Mapping[str, str]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class StillWorks:
+    """An old option that still works: its value goes to `new` (an option, or a group's "group.field"),
+    as `values` maps it; None: as it is. `off`, for a switch (`in_memory: true` is `pipeline:
+    memory`): what its other value (false) sets `new` to where `new` holds one of `values`' (a
+    config's `pipeline: memory` with `--data.in_memory false` trains per sample); elsewhere it sets
+    nothing."""
+
+    new: str
+    values: Mapping[Any, Any] | None = None
+    off: Any = None
+
+    def line(self, owner: str, old: str, value: Any) -> str:
+        """The line a run prints for the old option: `data.in_memory true is now data.pipeline memory; ...`."""
+        if self.values is None:
+            return f"{owner}.{old} is now {owner}.{self.new}; it still works"
+        if value in self.values:
+            return f"{owner}.{old} {written(value)} is now {owner}.{self.new} {self.values[value]}; it still works"
+        on = " or ".join(str(v) for v in self.values.values())
+        return f"{owner}.{old} {written(value)} is now {owner}.{self.new} {self.off} in place of {on}; it still works"
+
+
+def written(value: Any) -> str:
+    """A value as a config writes it (true, false, null)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def upgrade(
+    values: Mapping[str, Any], renamed: Mapping[str, str | StillWorks], defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Flat options from before the groups (`lr`, `optimizer: adamw`) moved into their groups
-    (`optimizer: {lr: ..., name: adamw}`); options already in today's form are left as they are."""
-    upgraded, moved = dict(values), {}
+    (`optimizer: {lr: ..., name: adamw}`), and old options that still work (`StillWorks`:
+    `in_memory: true`) in their new spelling (`pipeline: memory`); options already in today's form
+    are left as they are. An old option that still works and is None was not given: it is dropped.
+    OptionError where two options set one to different values (`in_memory` and `device_decode` true;
+    `in_memory: true` with `pipeline: device`, where `defaults` says `pipeline`'s default)."""
+    upgraded, moved, by, offs = dict(values), {}, {}, []
     for old, new in renamed.items():
+        if isinstance(new, StillWorks):
+            value = upgraded.pop(old, None)
+            if value is None:
+                continue
+            if new.values is not None and value not in new.values:
+                offs.append(new)
+                continue
+            target = value if new.values is None else new.values[value]
+            explicit = upgraded.get(new.new, (defaults or {}).get(new.new))
+            if new.new in moved and moved[new.new] != target:  # in_memory and device_decode both true
+                raise OptionError(old, value, f"left out with {by[new.new]} (they give {new.new} {moved[new.new]} "
+                                              f"and {target})")  # fmt: skip
+            if "." not in new.new and explicit not in (target, (defaults or {}).get(new.new)):
+                raise OptionError(old, value, f"left out with {new.new} {explicit} (it gives {new.new} {target})")
+            moved[new.new], by[new.new] = target, old
+            continue
         group = new.split(".")[0]
         if old in upgraded and not (old == group and isinstance(upgraded[old], Mapping)):
             moved[new] = upgraded.pop(old)
+    for new in offs:  # `in_memory: false`: per sample where the pipeline is memory
+        if moved.get(new.new, upgraded.get(new.new)) in new.values.values():
+            moved[new.new] = new.off
     for new, value in moved.items():
+        if "." not in new:
+            upgraded[new] = value
+            continue
         group, field = new.split(".")
-        upgraded[group] = {**(upgraded.get(group) or {}), field: value}
+        given = upgraded.get(group)
+        if dataclasses.is_dataclass(given) and not isinstance(given, type):
+            upgraded[group] = dataclasses.replace(given, **{field: value})
+        else:
+            upgraded[group] = {**(given or {}), field: value}
     return upgraded
+
+
+def still_working(
+    given: Mapping[str, Any], renamed: Mapping[str, str | StillWorks], owner: str, defaults: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """`given` with its old options that still work (those of `renamed` that are `StillWorks`) in
+    their new spelling (vit.options.upgrade), and the line to print for each that is not None."""
+    old = {name: v for name, v in given.items() if isinstance(renamed.get(name), StillWorks) and v is not None}
+    lines = [renamed[name].line(owner, name, value) for name, value in old.items()]  # type: ignore[union-attr]
+    try:
+        return upgrade(given, renamed, defaults), lines
+    except OptionError as e:
+        raise e.placed(f"{owner}.{e.name}") from None
 
 
 class OptionError(ValueError):

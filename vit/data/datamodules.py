@@ -3,8 +3,9 @@ as streaming chunks), Tiny-ImageNet.
 
 They share `ImageDataModule`, which holds its options as one checked, frozen vit.data.spec.DataSpec
 (read as its attributes: `data.img_size`), the run's seed and Mixup/CutMix, and hands its splits
-with the spec to one pipeline (vit.data.pipelines: per sample, in memory, decoded on the device, or
-patch sequences) for their loaders; a subclass only says where its images and labels come from.
+with the spec to the pipeline `pipeline` names (vit.data.pipelines: per sample, in memory, decoded on
+the device; per sample as patch sequences with `naflex`) for their loaders; a subclass only says
+where its images and labels come from.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vit import lightning_compat as compat
 from vit.data.augment import Augment
+from vit.data.device import DeviceDecode
 from vit.data.images import (
     ImageArrays,
     ImageFiles,
@@ -29,6 +31,7 @@ from vit.data.images import (
     scan_image_folder,
     scan_tiny_imagenet,
 )
+from vit.data.memory import Memory
 from vit.data.mixup import Mixup, MixupCutmix
 from vit.data.naflex import NaFlex
 from vit.data.pipelines import Pipeline, pipeline_for
@@ -44,7 +47,7 @@ from vit.data.transforms import (
     eval_transform,
     train_transform,
 )
-from vit.options import number, require, set_option_groups, whole
+from vit.options import StillWorks, group_default, number, require, set_option_groups, still_working, whole
 from vit.seeds import Purpose, RunSeed, step_seed
 
 log = logging.getLogger(__name__)
@@ -71,46 +74,56 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         val_holdout: hold out this many training images (a fraction if below 1; stratified, fixed
             seed) as the validation set, for tuning; the original validation split becomes the test
             set (`trainer.test`). 0: validation is the original split, as is the test set.
-        in_memory: decode every image once into a uint8 tensor (cached in cache_dir) and augment
-            whole batches on the training device (vit.data.memory): crop "pad_crop" or "resize",
-            hflip, RandAugment, cutout and Mixup/CutMix. cache_dir None: `<default_root_dir>/cache`.
-        train_sizes: progressive resizing, in_memory only: [[progress, size], ...] trains at `size`
-            from that fraction of the run on (e.g. [[0, 16], [0.5, 24], [0.75, 32]]); validation
-            stays at img_size. The model must accept other sizes (rope/sincos2d, or dynamic_img_size).
-        device_decode: image files only: loader workers read the encoded bytes, and the batch is
+        pipeline: how images become batches (vit.data.pipelines):
+            "per_sample": each image decoded and augmented in a loader worker.
+            "memory": every image decoded once into a uint8 tensor and whole batches augmented on
+            the training device (vit.data.memory): crop "pad_crop" or "resize", hflip, RandAugment,
+            cutout and Mixup/CutMix; its options are `memory`.
+            "device": image files only: loader workers read the encoded bytes, and the batch is
             decoded, cropped (crop "rrc" or "resize"), flipped, RandAugmented and normalised on the
-            training device (vit.data.device).
-        device_prefetch: with device_decode, how many batches a thread decodes ahead of the step,
-            on a CUDA stream of its own (vit.data.prefetch); 0: each when its step begins; None: 1
-            on a GPU, 0 on the CPU (there the thread only competes with the model for the cores).
-        data_process: with device_decode, decode and augment in a process of its own per loader
+            training device (vit.data.device); its options are `device`.
+        memory: vit.data.Memory, the memory pipeline's options: `cache_dir`, `train_sizes`
+            (progressive resizing).
+        device: vit.data.DeviceDecode, the device pipeline's options: `prefetch` (batches a
+            thread decodes ahead), `worker_decode` (a share of the JPEGs the loader workers decode).
+        data_process: how the device pipeline's work runs: in a process of its own per loader
             (vit.data.process), which hands finished batches to the training process; None: on a
             GPU. In the training process's threads, the data work takes the interpreter's lock from
             the thread that launches the model's kernels.
-        worker_decode: with device_decode, the share of the JPEGs (0 to 1, the same files every
-            epoch) that the loader workers decode (PIL) instead of the device: decoding on a GPU
-            takes its cores from the model, and workers with cores to spare can take part of it.
         naflex: vit.data.NaFlex: for a NaFlexVit, each image at its own aspect ratio within a patch
             budget, batches of padded patch sequences (vit.data.naflex); None: square images at
-            img_size. Per sample only (not in_memory, device_decode, Mixup/CutMix), crop "rrc" or
-            "resize", the whole image in evaluation (eval_crop_pct 1).
+            img_size. Per sample only (not Mixup/CutMix), crop "rrc" or "resize", the whole image
+            in evaluation (eval_crop_pct 1).
+        in_memory, device_decode, cache_dir, train_sizes, device_prefetch, worker_decode: the older
+            spelling, which still works, saying the new one in a line (RENAMED): `in_memory: true`
+            is `pipeline: memory`, `device_decode: true` is `pipeline: device`, `cache_dir` is
+            `memory.cache_dir`, ..., `device_prefetch` is `device.prefetch`.
 
     A group given in Python as a dict changes only the fields it names of the class's default,
     e.g. `CIFARDataModule(augment={"cutout": 8})` keeps its pad-crop.
     """
 
-    # Options from before the groups, and where each went (the CLI names the new place).
-    RENAMED: ClassVar[dict[str, str]] = {
+    # Options from before the groups, and where each went: the CLI names the new place of a str;
+    # a StillWorks option is taken as its new spelling, said in a line.
+    RENAMED: ClassVar[dict[str, str | StillWorks]] = {
         **{name: f"augment.{name}" for name in ("crop", "crop_scale", "crop_padding", "hflip", "cutout")},
         **{name: f"augment.{name}" for name in ("randaugment_ops", "randaugment_magnitude")},
         "mixup_alpha": "mixup.mixup_alpha",
         "cutmix_alpha": "mixup.cutmix_alpha",
         "mixup_prob": "mixup.prob",
         "mixup_switch_prob": "mixup.switch_prob",
+        "in_memory": StillWorks("pipeline", {True: "memory"}, off="per_sample"),
+        "device_decode": StillWorks("pipeline", {True: "device"}, off="per_sample"),
+        "cache_dir": StillWorks("memory.cache_dir"),
+        "train_sizes": StillWorks("memory.train_sizes"),
+        "device_prefetch": StillWorks("device.prefetch"),
+        "worker_decode": StillWorks("device.worker_decode"),
     }
     augment: Augment
     mixup: Mixup
     naflex: NaFlex | None
+    memory: Memory
+    device: DeviceDecode
 
     num_classes: int
     # The classes' names in label order, as people read them; checkpoints carry them, so exports
@@ -131,24 +144,34 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         std: tuple[float, float, float] = IMAGENET_STD,
         skip_corrupt: bool = False,
         val_holdout: float = 0,
-        in_memory: bool = False,
-        cache_dir: str | None = None,
-        train_sizes: list[tuple[float, int]] | None = None,
-        device_decode: bool = False,
-        device_prefetch: int | None = None,
-        worker_decode: float = 0.0,
+        pipeline: str = "per_sample",
+        memory: Memory = Memory(),
+        device: DeviceDecode = DeviceDecode(),
         data_process: bool | None = None,
         naflex: NaFlex | None = None,
+        # the older spelling, which still works (RENAMED); None: not given
+        in_memory: bool | None = None,
+        device_decode: bool | None = None,
+        cache_dir: str | None = None,
+        train_sizes: list[tuple[float, int]] | None = None,
+        device_prefetch: int | None = None,
+        worker_decode: float | None = None,
     ) -> None:
         super().__init__()
-        set_option_groups(self, augment=augment, mixup=mixup, naflex=naflex)
-        groups = {name: vars(self).pop(name) for name in ("augment", "mixup", "naflex")}  # held by the spec
+        given = self.in_new_spelling(dict(
+            pipeline=pipeline, memory=memory, device=device, in_memory=in_memory, device_decode=device_decode,
+            cache_dir=cache_dir, train_sizes=train_sizes, device_prefetch=device_prefetch,
+            worker_decode=worker_decode,
+        ))  # fmt: skip
+        set_option_groups(self, augment=augment, mixup=mixup, naflex=naflex, memory=given["memory"],
+                          device=given["device"])  # fmt: skip
+        names = ("augment", "mixup", "naflex", "memory", "device")
+        groups = {name: vars(self).pop(name) for name in names}  # held by the spec
         self.spec = DataSpec(
             img_size=img_size, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
             persistent_workers=persistent_workers, eval_crop_pct=eval_crop_pct, mean=mean, std=std,
-            skip_corrupt=skip_corrupt, val_holdout=val_holdout, in_memory=in_memory, cache_dir=cache_dir,
-            train_sizes=train_sizes, device_decode=device_decode, device_prefetch=device_prefetch,
-            worker_decode=worker_decode, data_process=data_process, **groups,
+            skip_corrupt=skip_corrupt, val_holdout=val_holdout, pipeline=given["pipeline"],
+            data_process=data_process, **groups,
         )  # fmt: skip
         spec = self.spec
         if spec.naflex is None:
@@ -157,11 +180,21 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         else:
             self.train_transform = SequenceTrainTransform(spec.naflex, spec.augment, mean, std)
             self.eval_transform = SequenceEvalTransform(spec.naflex, mean, std)
-        self.pipeline: Pipeline = pipeline_for(spec)
+        self.composed: Pipeline = pipeline_for(spec)  # the pipeline `pipeline` names, its loaders and step
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
         self._loaders: weakref.WeakSet[PreparedLoader] = weakref.WeakSet()  # their data processes end at teardown
+
+    @classmethod
+    def in_new_spelling(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """`options` with the older ones that still work (RENAMED's StillWorks: `in_memory: true`)
+        in their new spelling (`pipeline: memory`), each said in one line; None is not given."""
+        defaults = {"pipeline": group_default(cls, "pipeline")}
+        upgraded, lines = still_working(options, cls.RENAMED, "data", defaults)
+        for line in lines:
+            log.warning(line)
+        return upgraded
 
     def __getattr__(self, name: str) -> Any:
         """An option the spec holds, read as the datamodule's own (`data.img_size`, `data.augment`)."""
@@ -190,8 +223,8 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
             log.info("train transform: %s", train_line)
             log.info("eval transform: %s", eval_line)
         train, val = self.load_splits()
-        if self.device_decode and not isinstance(train, ImageFiles):
-            raise ValueError(f"device_decode reads image files; {type(self).__name__} holds decoded arrays")
+        if self.pipeline == "device" and not isinstance(train, ImageFiles):
+            raise ValueError(f"the device pipeline reads image files; {type(self).__name__} holds decoded arrays")
         test = val
         if self.val_holdout:
             no_val_split = val is train  # validation and test then both read the held-out images
@@ -203,7 +236,7 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
     def describe_transforms(self) -> tuple[str, str]:
         """One line each for what training and evaluation do to an image (logged at setup)."""
         size, augment = self.img_size, self.augment
-        train, evaluation = self.pipeline.describe(self.spec, self.run())
+        train, evaluation = self.composed.describe(self.spec, self.run())
         train += ["flip"] if augment.hflip else []
         ops, magnitude = augment.randaugment
         train += [f"RandAugment {ops} ops at magnitude {magnitude:g}"] if ops > 0 else []
@@ -216,8 +249,8 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
             if mixup.mixup_alpha > 0 and mixup.cutmix_alpha > 0:
                 mixing += f" (CutMix on {mixup.switch_prob:.0%})"
             train.append(f"{mixing} {share}")
-        if self.train_sizes:
-            train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.train_sizes))
+        if self.memory.train_sizes:
+            train.append("sizes " + ", ".join(f"{size} from {start:g}" for start, size in self.memory.train_sizes))
         if self.naflex is None:
             evaluation += f"centre crop {self.eval_crop_pct:g} of the shorter side, resize to {size}"
         evaluation += " (bicubic), normalise"
@@ -229,17 +262,17 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         sampler = self.train_sampler(self.train_set, self.seed)
-        return self._kept(self.pipeline.train_loader(self.spec, self.train_set, sampler, self.run()))
+        return self._kept(self.composed.train_loader(self.spec, self.train_set, sampler, self.run()))
 
     def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
         """The training order: a permutation by (seed, epoch), shared among the processes."""
         return ResumableSampler(dataset, shuffle=True, seed=seed)
 
     def val_dataloader(self) -> DataLoader:
-        return self._kept(self.pipeline.eval_loader(self.spec, self.val_set, self.run()))
+        return self._kept(self.composed.eval_loader(self.spec, self.val_set, self.run()))
 
     def test_dataloader(self) -> DataLoader:
-        return self._kept(self.pipeline.eval_loader(self.spec, self.test_set, self.run()))
+        return self._kept(self.composed.eval_loader(self.spec, self.test_set, self.run()))
 
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
@@ -255,14 +288,14 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
 
     @property
     def data_process(self) -> bool:
-        """Whether device_decode's work runs in a data process: as given, else on a GPU."""
+        """Whether the device pipeline's work runs in a data process: as given, else on a GPU."""
         return self.spec.in_data_process(self.run().device())
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """On the device: the pipeline's step (in memory: augmented and normalised), then
         Mixup/CutMix, training batches only. All randomness is a function of (seed, step, rank) or
         (seed, epoch, index) (vit.seeds), so resumed runs augment and mix as uninterrupted ones."""
-        batch = self.pipeline.on_device(self.spec, batch, self.run())
+        batch = self.composed.on_device(self.spec, batch, self.run())
         trainer = self.trainer
         if trainer is None or not trainer.training or not self.mixup.enabled:
             return batch
@@ -272,8 +305,8 @@ class ImageDataModule(RunSeed, L.LightningDataModule):
         return MixupCutmix(self.num_classes, self.mixup)(x, y, rng)
 
     def train_size(self) -> int:
-        """The training image size at this point of the run (train_sizes, in memory), else img_size."""
-        return self.pipeline.train_size(self.spec, self.run())
+        """The training image size at this point of the run (memory.train_sizes), else img_size."""
+        return self.composed.train_size(self.spec, self.run())
 
 
 class DigitsDataModule(ImageDataModule):
@@ -379,6 +412,7 @@ class FolderSplits(ImageDataModule):
         **kwargs: Any,
     ) -> None:
         set_option_groups(self, augment=augment)
+        kwargs = self.in_new_spelling(kwargs)  # the crop defaults follow the pipeline
         super().__init__(**folder_crop(img_size, self.augment, eval_crop_pct, kwargs), **kwargs)
         self.train_dir, self.val_dir = train_dir, val_dir
 
@@ -452,17 +486,18 @@ def folder_crop(
     naflex = options.get("naflex") is not None  # images at their own size: img_size says nothing of them
     if crop is None:
         crop = "pad_crop" if img_size <= SMALL_IMAGE and not naflex else "rrc"
-        if crop == "pad_crop" and options.get("device_decode"):
+        pipeline = options.get("pipeline")
+        if crop == "pad_crop" and pipeline == "device":
             raise ValueError(
                 f"data.img_size {img_size} is at most {SMALL_IMAGE}, where the image folder trains with pad + "
-                "random crops by default, which device_decode does not do: set --data.augment.crop rrc (or resize) "
-                "to keep device_decode, or --data.device_decode false"
+                "random crops by default, which the device pipeline does not do: set --data.augment.crop rrc (or "
+                "resize) to keep --data.pipeline device, or --data.pipeline per_sample"
             )
-        if crop == "rrc" and options.get("in_memory") and not naflex:  # naflex's own check names in_memory
+        if crop == "rrc" and pipeline == "memory" and not naflex:  # naflex's own check names the pipeline
             raise ValueError(
                 f"data.img_size {img_size} is above {SMALL_IMAGE}, where the image folder trains with random "
-                "resized crops by default, which in_memory=True does not do (it augments whole batches): set "
-                "--data.augment.crop pad_crop (or resize) to keep in_memory, or --data.in_memory false"
+                "resized crops by default, which the memory pipeline does not do (it augments whole batches): set "
+                "--data.augment.crop pad_crop (or resize) to keep --data.pipeline memory, or --data.pipeline per_sample"
             )
     if crop_padding is None:
         crop_padding = max(1, img_size // 8)
@@ -477,11 +512,11 @@ class StreamingDataModule(FolderSplits):
     `root/<train_dir>` and `root/<val_dir>`, where root is a local folder, a shared filesystem or
     object storage (`s3://bucket/prefix`, read with litdata's credentials and caching).
 
-    Trained as an image folder is (the same crop defaults, augmentation, device_decode and exact
+    Trained as an image folder is (the same crop defaults, augmentation, pipelines and exact
     resume), in the order of vit.data.sampling.ChunkedSampler: each process reads its own share of
     the chunks, `shuffle_window` chunks at a time, so nodes read disjoint parts of the data.
     `chunk_cache_dir` / `chunk_cache_size` (e.g. "200GB"): where and how much litdata caches of
-    remote chunks (litdata's defaults when None; `cache_dir` stays in_memory's).
+    remote chunks (litdata's defaults when None; `memory.cache_dir` is the memory pipeline's).
     """
 
     order_per_process = True  # a mid-epoch resume with another process count restarts the epoch

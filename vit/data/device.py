@@ -1,4 +1,4 @@
-"""Image files decoded and augmented where the model runs (`data.device_decode`).
+"""Image files decoded and augmented where the model runs (`data.pipeline device`).
 
 The per-sample path decodes and augments one image at a time in loader workers, on the CPU; on a
 GPU node that, not the model, sets the speed. Here a loader worker reads a JPEG's bytes and its
@@ -50,10 +50,34 @@ from vit.data.images import (
     undecodable,
 )
 from vit.data.randaugment import rand_augment
+from vit.options import number, whole
 
 log = logging.getLogger(__name__)
 
 DEVICE_CROPS = ("rrc", "resize")
+
+
+@dataclass(frozen=True)
+class DeviceDecode:
+    """The options of the pipeline that decodes on the training device (`data.pipeline device`).
+
+    Args:
+        prefetch: how many batches a thread decodes ahead of the step, on a CUDA stream of its own
+            (vit.data.prefetch); 0: each when its step begins; None: 1 on a GPU, 0 on the CPU
+            (there the thread only competes with the model for the cores).
+        worker_decode: the share of the JPEGs (0 to 1, the same files every epoch) that the loader
+            workers decode (PIL) instead of the device: decoding on a GPU takes its cores from the
+            model, and workers with cores to spare can take part of it.
+    """
+
+    prefetch: int | None = None
+    worker_decode: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prefetch is not None:
+            whole(self.prefetch, 0, "data.device.prefetch", "batches decoded ahead; 0 decodes each in its step")
+        share = "a share of the JPEGs decoded on the device, from 0 to 1"
+        number(self.worker_decode, "data.device.worker_decode", share, 0, 1)
 
 
 class EncodedFiles(FileSamples, Dataset):
@@ -66,7 +90,8 @@ class EncodedFiles(FileSamples, Dataset):
 
     `train`: `augment`'s random resized crop (crop "rrc") or the whole image (crop "resize"), flip
     and RandAugment ops, drawn from the sample seed; otherwise the evaluation crop (center_crop_box
-    of `crop_pct`): vit.data.draws.draw_augmentation.
+    of `crop_pct`): vit.data.draws.draw_augmentation. It takes the options as the datamodule's
+    DataSpec passed them (crop "rrc" or "resize", worker_decode from 0 to 1: vit.data.spec).
     """
 
     def __init__(
@@ -78,10 +103,6 @@ class EncodedFiles(FileSamples, Dataset):
         skip_corrupt: bool = False,
         worker_decode: float = 0.0,
     ) -> None:
-        if augment.crop not in DEVICE_CROPS:
-            raise ValueError(f"device_decode crops with {' or '.join(DEVICE_CROPS)}, not {augment.crop!r}")
-        if not 0.0 <= worker_decode <= 1.0:
-            raise ValueError(f"worker_decode is a share of the JPEGs, from 0 to 1; got {worker_decode}")
         self.source = source if isinstance(source, ImageFiles) else ImageFiles(source)
         super().__init__(self.source.samples, skip_corrupt=skip_corrupt, substitute=train)
         self.read_order = self.source.read_order  # streaming shards: a batch's samples read chunk by chunk

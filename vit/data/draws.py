@@ -41,7 +41,7 @@ class Augment:
         hflip: a horizontal flip with probability 1/2 (off for digits and text).
         randaugment_ops / randaugment_magnitude: RandAugment's ops per image (0 = off) and their
             strength (0..10).
-        cutout: side of a square zeroed at a random place in each image (in_memory only).
+        cutout: side of a square zeroed at a random place in each image (the memory pipeline only).
     """
 
     crop: str | None = "rrc"

@@ -17,6 +17,7 @@ import os
 import time
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +29,34 @@ from vit.data.augment import EVAL_RESIZE
 from vit.data.geometry import eval_pixels
 from vit.data.images import ImageArrays, ImageFiles
 from vit.data.sampling import ResumableSampler
+from vit.options import require
 from vit.seeds import Purpose, seed_for
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The options of the in-memory pipeline (`data.pipeline memory`).
+
+    Args:
+        cache_dir: where the decoded splits are cached; None: `<default_root_dir>/cache`.
+        train_sizes: progressive resizing, [[progress, size], ...]: training at `size` from that
+            fraction of the run on (e.g. [[0, 16], [0.5, 24], [0.75, 32]]); validation stays at
+            img_size. The model must accept other sizes (rope/sincos2d, or dynamic_img_size).
+            Held sorted by progress.
+    """
+
+    cache_dir: str | None = None
+    train_sizes: list[tuple[float, int]] | None = None
+
+    def __post_init__(self) -> None:
+        for entry in self.train_sizes or []:
+            ok = isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int | float)
+            ok = ok and 0 <= entry[0] <= 1 and isinstance(entry[1], int) and entry[1] >= 1
+            require(ok, "data.memory.train_sizes", self.train_sizes, "[[progress from 0 to 1, size in pixels], ...]")
+        if self.train_sizes:
+            object.__setattr__(self, "train_sizes", sorted((float(p), int(size)) for p, size in self.train_sizes))
 
 
 class TensorImages(Dataset):
@@ -180,8 +206,9 @@ def _decode(dataset: ImageFiles | ImageArrays, img_size: int, crop_pct: float) -
     available = host.available_memory()
     if available is not None and needed > available:
         raise MemoryError(
-            f"in_memory: {len(dataset):,} images at {img_size}x{img_size} need about {needed / 2**30:.1f} GiB to "
-            f"decode, more than the {available / 2**30:.1f} GiB available; check img_size or use in_memory=False"
+            f"the memory pipeline: {len(dataset):,} images at {img_size}x{img_size} need about "
+            f"{needed / 2**30:.1f} GiB to decode, more than the {available / 2**30:.1f} GiB available; check "
+            "img_size or use --data.pipeline per_sample"
         )
     images, labels = [], []
     for i in range(len(dataset)):

@@ -1,13 +1,14 @@
 """How an image datamodule's splits become the model's batches: one pipeline a mode.
 
-- `PerSample` (the default): each image decoded and augmented in a loader worker (albumentations,
-  vit.data.transforms).
-- `InMemory` (`in_memory`): decoded once into a uint8 tensor (vit.data.memory), whole batches
-  augmented on the device.
-- `FromFiles` (`device_decode`): loader workers read the files; batches decoded and augmented on
-  the device (vit.data.device), in a data process or in threads (vit.data.prefetch).
-- `Sequences` (`naflex`): as PerSample, each image at its own aspect ratio, batches packed as
-  patch sequences for a NaFlexVit (vit.data.naflex).
+- `PerSample` (`pipeline: per_sample`, the default): each image decoded and augmented in a loader
+  worker (albumentations, vit.data.transforms).
+- `InMemory` (`pipeline: memory`, its options `memory`): decoded once into a uint8 tensor
+  (vit.data.memory), whole batches augmented on the device.
+- `FromFiles` (`pipeline: device`, its options `device`): loader workers read the files; batches
+  decoded and augmented on the device (vit.data.device), in a data process or in threads
+  (vit.data.prefetch).
+- `Sequences` (per sample with `naflex`): as PerSample, each image at its own aspect ratio, batches
+  packed as patch sequences for a NaFlexVit (vit.data.naflex).
 
 A pipeline is composed from the datamodule's options (vit.data.spec.DataSpec) and told what only the
 run knows (vit.data.spec.Run: seed, trainer) when it makes a loader or takes a batch; it never reads
@@ -101,7 +102,7 @@ class FromFiles(PerSample):
         key = (id(dataset), train)
         if key not in self.encoded:  # the source kept with it, so its id is not reused
             files = EncodedFiles(dataset, train, spec.augment, spec.eval_crop_pct, spec.skip_corrupt,
-                                 spec.worker_decode)  # fmt: skip
+                                 spec.device.worker_decode)  # fmt: skip
             self.encoded[key] = (dataset, files)
         return self.encoded[key][1]
 
@@ -109,13 +110,13 @@ class FromFiles(PerSample):
         steps = DeviceSteps(self.dataset(spec, dataset, run, train), spec.img_size, spec.mean, spec.std)
         return super().loader_options(spec, dataset, run, train) | dict(
             collate_fn=collate_encoded, prepare=steps.stages, device=run.device,
-            ahead=spec.device_prefetch, process=spec.in_data_process(run.device()),
+            ahead=spec.device.prefetch, process=spec.in_data_process(run.device()),
         )  # fmt: skip
 
     def describe(self, spec: DataSpec, run: Run) -> tuple[list[str], str]:
         where = "decode on the training device" + (" from a data process" if spec.in_data_process(run.device()) else "")
-        if spec.worker_decode:
-            where += f" ({spec.worker_decode:.0%} of the JPEGs in the loader workers)"
+        if spec.device.worker_decode:
+            where += f" ({spec.device.worker_decode:.0%} of the JPEGs in the loader workers)"
         crop, _ = super().describe(spec, run)
         return [where, *crop], "decode on the training device, "
 
@@ -123,7 +124,7 @@ class FromFiles(PerSample):
 class InMemory(PerSample):
     """Each split decoded once at the evaluation geometry into a uint8 tensor (cached on disk,
     vit.data.memory); training batches gathered by index and augmented whole on the device (pad +
-    random crop, flip, RandAugment, cutout, the run's size of `train_sizes`), evaluation batches
+    random crop, flip, RandAugment, cutout, the run's size of `memory.train_sizes`), evaluation batches
     normalised. Randomness comes from each batch's seed (vit.seeds.Purpose.BATCH)."""
 
     def __init__(self) -> None:
@@ -147,7 +148,7 @@ class InMemory(PerSample):
             return dataset
         key = (id(dataset), train)
         if key not in self.decoded:
-            cache = spec.cache_dir
+            cache = spec.memory.cache_dir
             if cache is None and run.trainer is not None:
                 cache = Path(run.trainer.default_root_dir) / "cache"
             images = to_tensor_images(dataset, spec.img_size, 1.0 if train else spec.eval_crop_pct, cache)
@@ -170,10 +171,10 @@ class InMemory(PerSample):
         return resize_batch(x, self.train_size(spec, run)), y
 
     def train_size(self, spec: DataSpec, run: Run) -> int:
-        """The training image size at this point of the run (`train_sizes`), else img_size."""
-        if not spec.train_sizes or run.trainer is None:
+        """The training image size at this point of the run (`memory.train_sizes`), else img_size."""
+        if not spec.memory.train_sizes or run.trainer is None:
             return spec.img_size
-        return int(stepwise(spec.train_sizes, training_progress(run.trainer)))
+        return int(stepwise(spec.memory.train_sizes, training_progress(run.trainer)))
 
     def describe(self, spec: DataSpec, run: Run) -> tuple[list[str], str]:
         size, augment = spec.img_size, spec.augment
@@ -203,14 +204,11 @@ class Sequences(PerSample):
 Pipeline = PerSample | FromFiles | InMemory | Sequences
 
 
+PIPELINE_CLASSES: dict[str, type[PerSample]] = {"per_sample": PerSample, "memory": InMemory, "device": FromFiles}
+
+
 def pipeline_for(spec: DataSpec) -> Pipeline:
-    """The pipeline the options choose: naflex, in_memory, device_decode, else per sample."""
-    return (
-        Sequences()
-        if spec.naflex
-        else InMemory()
-        if spec.in_memory
-        else FromFiles()
-        if spec.device_decode
-        else PerSample()
-    )
+    """The pipeline `spec.pipeline` names; per sample with `naflex`, its patch sequences."""
+    if spec.naflex is not None:  # the spec's rules leave naflex per sample only
+        return Sequences()
+    return PIPELINE_CLASSES[spec.pipeline]()

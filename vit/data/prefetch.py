@@ -1,6 +1,6 @@
 """Batches made ready on the training device ahead of the step that takes them.
 
-With `data.device_decode` the training process itself decodes and augments each batch
+With `data.pipeline device` the training process itself decodes and augments each batch
 (vit.data.device). Done on the model's stream when the step asks for the batch, the two take
 turns: every host sync in the data work (the decoder makes several) first waits for the model's
 queued kernels, and the model waits for the data. A `PreparedLoader` queues that work on CUDA

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vit.data.augment import Augment
-from vit.data.device import DEVICE_CROPS
+from vit.data.device import DEVICE_CROPS, DeviceDecode
+from vit.data.memory import Memory
 from vit.data.mixup import Mixup
 from vit.data.naflex import NaFlex
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from vit.options import number, require, whole
+from vit.options import number, require, whole, written
 
 if TYPE_CHECKING:
     import lightning as L
@@ -43,7 +44,8 @@ class DataSpec:
     None for num_workers, pin_memory and persistent_workers is resolved when the spec is made (one
     less than the CPUs per GPU process; on with CUDA; on with workers), so the spec holds what runs.
     `data_process` None stays: it follows the training device, known when a loader is made
-    (`in_data_process`). `train_sizes` is held sorted by progress.
+    (`in_data_process`). `pipeline` names one of PIPELINES; `memory` and `device` are the options of
+    the pipelines of those names (PIPELINE_GROUPS).
     """
 
     img_size: int = 32
@@ -59,12 +61,9 @@ class DataSpec:
     std: tuple[float, float, float] = IMAGENET_STD
     skip_corrupt: bool = False
     val_holdout: float = 0
-    in_memory: bool = False
-    cache_dir: str | None = None
-    train_sizes: list[tuple[float, int]] | None = None
-    device_decode: bool = False
-    device_prefetch: int | None = None
-    worker_decode: float = 0.0
+    pipeline: str = "per_sample"
+    memory: Memory = Memory()
+    device: DeviceDecode = DeviceDecode()
     data_process: bool | None = None
 
     def __post_init__(self) -> None:
@@ -74,7 +73,6 @@ class DataSpec:
             num_workers=num_workers,
             pin_memory=torch.cuda.is_available() if self.pin_memory is None else self.pin_memory,
             persistent_workers=num_workers > 0 if self.persistent_workers is None else self.persistent_workers,
-            train_sizes=sorted((float(p), int(size)) for p, size in self.train_sizes) if self.train_sizes else None,
         )
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
@@ -84,13 +82,17 @@ class DataSpec:
         return dataclasses.replace(self, **changes)
 
     def in_data_process(self, device: torch.device) -> bool:
-        """Whether device_decode's work runs in a data process: as given, else on a GPU."""
+        """Whether the device pipeline's work runs in a data process: as given, else on a GPU."""
         if self.data_process is not None:
             return self.data_process
-        return self.device_decode and device.type == "cuda"
+        return self.pipeline == "device" and device.type == "cuda"
 
 
 SPEC_FIELDS = frozenset(field.name for field in dataclasses.fields(DataSpec))
+# The pipelines `data.pipeline` chooses from (vit.data.pipelines.pipeline_for), and the option group
+# of each that has options of its own.
+PIPELINES = ("per_sample", "memory", "device")
+PIPELINE_GROUPS: dict[str, type] = {"memory": Memory, "device": DeviceDecode}
 
 
 def check_options(spec: DataSpec) -> None:
@@ -98,26 +100,36 @@ def check_options(spec: DataSpec) -> None:
     others: every rule between the data options is here. vit.data.device, transforms and naflex
     take what passes."""
     check_values(spec)
-    augment, crop = spec.augment, spec.augment.crop
+    augment, crop, pipeline = spec.augment, spec.augment.crop, spec.pipeline
+    check_pipeline_groups(spec)
     if spec.naflex is not None:
-        check_naflex_options(crop, spec.eval_crop_pct, spec.mixup, spec.in_memory, spec.device_decode)
+        check_naflex_options(crop, spec.eval_crop_pct, spec.mixup, pipeline)
         spec.naflex.check_batch(spec.batch_size)
-    train_sizes, in_memory, device_decode = spec.train_sizes, spec.in_memory, spec.device_decode
+    train_sizes = spec.memory.train_sizes
     check_augment_fits(augment, min([spec.img_size, *(size for _, size in train_sizes or [])]))
-    require(in_memory or not augment.cutout, "data.augment.cutout", augment.cutout,
-            "0 unless --data.in_memory true (cutout augments whole batches)")  # fmt: skip
-    require(in_memory or not train_sizes, "data.train_sizes", train_sizes,
-            "null unless --data.in_memory true (the size changes between whole batches)")  # fmt: skip
-    require(not in_memory or crop in ("pad_crop", "resize"), "data.augment.crop", crop,
-            "pad_crop or resize with --data.in_memory true (for rrc: --data.in_memory false)")  # fmt: skip
-    require(not spec.worker_decode or device_decode, "data.worker_decode", spec.worker_decode,
-            "0 unless --data.device_decode true (it is a share of the JPEGs decoded on the device)")  # fmt: skip
-    require(not (device_decode and in_memory), "data.device_decode", device_decode,
-            "false with --data.in_memory true (in memory, images are decoded once, before training)")  # fmt: skip
-    require(not device_decode or crop in DEVICE_CROPS, "data.augment.crop", crop,
-            f"{' or '.join(DEVICE_CROPS)} with --data.device_decode true")  # fmt: skip
-    require(spec.data_process in (None, False) or device_decode, "data.data_process", spec.data_process,
-            "false or null unless --data.device_decode true (it runs the decoding and augmenting)")  # fmt: skip
+    require(pipeline == "memory" or not augment.cutout, "data.augment.cutout", augment.cutout,
+            "0 unless --data.pipeline memory (cutout augments whole batches)")  # fmt: skip
+    require(pipeline != "memory" or crop in ("pad_crop", "resize"), "data.augment.crop", crop,
+            "pad_crop or resize with --data.pipeline memory (for rrc: --data.pipeline per_sample)")  # fmt: skip
+    require(pipeline != "device" or crop in DEVICE_CROPS, "data.augment.crop", crop,
+            f"{' or '.join(DEVICE_CROPS)} with --data.pipeline device")  # fmt: skip
+    require(spec.data_process in (None, False) or pipeline == "device", "data.data_process", spec.data_process,
+            "false or null unless --data.pipeline device (it runs the decoding and augmenting)")  # fmt: skip
+
+
+def check_pipeline_groups(spec: DataSpec) -> None:
+    """OptionError naming the first option of another pipeline's group (`data.memory.cache_dir`
+    with `data.pipeline device`) that is not its default: an option the chosen pipeline would not read."""
+    for name, kind in PIPELINE_GROUPS.items():
+        group = getattr(spec, name)
+        require(isinstance(group, kind), f"data.{name}", group, f"a {kind.__name__} (its options one by one)")
+        if spec.pipeline == name:
+            continue
+        for field in dataclasses.fields(kind):
+            value, default = getattr(group, field.name), field.default
+            require(value == default, f"data.{name}.{field.name}", value,
+                    f"{written(default)} unless --data.pipeline {name} (an option of the {name} pipeline; "
+                    f"--data.pipeline is {spec.pipeline})")  # fmt: skip
 
 
 def check_values(spec: DataSpec) -> None:
@@ -137,13 +149,9 @@ def check_values(spec: DataSpec) -> None:
     holdout_ok = holdout_ok and (0 <= holdout < 1 or (holdout >= 1 and float(holdout).is_integer()))
     require(holdout_ok, "data.val_holdout", holdout,
             "0 (none), a fraction below 1, or a whole number of training images")  # fmt: skip
-    for entry in spec.train_sizes or []:
-        ok = isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], int | float)
-        ok = ok and 0 <= entry[0] <= 1 and isinstance(entry[1], int) and entry[1] >= 1
-        require(ok, "data.train_sizes", spec.train_sizes, "[[progress from 0 to 1, size in pixels], ...]")
-    if spec.device_prefetch is not None:
-        whole(spec.device_prefetch, 0, "data.device_prefetch", "batches decoded ahead; 0 decodes each in its step")
-    number(spec.worker_decode, "data.worker_decode", "a share of device_decode's JPEGs, from 0 to 1", 0, 1)
+    require(spec.pipeline in PIPELINES, "data.pipeline", spec.pipeline,
+            "per_sample (each image in a loader worker), memory (decoded once, whole batches augmented on the "
+            "device) or device (decoded and augmented on the training device)")  # fmt: skip
 
 
 def check_augment_fits(augment: Augment, side: int) -> None:
@@ -158,7 +166,7 @@ def check_augment_fits(augment: Augment, side: int) -> None:
             f"at most the image side ({side} px; CIFAR: 16 of 32)")  # fmt: skip
 
 
-def check_naflex_options(crop: Any, eval_crop_pct: Any, mixup: Mixup, in_memory: Any, device_decode: Any) -> None:
+def check_naflex_options(crop: Any, eval_crop_pct: Any, mixup: Mixup, pipeline: Any) -> None:
     """OptionError naming the first option set to what patch sequences (`data.naflex`) do not do."""
     with_naflex = "with --data.naflex"
     require(crop in ("rrc", "resize"), "data.augment.crop", crop,
@@ -168,16 +176,16 @@ def check_naflex_options(crop: Any, eval_crop_pct: Any, mixup: Mixup, in_memory:
     for name in ("mixup_alpha", "cutmix_alpha"):
         require(not getattr(mixup, name), f"data.mixup.{name}", getattr(mixup, name),
                 f"0 {with_naflex} (Mixup and CutMix mix batches of square images)")  # fmt: skip
-    for name, value in (("in_memory", in_memory), ("device_decode", device_decode)):
-        require(not value, f"data.{name}", value, f"false {with_naflex} (it makes batches of square images)")
+    require(pipeline == "per_sample", "data.pipeline", pipeline,
+            f"per_sample {with_naflex} (the {pipeline} pipeline makes batches of square images)")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Run:
     """What a pipeline is told when it makes a loader or takes a batch, known only once a run sets
     the data up: the run's `seed` (vit.seeds.RunSeed, restored on resume) and its `trainer` (None
-    outside a run): its progress (resume position, train_sizes), its root folder (in_memory's
-    cache) and its device."""
+    outside a run): its progress (resume position, memory.train_sizes), its root folder (the memory
+    pipeline's cache) and its device."""
 
     seed: int = 0
     trainer: L.Trainer | None = None

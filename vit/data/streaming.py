@@ -9,7 +9,7 @@ A sample is {"image": the file's bytes (the longer side capped if asked), "label
 in the source folder)}. Training images are shuffled once when written, so that every chunk holds a
 mix of classes. Training reads them by index, in the order of vit.data.sampling.ChunkedSampler
 (each process reads its own share of the chunks, a few at a time); the datamodule decodes and
-augments them as it does image files (on the device with `device_decode`, else per sample).
+augments them as it does image files (on the device with `data.pipeline device`, else per sample).
 """
 
 from __future__ import annotations

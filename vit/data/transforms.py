@@ -129,7 +129,8 @@ class SequenceTrainTransform:
     the image's times vit.data.naflex.CROP_ASPECT, so it stays near the image's; resize: the whole
     image) resized as SequenceEvalTransform resizes it, then the flip and RandAugment, normalised.
     Each image's draws come from its sample seed (`set_random_seed`, as albumentations' pipelines
-    take it), so a resumed run sees the same crops."""
+    take it), so a resumed run sees the same crops. It takes the crop as the datamodule's DataSpec
+    passed it (rrc or resize: vit.data.spec.check_naflex_options)."""
 
     def __init__(
         self,
@@ -138,8 +139,6 @@ class SequenceTrainTransform:
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
     ) -> None:
-        if augment.crop not in ("rrc", "resize"):
-            raise ValueError(f"patch sequences are cropped with rrc or resize, not {augment.crop!r}")
         self.naflex, self.augment, self.mean, self.std = naflex, augment, mean, std
         ops, magnitude = augment.randaugment
         some = [A.SomeOf(rand_augment_ops(magnitude), n=ops, replace=False, p=1.0)] if ops > 0 else []

@@ -12,9 +12,9 @@ then, for each recipe (`configs/imagenet_vit_b16.yaml`, `configs/imagenet_resnet
 - end to end: `scripts/train.py fit` on the tree, eager and (on a GPU) compiled, and its share of
   the model's own speed, the number the data path has to bring to 100%.
 
-Each recipe is measured as its config sets `data.device_decode` (on in the shipped ImageNet configs:
+Each recipe is measured as its config sets `data.pipeline` (device in the shipped ImageNet configs:
 decoding and augmentation on the training device, vit.data.device, on a GPU a batch ahead of the
-step: vit.data.prefetch); then, eager, with the other `device_prefetch` (0 on a GPU: each batch
+step: vit.data.prefetch); then, eager, with the other `device.prefetch` (0 on a GPU: each batch
 decoded when its step begins; 1 on the CPU), with the other path (per sample, in the loader
 workers), and from the tree converted to streaming chunks (vit.data.streaming), so one run
 compares them. First it checks the device decoding itself: on a GPU, that it does not overwrite
@@ -39,6 +39,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def loader_speed(case: DataCase) -> tuple[float, str]:
         data = build(case, workdir).datamodule
         data.setup("fit")
         loader = data.train_dataloader()
-        loader.device = lambda: device  # where device_decode decodes (no trainer to say)
+        loader.device = lambda: device  # where the device pipeline decodes (no trainer to say)
         drawn, images, start, epoch = 0, 0, time.perf_counter(), 0
         while drawn < case.steps:
             loader.sampler.set_epoch(epoch)
@@ -234,7 +235,7 @@ def recipe_name(config: str) -> str:
 VARIANTS = ("prefetch", "decode", "streaming")  # check_recipe's variants of a recipe, in the order they run
 SYNC = "sync"  # and, only if asked, "sync" (after them): the host waits for the device after every step
 CAP = re.compile(r"cap(\d+)")  # and "cap<N>" (after them): a copy of the tree with the longer side capped at N
-WORKER_DECODE = re.compile(r"worker-decode(\d*\.?\d+)")  # "worker-decode<share>": data.worker_decode <share>
+WORKER_DECODE = re.compile(r"worker-decode(\d*\.?\d+)")  # "worker-decode<share>": data.device.worker_decode <share>
 SWITCH = re.compile(r"switch(\d+)")  # "switch<us>": Python's thread switch interval (sys.setswitchinterval), in us
 OPTION = re.compile(r"((?:data|model|trainer)(?:\.\w+)+)=(\S+)")  # "<option>=<value>": any scripts/train.py option
 
@@ -254,10 +255,10 @@ def check_recipe(
     """(what ran, img/s, note, training FLOPs per image), each printed and yielded as it is
     measured: the model alone, the data path alone and the whole fit, eager and, with `compiled`,
     compiled; the fits' notes give end to end as a share of the model alone. Then, eager and
-    labelled, the `variants` of the recipe: "prefetch", the other `device_prefetch` (0 on a GPU, 1 on
-    the CPU); "decode", `device_decode` the other way; "streaming", from the tree converted to
+    labelled, the `variants` of the recipe: "prefetch", the other `device.prefetch` (0 on a GPU, 1 on
+    the CPU); "decode", the other `pipeline` (device or per_sample); "streaming", from the tree converted to
     litdata chunks (`case.root`-streaming, written on first use); "worker-decode<share>", with
-    `data.worker_decode` <share> (recipes that decode on the device); "cap<N>", from a copy of the
+    `data.device.worker_decode` <share> (recipes that decode on the device); "cap<N>", from a copy of the
     tree with each image's longer side capped at N (`case.root`-capN, vit.tools.resize_folder);
     "switch<us>", with Python's thread switch interval at us microseconds (default 5,000): how long
     a thread that holds the interpreter's lock keeps the others, the thread launching the model's
@@ -279,7 +280,7 @@ def check_recipe(
     with tempfile.TemporaryDirectory() as workdir:
         cli = build(case, workdir)
     flops = 3 * forward_flops(cli.model.model, cli.datamodule.img_size)
-    configured = cli.datamodule.device_decode
+    configured = cli.datamodule.pipeline == "device"
 
     def streaming() -> DataCase:
         stream_root = case.root.with_name(f"{case.root.name}-streaming")
@@ -289,14 +290,14 @@ def check_recipe(
     modes = ("eager", "compiled") if compiled else ("eager",)
     paths = [("", lambda: case, modes)]
     if configured and "prefetch" in variants:  # each batch decoded when its step begins, or a batch ahead
-        ahead = cli.datamodule.device_prefetch
+        ahead = cli.datamodule.device.prefetch
         ahead = int(case.device == "cuda") if ahead is None else ahead
         label = " (no prefetch)" if ahead else " (prefetch 1)"
-        paths.append((label, lambda: variant_of(case, "--data.device_prefetch", "0" if ahead else "1"), ("eager",)))
+        paths.append((label, lambda: variant_of(case, "--data.device.prefetch", "0" if ahead else "1"), ("eager",)))
     if "decode" in variants:
         other = " (per-sample)" if configured else " (device_decode)"
-        decode = str(not configured).lower()
-        paths.append((other, lambda: variant_of(case, "--data.device_decode", decode), ("eager",)))
+        decode = "per_sample" if configured else "device"
+        paths.append((other, lambda: variant_of(case, "--data.pipeline", decode), ("eager",)))
     if "streaming" in variants and importlib.util.find_spec("litdata") is None:
         print("[data-check] litdata is not installed (pip install -e '.[stream]'): no streaming rows", flush=True)
     elif "streaming" in variants:
@@ -305,7 +306,8 @@ def check_recipe(
     for share in (WORKER_DECODE.fullmatch(v)[1] for v in variants if WORKER_DECODE.fullmatch(v)):
         if configured:  # the share of the JPEGs decoded in the loader workers, not on the device
             label = f" (worker_decode {float(share):g})"
-            paths.append((label, lambda share=share: variant_of(case, "--data.worker_decode", share), ("eager",)))
+            share_of = partial(variant_of, case, "--data.device.worker_decode", share)
+            paths.append((label, share_of, ("eager",)))
 
     def capped(side: int) -> DataCase:
         capped_root = case.root.with_name(f"{case.root.name}-cap{side}")
@@ -395,7 +397,7 @@ def prefetch_agrees(case: DataCase, batches: int = 8) -> tuple[bool, str]:
     sums: dict[int, list[torch.Tensor]] = {}
     for ahead in (0, 1):
         with tempfile.TemporaryDirectory() as workdir:
-            data = build(variant_of(case, "--data.device_prefetch", str(ahead)), workdir).datamodule
+            data = build(variant_of(case, "--data.device.prefetch", str(ahead)), workdir).datamodule
         data.setup("fit")
         loader = data.train_dataloader()
         loader.device = lambda: device

@@ -250,8 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-warmup", type=int, help="untimed steps before them (default 20; 1 on the CPU)")
     p.add_argument("--data-variants", default=",".join(VARIANTS),
                    help="each recipe's variants, comma-separated (none: ''): prefetch (the other "
-                        "device_prefetch), decode (the other device_decode), streaming (litdata chunks), "
-                        "worker-decode<share> (data.worker_decode, e.g. worker-decode0.5), "
+                        "device.prefetch), decode (the other pipeline), streaming (litdata chunks), "
+                        "worker-decode<share> (data.device.worker_decode, e.g. worker-decode0.5), "
                         "cap<N> (a copy with the longer side capped at N, e.g. cap320), "
                         "switch<us> (Python's thread switch interval, e.g. switch100), "
                         "<option>=<value> (a scripts/train.py option, e.g. data.pin_memory=false), "

@@ -147,8 +147,8 @@ def run_images(args: argparse.Namespace) -> dict[str, Any]:
         "--model.label_smoothing", "0.1", "--trainer.gradient_clip_val", "1.0", "--trainer.precision", "32-true",
         "--trainer.accelerator", "cpu", "--trainer.devices", "1",
         "--data", "vit.data.ImageFolderDataModule", "--data.root", str(root), "--data.val_dir", "test",
-        "--data.img_size", "32", "--data.batch_size", str(IMAGE_BATCH), "--data.in_memory", "true",
-        "--data.cache_dir", str(cache), "--data.augment", "{crop: pad_crop, crop_padding: 4, hflip: true}",
+        "--data.img_size", "32", "--data.batch_size", str(IMAGE_BATCH), "--data.pipeline", "memory",
+        "--data.memory.cache_dir", str(cache), "--data.augment", "{crop: pad_crop, crop_padding: 4, hflip: true}",
         "--data.val_holdout", str(args.holdout),
     ]  # fmt: skip
     # One step first, off the clock, so that no variant's budget pays for decoding the images into the cache.

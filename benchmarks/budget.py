@@ -39,7 +39,7 @@ from vit.schedule import find_budget
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "budget.jsonl"
 # Data options that belong to the torchvision CIFAR module, not to an image folder.
-_NOT_FOLDER_OPTIONS = {"root", "dataset", "download", "in_memory", "cache_dir", "val_holdout", "num_workers"}
+_NOT_FOLDER_OPTIONS = {"root", "dataset", "download", "pipeline", "memory", "val_holdout", "num_workers"}
 
 
 def data_overrides(configs: list[Path], data_root: str, cache_dir: Path, holdout: int) -> list[str]:
@@ -57,7 +57,7 @@ def data_overrides(configs: list[Path], data_root: str, cache_dir: Path, holdout
     for key, value in init_args.items():
         if key not in _NOT_FOLDER_OPTIONS:
             args += [f"--data.{key}", value if isinstance(value, str) else json.dumps(value)]
-    args += ["--data.in_memory", "true", "--data.cache_dir", str(cache_dir), "--data.num_workers", "0"]
+    args += ["--data.pipeline", "memory", "--data.memory.cache_dir", str(cache_dir), "--data.num_workers", "0"]
     if holdout:
         args += ["--data.val_holdout", str(holdout)]
     return args

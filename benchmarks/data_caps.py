@@ -1,9 +1,9 @@
 """The data path on this machine against the source images' size: PIL decode alone (one core) and
-a recipe's data path alone (vit.tools.data_check.loader_speed: per-sample, with device_decode, and
-from litdata chunks with device_decode), on a synthetic ImageNet-like tree and on copies with the
+a recipe's data path alone (vit.tools.data_check.loader_speed: per-sample, with the device pipeline,
+and from litdata chunks with it), on a synthetic ImageNet-like tree and on copies with the
 longer side capped (vit.tools.resize_folder). `--prefetch`: instead, end to end through
-`scripts/train.py fit` with device_decode, each batch decoded when its step begins against a batch
-ahead in a thread (`data.device_prefetch` 0 / 1), both recipes with their smallest models. Run it
+`scripts/train.py fit` with the device pipeline, each batch decoded when its step begins against a batch
+ahead in a thread (`data.device.prefetch` 0 / 1), both recipes with their smallest models. Run it
 alone: `flock /tmp/vit-bench.lock python -m benchmarks.data_caps [--config ...] [--prefetch]`."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--config", default="configs/imagenet_resnet50.yaml", help="the recipe")
-    parser.add_argument("--prefetch", action="store_true", help="compare device_prefetch 0 and 1 end to end")
+    parser.add_argument("--prefetch", action="store_true", help="compare data.device.prefetch 0 and 1 end to end")
     parser.add_argument("--reps", type=int, default=3, help="--prefetch: runs of each, alternating")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vit-data-caps-"))
@@ -51,18 +51,18 @@ def main() -> None:
             read_rgb(path)
         speeds = [len(files) / (time.perf_counter() - start)]
         options = ["--data.batch_size", str(args.batch), "--data.num_workers", str(args.workers)]
-        for decode in ("false", "true"):
-            case = DataCase(args.config, tree, args.device, 24, 4, [*options, "--data.device_decode", decode])
+        for pipeline in ("per_sample", "device"):
+            case = DataCase(args.config, tree, args.device, 24, 4, [*options, "--data.pipeline", pipeline])
             speeds.append(loader_speed(case)[0])
         stream = tree.with_name(f"{tree.name}-streaming")
         convert_image_folder(tree, stream, workers=2)
-        case = DataCase(args.config, stream, args.device, 24, 4, [*options, "--data.device_decode", "true"], True)
+        case = DataCase(args.config, stream, args.device, 24, 4, [*options, "--data.pipeline", "device"], True)
         speeds.append(loader_speed(case)[0])
         print(f"| {name} | " + " | ".join(f"{s:,.0f}" for s in speeds) + " |", flush=True)
 
 
 def prefetch_table(root: Path, args: argparse.Namespace) -> None:
-    """End-to-end img/s with device_decode, device_prefetch 0 and 1 (median of `reps`, alternating)."""
+    """End-to-end img/s with the device pipeline, device.prefetch 0 and 1 (median of `reps`, alternating)."""
     import statistics
 
     from vit.tools.data_check import DataCase, end_to_end_speed
@@ -79,8 +79,8 @@ def prefetch_table(root: Path, args: argparse.Namespace) -> None:
         for _ in range(args.reps):
             for ahead in speeds:
                 options = ["--model.model_name", model, "--data.img_size", "128", "--data.batch_size",
-                           str(args.batch // 2), "--data.num_workers", str(args.workers), "--data.device_decode",
-                           "true", "--data.device_prefetch", ahead]  # fmt: skip
+                           str(args.batch // 2), "--data.num_workers", str(args.workers), "--data.pipeline",
+                           "device", "--data.device.prefetch", ahead]  # fmt: skip
                 speeds[ahead].append(end_to_end_speed(DataCase(config, root, args.device, 36, 6, options), False)[0])
         off, on = (statistics.median(speeds[a]) for a in ("0", "1"))
         print(f"| {config} ({model}) | {off:,.1f} | {on:,.1f} | {on / off:.2f} |", flush=True)

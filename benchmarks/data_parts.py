@@ -1,4 +1,4 @@
-"""Where `data.device_decode`'s time goes, part by part, on this machine's GPU (or CPU): the loader
+"""Where `data.pipeline device`'s time goes, part by part, on this machine's GPU (or CPU): the loader
 workers handing batches of encoded files over, and on one batch in the training process the
 decoder, the crop + resize + flip, RandAugment and normalising, each timed alone: wall time, the
 host's CPU time and, on a GPU, the device's busy time. Work that keeps the GPU busy cannot hide
@@ -96,7 +96,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=min(10, max(1, (os.cpu_count() or 2) - 1)))
     parser.add_argument("--size", type=int, default=224, help="the crop's side")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--worker-decode", type=float, default=0.0, help="data.worker_decode (1: workers' decode rate)")
+    parser.add_argument(
+        "--worker-decode", type=float, default=0.0, help="data.device.worker_decode (1: workers' decode rate)"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if cuda else "cpu")
     torch.set_float32_matmul_precision("high")  # as scripts/train.py runs: the crops' resizing uses TF32 on a GPU

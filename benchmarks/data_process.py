@@ -1,4 +1,4 @@
-"""What the data work costs the training process, with device_decode's work in the training process
+"""What the data work costs the training process, with the device pipeline's work in the training process
 (on demand, or a batch ahead in a thread as on a GPU) and in a data process (`data.data_process`):
 its CPU time a batch (all its threads; the loader workers and the data process not counted), its
 main thread's, the torch ops it dispatches a batch, and the data path's img/s, on the synthetic
@@ -23,9 +23,9 @@ from benchmarks.report import OpCount
 
 RECIPES = {"configs/imagenet_vit_b16.yaml": "vit_tiny_patch16_224", "configs/imagenet_resnet50.yaml": "resnet18"}
 MODES = {
-    "in the training process, on demand": ["--data.data_process", "false", "--data.device_prefetch", "0"],
-    "in the training process, a thread a batch ahead": ["--data.data_process", "false", "--data.device_prefetch", "1"],
-    "data process": ["--data.data_process", "true", "--data.device_prefetch", "1"],
+    "in the training process, on demand": ["--data.data_process", "false", "--data.device.prefetch", "0"],
+    "in the training process, a thread a batch ahead": ["--data.data_process", "false", "--data.device.prefetch", "1"],
+    "data process": ["--data.data_process", "true", "--data.device.prefetch", "1"],
 }
 
 
@@ -43,7 +43,7 @@ def cost(config: str, root: Path, batch: int, workers: int, steps: int, warmup: 
     """img/s, the training process's CPU ms a batch (whole process, main thread) and its torch ops a batch."""
     from vit.tools.data_check import DataCase, build
 
-    options = ["--data.batch_size", str(batch), "--data.num_workers", str(workers), "--data.device_decode", "true"]
+    options = ["--data.batch_size", str(batch), "--data.num_workers", str(workers), "--data.pipeline", "device"]
     case = DataCase(config, root, "cpu", steps, warmup, [*options, *mode])
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as workdir:
@@ -67,7 +67,7 @@ def cost(config: str, root: Path, batch: int, workers: int, steps: int, warmup: 
             epoch += 1
         # the ops, over a few more batches: the main thread's and, in the training process, the stages' threads'
         in_stages = [0]
-        if not data.data_process and data.device_prefetch:  # the stages run in threads the main one does not see
+        if not data.data_process and data.device.prefetch:  # the stages run in threads the main one does not see
             loader.stages = [counted(stage, in_stages) for stage in loader.stages]
         loader.sampler.set_epoch(epoch)
         batches, counts = iter(loader), []
@@ -165,8 +165,8 @@ def end_to_end(root: Path, args: argparse.Namespace) -> None:
         for _ in range(args.reps):
             for name, mode in modes.items():
                 options = ["--model.model_name", model, "--data.img_size", "128", "--data.batch_size",
-                           str(args.batch // 2), "--data.num_workers", str(args.workers), "--data.device_decode",
-                           "true", *mode]  # fmt: skip
+                           str(args.batch // 2), "--data.num_workers", str(args.workers), "--data.pipeline",
+                           "device", *mode]  # fmt: skip
                 speeds[name].append(end_to_end_speed(DataCase(config, root, "cpu", 36, 6, options), False)[0])
         here, there = (statistics.median(v) for v in speeds.values())
         print(f"| {Path(config).stem} ({model}) | {here:,.1f} | {there:,.1f} | {there / here:.2f} |", flush=True)

@@ -74,7 +74,7 @@ def study(args: argparse.Namespace) -> list[Row]:
     rows = []
 
     # The ViT rows read CIFAR-10 in memory at 64 px: decoded once into one cache for all four rows.
-    vit_data = [*data, "--data.cache_dir", str(work / "cache")]
+    vit_data = [*data, "--data.memory.cache_dir", str(work / "cache")]
 
     def fit(study_name: str, setting: str, config: str, name: str, epochs: int, overrides: list[str],
             inputs: list[str] = vit_data) -> None:  # fmt: skip

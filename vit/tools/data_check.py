@@ -123,7 +123,7 @@ def switch_interval(seconds: float | None) -> Iterator[None]:
 def loader_speed(case: DataCase) -> tuple[float, str]:
     """Images per second out of the recipe's train loader over its batches after the first
     `warmup` of `steps` (epoch after epoch, as training draws them), each moved to the device and
-    through the datamodule's device-side work (decoding and cropping, with device_decode;
+    through the datamodule's device-side work (decoding and cropping, with the device pipeline;
     normalising): the data path alone. And what it does."""
     device = torch.device("cuda" if case.device == "cuda" else "cpu")
     with tempfile.TemporaryDirectory() as workdir:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -49,8 +50,12 @@ NANOGPT_ARGS = [
 # as options of scripts/train.py.
 MODERN = {"norm": "rmsnorm", "mlp": "swiglu", "posemb": "rope"}
 LR2 = {"model.optimizer.lr": 2e-3, "model.schedule.min_lr": 2e-4}  # nanoGPT's lr and min_lr, doubled
+LR4 = {"model.optimizer.lr": 4e-3, "model.schedule.min_lr": 4e-4}
+LR6 = {"model.optimizer.lr": 6e-3, "model.schedule.min_lr": 6e-4}
+MUON = {"model.optimizer.name": "muon"}
 RECIPES: dict[str, dict[str, Any]] = {
     "nanogpt": {},
+    "fast": {"config": "configs/gpt/fast.yaml"},  # the shipped recipe: modern_muon_lr4_b24 by steps
     "modern": {"model_kwargs": MODERN},
     "modern_qknorm": {"model_kwargs": {**MODERN, "qk_norm": True}},
     "modern_relu2": {"model_kwargs": {**MODERN, "mlp": "gelu", "act_layer": "relu_squared"}},
@@ -58,9 +63,19 @@ RECIPES: dict[str, dict[str, Any]] = {
     "modern_zero": {"model_kwargs": {**MODERN, "tie_head": False, "zero_init": True}},
     "modern_lr2": {"model_kwargs": MODERN, **LR2},
     "modern_lr4": {"model_kwargs": MODERN, "model.optimizer.lr": 4e-3, "model.schedule.min_lr": 4e-4},
-    "modern_muon": {"model_kwargs": MODERN, "model.optimizer.name": "muon"},
-    "modern_muon_lr2": {"model_kwargs": MODERN, "model.optimizer.name": "muon", **LR2},
+    "modern_muon": {"model_kwargs": MODERN, **MUON},
+    "modern_muon_lr2": {"model_kwargs": MODERN, **MUON, **LR2},
     "modern_b24": {"model_kwargs": MODERN, "data.batch_size": 24},
+    "modern_qknorm_lr2": {"model_kwargs": {**MODERN, "qk_norm": True}, **LR2},
+    "modern_muon_lr4": {"model_kwargs": MODERN, **MUON, **LR4},
+    "modern_muon_lr2_qknorm": {"model_kwargs": {**MODERN, "qk_norm": True}, **MUON, **LR2},
+    "modern_muon_lr2_b24": {"model_kwargs": MODERN, **MUON, **LR2, "data.batch_size": 24},
+    "modern_muon_lr4_b24": {"model_kwargs": MODERN, **MUON, **LR4, "data.batch_size": 24},
+    "modern_muon_lr6_b24": {"model_kwargs": MODERN, **MUON, **LR6, "data.batch_size": 24},
+    "modern_muon_lr4_b48": {"model_kwargs": MODERN, **MUON, **LR4, "data.batch_size": 48},
+    "modern_muon_lr6_b48": {"model_kwargs": MODERN, **MUON, **LR6, "data.batch_size": 48},
+    "modern_muon_lr4_b24_qknorm": {"model_kwargs": {**MODERN, "qk_norm": True}, **MUON, **LR4, "data.batch_size": 24},
+    "modern_muon_lr4_b24_d3": {"model_kwargs": {**MODERN, "depth": 3}, **MUON, **LR4, "data.batch_size": 24},
     "modern_ctx128": {"model_kwargs": MODERN, "data.block_size": 128},
     "modern_d6": {"model_kwargs": {**MODERN, "depth": 6}},
     "modern_w192": {"model_kwargs": {**MODERN, "embed_dim": 192, "num_heads": 6}},
@@ -119,23 +134,28 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def one(args: argparse.Namespace) -> None:
-    """Train one recipe on the clock, then score it: prints one JSON line."""
+    """Train one recipe, then score it: prints one JSON line. A recipe with a `config` is that
+    shipped config as it is (its own steps); the others run configs/gpt/cpu.yaml on the clock."""
     from vit.cli import main as train
     from vit.training import Throughput
 
+    recipe = dict(RECIPES[args.recipe])
+    config = recipe.pop("config", "configs/gpt/cpu.yaml")
+    clock = [
+        "--trainer.max_epochs", "-1", "--trainer.max_steps", "-1",
+        "--trainer.callbacks+=vit.schedule.WallClockBudget",
+        "--trainer.callbacks.minutes", f"{args.train_seconds / 60}",
+        "--model.schedule", "{warmup_epochs: 0, warmup_steps: null, warmup_fraction: 0.05, decay_steps: null}",
+    ]  # fmt: skip
     run_dir = Path(args.out) / "runs" / f"{args.recipe}-h{args.val_holdout}-s{args.seed}"
     cli = train([
-        "fit", "--config", str(ROOT / "configs/gpt/cpu.yaml"), *recipe_args(RECIPES[args.recipe]),
+        "fit", "--config", str(ROOT / config), *recipe_args(recipe),
         "--data.path", str(Path(args.data_root) / "tinyshakespeare.txt"),
         "--data.val_holdout", str(args.val_holdout),
         "--trainer.default_root_dir", str(run_dir), "--seed_everything", str(args.seed),
         "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.max_epochs", "-1", "--trainer.max_steps", "-1", "--trainer.limit_val_batches", "0",
-        "--trainer.callbacks+=vit.schedule.WallClockBudget",
-        "--trainer.callbacks.minutes", f"{args.train_seconds / 60}",
-        "--trainer.callbacks+=vit.training.Throughput",
-        "--model.schedule", "{warmup_epochs: 0, warmup_steps: null, warmup_fraction: 0.05, decay_steps: null}",
+        "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.callbacks+=vit.training.Throughput", *(clock if config == "configs/gpt/cpu.yaml" else []),
     ])  # fmt: skip
     meter = next(cb for cb in cli.trainer.callbacks if isinstance(cb, Throughput))
     trainer, model, data = cli.trainer, cli.model, cli.datamodule
@@ -160,24 +180,49 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def changes(name: str) -> str:
+    """A recipe in a table cell: its config, or its options as `field=value`."""
+    recipe = RECIPES.get(name, {})
+    if "config" in recipe:
+        return f"`{recipe['config']}`"
+    options = dict(recipe.get("model_kwargs", {}))
+    options.update((k.split(".")[-1], v) for k, v in recipe.items() if k != "model_kwargs")
+    return ", ".join(f"`{k}={json.dumps(v).strip(chr(34))}`" for k, v in options.items()) or "-"
+
+
 def report(out: Path, path: Path) -> None:
-    """gpt_char.md's generated part: the final rows (test) and the tuning rows (held-out val)."""
-    newest: dict[tuple[str, float, int], dict[str, Any]] = {}
+    """gpt_char.md's generated part: every nanoGPT run and our final rows (test), then the tuning
+    rows (held-out val); for ours the newest row per (recipe, holdout, seed)."""
+    nanogpt, newest = [], {}
     for row in load(out):
-        newest[(row["recipe"], row.get("val_holdout", 0.0), row.get("seed", 0))] = row
-    rows = list(newest.values())
-    header = ("recipe", "changes from nanoGPT's CPU example", "seed", "params", "steps", "whole command (s)", "loss")
-    final = [r for r in rows if not r.get("val_holdout")]
-    tuning = [r for r in rows if r.get("val_holdout")]
+        if row["recipe"] == "nanoGPT":
+            nanogpt.append(row)
+        else:
+            newest[(row["recipe"], row["val_holdout"], row["seed"])] = row
+    header = ("recipe", "changes from nanoGPT's CPU example", "seed", "steps", "whole command (s)", "budget (s)")
+    header += ("loss",)
 
     def line(r: dict[str, Any], key: str) -> tuple[str, ...]:
-        changes = "-" if r["recipe"] == "nanoGPT" else json.dumps(RECIPES[r["recipe"]])
+        budget = "-" if "budget" not in r else f"{r['budget']:.1f}" + ("" if r["within_budget"] else " (over)")
         return (
-            r["recipe"], f"`{changes}`", str(r.get("seed", "-")), f"{r['params']:,}" if "params" in r else "-",
-            f"{r['steps']:,}", f"{r['seconds']:.1f}", f"**{fmt(r[key])}**",
+            r["recipe"], changes(r["recipe"]), str(r.get("seed", "-")), f"{r['steps']:,}", f"{r['seconds']:.1f}",
+            budget, f"**{fmt(r[key])}**",
         )  # fmt: skip
 
+    final = nanogpt + [r for r in newest.values() if not r["val_holdout"]]
+    tuning = [r for r in newest.values() if r["val_holdout"]]
     lines = ["# Character-level GPT on Tiny Shakespeare at nanoGPT's budget", ""]
+    fast = [r for r in final if r["recipe"] == "fast"]
+    if nanogpt and fast:
+        times, ours = sorted(r["seconds"] for r in nanogpt), sorted(r["seconds"] for r in fast)
+        losses = sorted(r["test_loss"] for r in fast)
+        lines += [
+            f"`configs/gpt/fast.yaml` reaches **{losses[0]:.3f}-{losses[-1]:.3f}** nats/char on nanoGPT's validation "
+            f"text in {ours[0]:.0f}-{ours[-1]:.0f} s (median {statistics.median(ours):.0f} s, {len(fast)} seeds); "
+            f"nanoGPT's CPU example reaches {nanogpt[-1]['test_loss']:.3f} in {times[0]:.0f}-{times[-1]:.0f} s "
+            f"(median {statistics.median(times):.0f} s, {len(nanogpt)} runs), on the same machine, one run at a time.",
+            "",
+        ]
     lines += ["## At nanoGPT's wall clock, scored on nanoGPT's validation text", ""]
     lines += markdown_table(header, [line(r, "test_loss") for r in final], align="lllrrrr")
     if tuning:

@@ -34,6 +34,7 @@ from benchmarks.report import NOTES_MARKER, data_root, machine, markdown_table, 
 from vit.cli import TrainCLI, show_our_logs
 from vit.data import ImageDataModule
 from vit.lit import ImageClassifier
+from vit.options import StillWorks, written
 from vit.schedule import find_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,14 +180,17 @@ def _recipe(r: dict) -> str:
 def _current_names(overrides: list[str]) -> list[str]:
     """A recorded run's options under today's names (`--model.lr` is `--model.optimizer.lr`)."""
     renamed = {"model": ImageClassifier.RENAMED, "data": ImageDataModule.RENAMED}
-    named = []
+    named = list(overrides)
     for i, option in enumerate(overrides):
         part, _, old = option.removeprefix("--").partition(".")
         new = renamed.get(part, {}).get(old) if option.startswith("--") else None
         value = overrides[i + 1] if i + 1 < len(overrides) else ""
-        if new is not None and not (new.split(".")[0] == old and value.startswith("{")):
-            option = f"--{part}.{new}"
-        named.append(option)
+        if isinstance(new, StillWorks):  # `--data.in_memory true` is `--data.pipeline memory`
+            named[i] = f"--{part}.{new.new}"
+            if new.values is not None and i + 1 < len(overrides):
+                named[i + 1] = next((str(v) for k, v in new.values.items() if written(k) == value), str(new.off))
+        elif new is not None and not (new.split(".")[0] == old and value.startswith("{")):
+            named[i] = f"--{part}.{new}"
     return named
 
 

@@ -165,9 +165,13 @@ def test_recorded_study_options_are_reported_under_todays_names():
 
     recorded = ["--model.optimizer", "muon", "--model.lr", "4e-3", "--model.optimizer", "{lr: 1e-3}"]
     recorded += ["--data.crop", "rrc", "--data.mixup", "{prob: 0.5}"]
+    recorded += ["--data.in_memory", "true", "--data.train_sizes", "[[0, 16], [0.5, 32]]"]
+    recorded += ["--data.device_decode", "false"]
     assert _current_names(recorded) == [
         "--model.optimizer.name", "muon", "--model.optimizer.lr", "4e-3", "--model.optimizer", "{lr: 1e-3}",
         "--data.augment.crop", "rrc", "--data.mixup", "{prob: 0.5}",
+        "--data.pipeline", "memory", "--data.memory.train_sizes", "[[0, 16], [0.5, 32]]",
+        "--data.pipeline", "per_sample",
     ]  # fmt: skip
 
 

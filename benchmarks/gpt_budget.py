@@ -108,6 +108,9 @@ def run_nanogpt(args: argparse.Namespace) -> dict[str, Any]:
     if done.returncode != 0:
         sys.exit(f"error: nanoGPT failed ({done.returncode}):\n{done.stderr[-2000:]}")
     losses = re.findall(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)", done.stdout)
+    if not losses:
+        tail = done.stdout[-1000:]
+        sys.exit(f"error: nanoGPT printed no 'step N: train loss ..., val loss ...' line; its output ends:\n{tail}")
     step, _, val = losses[-1]
     return {"recipe": "nanoGPT", "seconds": seconds, "steps": int(step), "val_loss": None, "test_loss": float(val)}
 
@@ -122,7 +125,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     child = [
         sys.executable, "-m", "benchmarks.gpt_budget", "one", "--recipe", args.recipe, "--seed", str(args.seed),
         "--train-seconds", str(budget - args.allowance), "--val-holdout", str(args.val_holdout),
-        "--out", args.out, "--data-root", args.data_root,
+        "--out", str(Path(args.out).resolve()), "--data-root", str(Path(args.data_root).resolve()),
     ]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(child, cwd=ROOT, capture_output=True, text=True)

@@ -534,3 +534,52 @@ def test_a_data_process_or_its_worker_killed_mid_epoch_is_said_in_one_line(tmp_p
     assert code == 1
     assert line.startswith(f"error: {who} was killed by SIGKILL (by the kernel's OOM killer?): stopped at step "), line
     _resumable(line, tmp_path / "run")
+
+
+class _SaidLate(RuntimeError):
+    """The loader's own word of a worker's death; torch's SIGCHLD handler runs while it is being read."""
+
+    def __str__(self) -> str:
+        if not self.args[1]:
+            self.args[1].append(True)
+            os.kill(os.getpid(), signal.SIGCHLD)
+        return self.args[0]
+
+
+def test_a_worker_death_raised_by_torchs_sigchld_handler_inside_the_report_is_said_once():
+    """torch's SIGCHLD handler raises a loader worker's death wherever the data process is. When it
+    landed inside the except clause reporting the loader's own error for that death, it escaped the
+    data process as a second traceback instead of the one line naming the signal."""
+    from vit.data.process import _Server
+
+    def torch_handler(signum, frame):
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")
+
+    class Loader:
+        def __iter__(self):
+            yield (torch.zeros(2, 3),)
+            raise _SaidLate("DataLoader worker (pid(s) 4242) exited unexpectedly", [])
+
+    previous = signal.signal(signal.SIGCHLD, torch_handler)
+    try:
+        import queue
+
+        orders, free, ready = queue.Queue(), queue.Queue(), queue.Queue()
+        free.put(0)
+        server = _Server(Loader(), torch.device("cpu"), 1, 2, orders, free, ready, None)
+        assert server.run_epoch(1, None) is None
+        messages = [ready.get_nowait() for _ in range(ready.qsize())]
+        assert [m[0] for m in messages] == ["ring", "batch", "error"]
+        error = messages[-1][2]
+        assert isinstance(error, DataProcessFailed)
+        assert str(error).startswith(
+            f"a loader worker (pid 4242) of the data process (pid {os.getpid()}) was killed by SIGKILL"
+        )
+        assert server.death is None
+        # Between epochs a death is held too, and said at the next order.
+        os.kill(os.getpid(), signal.SIGCHLD)
+        orders.put(("epoch", 2, None))
+        assert server.wait_for_order() == ("epoch", 2, None)
+        assert "killed by SIGKILL" in str(server.lost)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)

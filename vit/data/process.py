@@ -388,6 +388,7 @@ class _Server:
         self.orders, self.free, self.ready, self.parent = orders, free, ready, parent
         self.slots: list[tuple[torch.Tensor, ...]] | None = None
         self.lost: BaseException | None = None  # a loader worker lost between epochs, said at the next
+        self.death: BaseException | None = None  # what torch's SIGCHLD handler raised, held (_hold_deaths)
 
     def wait_for_order(self) -> tuple[Any, ...] | None:
         """The next order; None once the parent has ended."""
@@ -396,9 +397,30 @@ class _Server:
                 return self.orders.get(timeout=POLL)
             except queue.Empty:
                 pass
-            except Exception as e:  # torch raises a worker's death from its SIGCHLD handler, wherever this process is
+            except Exception as e:  # torch's SIGCHLD handler raised before _hold_deaths wrapped it
                 self.lost = _reported(e)
+            finally:
+                if self.death is not None and self.lost is None:
+                    self.lost, self.death = _reported(self.death), None
         return None
+
+    def _hold_deaths(self) -> None:
+        """Wraps the SIGCHLD handler torch installs with a loader's first workers so that what it
+        raises is held, not raised: raised wherever this process is, it could land inside the except
+        clause reporting the same death and escape as a second traceback. The loader itself raises
+        the death within its status check (5 s), and the held error, naming the signal, is said."""
+        handler = signal.getsignal(signal.SIGCHLD)
+        if not callable(handler) or getattr(handler, "held_by", None) is self:
+            return
+
+        def held(signum: int, frame: Any) -> None:
+            try:
+                handler(signum, frame)
+            except Exception as e:
+                self.death = self.death or e
+
+        held.held_by = self  # type: ignore[attr-defined]
+        signal.signal(signal.SIGCHLD, held)
 
     def new_order(self) -> tuple[Any, ...] | None:
         with contextlib.suppress(queue.Empty):
@@ -425,6 +447,7 @@ class _Server:
             state.apply(self.loader.sampler)
         try:
             for batch in self.loader:
+                self._hold_deaths()  # the loader's workers, and torch's handler, are there by its first batch
                 slot, order = self.free_slot()
                 if order is not None:
                     return order
@@ -435,7 +458,10 @@ class _Server:
                 if order is not None:
                     return order
         except Exception as e:  # raised in the training process where the batch is taken
-            self.ready.put(("error", token, _reported(e)))
+            error = _reported(e)
+            if self.death is not None:  # torch's handler has said the same death, naming the signal
+                error, self.death = _reported(self.death), None
+            self.ready.put(("error", token, error))
             return None
         self.ready.put(("end", token))
         return None

@@ -324,9 +324,11 @@ def timm_kwargs(config: ViTConfig) -> dict:
     others = ("rel_pos_type", "window_size", "global_attn_indexes")  # timm's relpos and SAM ViTs have them
     unmatched = {
         name: getattr(config, name)
-        for name in ("num_experts", "stem_channels", *eva_options, *others)
+        for name in ("num_experts", "stem_channels", "shifted_patches", *eva_options, *others)
         if getattr(config, name) != getattr(default, name)
     }
+    if config.attn_layer == "lsa":
+        unmatched["attn_layer"] = config.attn_layer
     if config.posemb not in ("learn", "none"):
         unmatched["posemb"] = config.posemb
     if config.mlp not in ("gelu", "glu", "swiglu_split"):  # timm's ViT has no SwiGLU of ours nor a packed one

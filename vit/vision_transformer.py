@@ -85,6 +85,9 @@ class ViTConfig(BlockConfig):
     fix_init: bool = False  # each block's attn.proj and mlp.fc2 start divided by sqrt(2 x its number, from 1) (timm)
     # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
     stem_channels: tuple[int, ...] | None = None
+    # Shifted Patch Tokenization (Lee et al. 2021, small datasets): the patches of the image and of 4 copies
+    # shifted diagonally by half a patch, normed (`patch_embed.patch_norm`) then projected (vit.layers.PatchEmbed).
+    shifted_patches: bool = False
     # A hybrid with one of timm's CNNs as patch embedding (vit.layers.HybridEmbed; the ViT paper's
     # R50+ViT-B/16): {"name": a key of HYBRID_BACKBONES, **that constructor's arguments}, e.g.
     # {"name": "resnetv2", "layers": [3, 4, 9]}. patch_size is then the kernel of the projection over
@@ -121,6 +124,10 @@ class ViTConfig(BlockConfig):
             raise ValueError("rel_pos_type='bias' is a table of the built grid's offsets: no dynamic_img_size")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True (use global_pool='avg' without it)")
+        if self.shifted_patches and (self.stem_channels or self.backbone is not None):
+            other = "stem_channels" if self.stem_channels else "backbone (a hybrid)"
+            raise ValueError(f"shifted_patches (Shifted Patch Tokenization) replaces the patchify conv, as {other} "
+                             "does: give one of them")  # fmt: skip
         if self.backbone is not None:
             if self.stem_channels:
                 raise ValueError("give a hybrid's backbone or stem_channels, not both")
@@ -169,7 +176,7 @@ class VisionTransformer(nn.Module):
         else:
             self.patch_embed = PatchEmbed(
                 c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels, not c.pre_norm, c.dynamic_img_pad,
-                c.norm if c.embed_norm else None, c.norm_eps,
+                c.norm if c.embed_norm else None, c.norm_eps, c.shifted_patches, c.norm,
             )  # fmt: skip
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.distilled else None

@@ -73,16 +73,19 @@ class _AttentionBase(nn.Module):
     vit.layers.attention_variants): how qkv splits into heads (grouped key/value heads: `num_kv_heads`),
     a bias on the scores (`position_bias`: relative positions) and the attention itself (`attention`:
     `diff=True`, differential attention, whose heads split q and k in two halves of head_dim / 2
-    and read v at full head width; `depth`, the block's number, sets its lambda_init).
+    and read v at full head width; `depth`, the block's number, sets its lambda_init; `lsa=True`,
+    locality self-attention: a learned temperature, no token attending to itself).
     `proj=False`: no output projection (a block that projects the heads itself).
     """
 
     def __init__(
         self, dim: int, num_heads: int, attn_drop: float = 0.0, proj_drop: float = 0.0, qk_norm: bool = False,
         norm: str = "layernorm", norm_eps: float = 1e-6, proj_bias: bool = True, diff: bool = False, depth: int = 0,
-        proj: bool = True, **in_proj: nn.Module,
+        proj: bool = True, lsa: bool = False, **in_proj: nn.Module,
     ) -> None:  # fmt: skip
         super().__init__()
+        if diff and lsa:
+            raise ValueError("diff (differential attention) and lsa (locality self-attention): give one of them")
         if dim % (num_heads * (2 if diff else 1)):
             raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}{' x 2 (diff)' if diff else ''}")
         # The subclass's input projections (qkv, or q and kv) come first, as they always did: the
@@ -100,6 +103,9 @@ class _AttentionBase(nn.Module):
         self.diff = diff
         if diff:
             variants.init_differential(self, depth)
+        self.lsa = lsa
+        if lsa:
+            variants.init_locality(self)
         if proj:
             self.proj = nn.Linear(dim, dim, bias=proj_bias)
             self.proj_drop = nn.Dropout(proj_drop)
@@ -158,6 +164,8 @@ class _AttentionBase(nn.Module):
         attn = None
         if self.diff:
             x, attn = variants.differential_attention(self, q, k, v, attn_mask, is_causal, return_attn)
+        elif self.lsa:
+            x, attn = variants.locality_attention(self, q, k, v, attn_mask, is_causal, return_attn)
         elif self.fused_attn and not return_attn:
             x = fused_attention(q, k, v, attn_mask, self.attn_drop.p if self.training else 0.0, is_causal)
         else:
@@ -186,7 +194,8 @@ class Attention(_AttentionBase):
     `rope_half=False` takes rotary tables of interleaved pairs (EVA's; vit.position.rope_table).
     `num_kv_heads` < num_heads is grouped-query attention (timm's AttentionRope, Sapiens2): `k_proj`
     and `v_proj` give num_kv_heads heads, each read by num_heads // num_kv_heads query heads in a row.
-    `diff=True`: differential attention (see _AttentionBase), `depth` the block's number.
+    `diff=True`: differential attention (see _AttentionBase), `depth` the block's number; `lsa=True`:
+    locality self-attention (see _AttentionBase; `log_temperature`).
 
     `rel_pos_type` adds learned relative positions to the scores, for tokens on a `grid` after
     `num_prefix_tokens` (vit.position): "bias" and "mlp" / "mlp_swin" are timm's RelPosBias and
@@ -217,6 +226,7 @@ class Attention(_AttentionBase):
         num_prefix_tokens: int = 0,
         rel_pos_dim: int = 128,
         num_kv_heads: int | None = None,
+        lsa: bool = False,
     ) -> None:
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads or (num_kv_heads != num_heads and (qkv_fused or diff)):
@@ -229,10 +239,14 @@ class Attention(_AttentionBase):
             widths = {"q_proj": dim, "k_proj": kv_dim, "v_proj": kv_dim}
             proj = {n: nn.Linear(dim, widths[n], bias=qkv_bias and (n != "k_proj" or k_bias)) for n in QKV_NAMES}
         super().__init__(
-            dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, proj_bias, diff=diff, depth=depth, **proj
+            dim, num_heads, attn_drop, proj_drop, qk_norm, norm, norm_eps, proj_bias, diff=diff, depth=depth, lsa=lsa,
+            **proj,
         )  # fmt: skip
         self.num_kv_heads = num_kv_heads
         self.causal = causal
+        if lsa and causal:
+            raise ValueError("lsa (locality self-attention) keeps a token from attending to itself: with causal "
+                             "attention the first token would attend to nothing")  # fmt: skip
         self.rope_half = rope_half
         separate = qkv_fused and qkv_bias and not k_bias
         self.q_bias = nn.Parameter(torch.zeros(dim)) if separate else None

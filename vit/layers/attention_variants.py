@@ -5,6 +5,8 @@
 - grouped key/value heads, fewer k/v heads read by several query heads (`split_qkv`, `expand_kv`);
 - differential attention, two softmax maps, one subtracted (`init_differential`, `differential_attention`:
   the `attention` hook);
+- locality self-attention, a learned temperature and no token attending to itself (`init_locality`,
+  `locality_attention`: the `attention` hook);
 - windows, the tokens cut into windows before the attention runs (`window_partition`, ...: WindowBlock).
 
 The parameters a variant needs are registered on the attention layer itself, under timm's names
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit.layers.sdpa import attention_weights, fused_attention, merge_masks
+from vit.layers.sdpa import add_bias, attention_weights, fused_attention, merge_masks
 from vit.position import RelPosBias, RelPosMlp, decomposed_rel_pos_bias
 
 REL_POS_TYPES = ("", "bias", "mlp", "mlp_swin", "decomposed")
@@ -132,6 +134,39 @@ def differential_attention(
         else:  # from the returned weights, so gradients can be taken of them (gradient rollout)
             x = weights @ v
     return attn.sub_norm(x) * (1 - attn.lambda_init), weights
+
+
+def init_locality(attn: nn.Module) -> None:
+    """Register locality self-attention's temperature on `attn`: one scalar a layer, tau = sqrt(head_dim)
+    at the start (plain attention's scale). Kept as log(tau), so that tau stays positive and a step
+    changes it by a factor rather than by an amount that could cross zero."""
+    attn.log_temperature = nn.Parameter(torch.tensor(math.log(attn.head_dim**0.5)))
+
+
+def locality_attention(
+    attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+    is_causal: bool, return_attn: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Locality self-attention (Lee, Lee & Song 2021, "Vision Transformer for Small-Size Datasets"):
+    softmax(q k^T / tau + mask) v with tau learned (`init_locality`) and each query's score with the
+    key of the same token at -inf, so a token's output is drawn from the other tokens only, which
+    sharpens the maps a small dataset otherwise leaves flat. Query i is token i (the first Nq tokens:
+    `num_queries` keeps that). Returns (B, heads, Nq, head_dim) and, on the explicit path, the weights."""
+    if is_causal or attn.causal:
+        raise ValueError("attn_layer='lsa' keeps each token from attending to itself: with causal attention the "
+                         "first token would attend to nothing; use attn_layer='attn'")  # fmt: skip
+    n_q, n_k = q.shape[2], k.shape[2]
+    if n_k < 2:
+        raise ValueError(f"attn_layer='lsa' needs at least 2 tokens (each attends to the others), got {n_k}")
+    diagonal = torch.zeros(n_q, n_k, dtype=q.dtype, device=q.device).fill_diagonal_(float("-inf"))
+    attn_mask = add_bias(attn_mask, diagonal)
+    inverse_tau = attn.log_temperature.neg().exp().to(q.dtype)
+    if attn.fused_attn and not return_attn:
+        # SDPA multiplies by 1 / sqrt(head_dim) itself (a float, not a tensor): q carries the rest
+        dropout_p = attn.attn_drop.p if attn.training else 0.0
+        return fused_attention(q * (inverse_tau / attn.scale), k, v, attn_mask, dropout_p, False), None
+    weights = attention_weights(q * inverse_tau, k, attn_mask)
+    return attn.attn_drop(weights) @ v, weights
 
 
 def window_attention_to_grid(attn: torch.Tensor, grid: tuple[int, int], size: int) -> torch.Tensor:

@@ -62,7 +62,9 @@ class BlockConfig:
     rope_rotate_half: bool = True  # rotary pairs j, j + head_dim/2; False: 2j, 2j + 1 (EVA, timm's default)
     proj_bias: bool = True  # False: no bias in attn.proj nor in the MLP's linears (timm's name; AIMv2)
     post_norm: bool = False  # x = x + norm1(attn(x)), x = x + norm2(mlp(x)); init_values: the norms' init
-    attn_layer: str = "attn"  # "diff": differential attention (timm's DiffAttention; see _AttentionBase)
+    # "diff": differential attention (timm's DiffAttention; see _AttentionBase). "lsa": locality self-attention
+    # (Lee et al. 2021, small datasets): scores / a learned temperature, a token's score with itself masked.
+    attn_layer: str = "attn"
     # "block": Block; "parallel_scaling": ViT-22B's ParallelScalingBlock; "parallel_things":
     # ParallelThingsBlock, num_parallel attention then num_parallel MLP branches side by side.
     block_fn: str = "block"
@@ -95,8 +97,9 @@ class BlockConfig:
             raise ValueError("attn_only_layer_scale is an option of block_fn='block' without post_norm")
         if self.block_fn not in BLOCK_FNS:
             raise ValueError(f"unknown block_fn {self.block_fn!r}; expected one of {BLOCK_FNS}")
-        if self.attn_layer not in ("attn", "diff"):
-            raise ValueError(f"attn_layer must be 'attn' or 'diff' (differential attention), got {self.attn_layer!r}")
+        if self.attn_layer not in ATTN_LAYERS:
+            raise ValueError(f"attn_layer must be 'attn', 'diff' (differential attention) or 'lsa' (locality "
+                             f"self-attention), got {self.attn_layer!r}")  # fmt: skip
         if self.block_fn == "parallel_scaling" and (
             self.mlp != "gelu" or self.num_experts > 1 or self.scale_attn_inner or self.scale_mlp or not self.qkv_fused
         ):
@@ -117,6 +120,7 @@ class BlockConfig:
 
 
 BLOCK_FNS = ("block", "parallel_scaling", "parallel_things")
+ATTN_LAYERS = ("attn", "diff", "lsa")
 
 
 def _attention(
@@ -135,6 +139,7 @@ def _attention(
         qkv_fused=c.qkv_fused, k_bias=c.k_bias, scale_norm=c.scale_attn_inner, rope_half=c.rope_rotate_half,
         proj_bias=c.proj_bias, diff=c.attn_layer == "diff", depth=depth, rel_pos_type=c.rel_pos_type, grid=grid,
         num_prefix_tokens=num_prefix_tokens, rel_pos_dim=c.rel_pos_dim, num_kv_heads=kv_heads,
+        lsa=c.attn_layer == "lsa",
     )  # fmt: skip
 
 
@@ -339,7 +344,8 @@ class ParallelScalingBlock(_AttentionBase):
         hidden = int(c.mlp_ratio * dim)
         super().__init__(
             dim, c.num_heads, c.attn_drop_rate, qk_norm=c.qk_norm, norm=c.norm, norm_eps=c.norm_eps,
-            diff=c.attn_layer == "diff", depth=depth, proj=False, in_norm=make_norm(c.norm, dim, c.norm_eps),
+            diff=c.attn_layer == "diff", depth=depth, proj=False, lsa=c.attn_layer == "lsa",
+            in_norm=make_norm(c.norm, dim, c.norm_eps),
             in_proj=nn.Linear(dim, hidden + 3 * dim, bias=c.qkv_bias),
         )  # fmt: skip
         self.causal, self.rope_half = causal, c.rope_rotate_half

@@ -21,6 +21,13 @@ class PatchEmbed(nn.Module):
     help transformers see better"): one 3x3 stride-2 conv + BatchNorm + ReLU per entry, as many as
     halve the image down to the patch grid (so the patch size must be a power of two), then a 1x1
     conv to the width (`proj`). The model is then a hybrid, not a plain patchify ViT.
+
+    With `shifted_patches` it is Shifted Patch Tokenization (Lee, Lee & Song 2021, "Vision
+    Transformer for Small-Size Datasets"): the image and 4 copies shifted diagonally by half a patch
+    (`shift_images`) side by side on the channels, each patch of those 5 x in_chans channels flattened,
+    normalised (`patch_norm`, the paper's LN over the flattened patch, before the projection) and
+    projected by `proj` (the patchify conv, 5 x in_chans inputs wide), so a token also sees the
+    pixels its neighbours' patches hold.
     """
 
     def __init__(
@@ -34,8 +41,13 @@ class PatchEmbed(nn.Module):
         dynamic_img_pad: bool = False,
         norm: str | None = None,
         norm_eps: float = 1e-6,
+        shifted_patches: bool = False,
+        patch_norm: str = "layernorm",
     ) -> None:
         super().__init__()
+        if shifted_patches and stem_channels:
+            raise ValueError("shifted_patches (Shifted Patch Tokenization) and stem_channels (a conv stem) are "
+                             "two patch embeddings: give one of them")  # fmt: skip
         self.img_size = _pair(img_size)
         self.patch_size = _pair(patch_size)
         self.dynamic_img_pad = dynamic_img_pad
@@ -58,7 +70,11 @@ class PatchEmbed(nn.Module):
             self.backbone = nn.Sequential(*layers)
             self.proj = nn.Conv2d(stem_channels[-1], embed_dim, kernel_size=1)
         else:
+            in_chans *= 5 if shifted_patches else 1
             self.proj = nn.Conv2d(in_chans, embed_dim, self.patch_size, stride=self.patch_size, bias=bias)
+        self.shifted_patches = shifted_patches
+        if shifted_patches:
+            self.patch_norm = make_norm(patch_norm, in_chans * self.patch_size[0] * self.patch_size[1], norm_eps)
         self.norm = make_norm(norm, embed_dim, norm_eps) if norm else nn.Identity()  # timm's norm_layer (AIMv2)
 
     def dynamic_feat_size(self, img_size: tuple[int, int]) -> tuple[int, int]:
@@ -78,7 +94,29 @@ class PatchEmbed(nn.Module):
             check_divisible(tuple(x.shape[-2:]), self.patch_size)
         if self.backbone is not None:
             x = self.backbone(x)
+        if self.shifted_patches:
+            return self.norm(self._shifted_tokens(shift_images(x, self.patch_size)))
         return self.norm(self.proj(x).flatten(2).transpose(1, 2))
+
+    def _shifted_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """SPT's (B, 5C, H, W) -> (B, L, D): each patch flattened in the conv's (channel, row, column)
+        order, normalised, then `proj` as the linear map it is on one patch."""
+        (ph, pw), (gh, gw) = self.patch_size, self.dynamic_feat_size(tuple(x.shape[-2:]))
+        patches = x[..., : gh * ph, : gw * pw].unflatten(2, (gh, ph)).unflatten(4, (gw, pw))  # B, C, gh, ph, gw, pw
+        patches = patches.permute(0, 2, 4, 1, 3, 5).flatten(3).flatten(1, 2)  # B, gh * gw, C * ph * pw
+        return F.linear(self.patch_norm(patches), self.proj.weight.flatten(1), self.proj.bias)
+
+
+def shift_images(x: torch.Tensor, patch_size: tuple[int, int]) -> torch.Tensor:
+    """Shifted Patch Tokenization's input: (B, C, H, W) -> (B, 5C, H, W), the images then their copies
+    moved by half a patch left-up, right-up, left-down and right-down (out[i, j] = x[i + dy, j + dx]
+    for the left-up copy, dy, dx = half a patch), zero where the shift brings pixels in."""
+    sy, sx = patch_size[0] // 2, patch_size[1] // 2
+    padded = F.pad(x, (sx, sx, sy, sy))
+    h, w = x.shape[-2:]
+    # (dy, dx) of each copy's window into the padded images: content moves the other way
+    windows = ((2 * sy, 2 * sx), (2 * sy, 0), (0, 2 * sx), (0, 0))
+    return torch.cat([x, *(padded[..., dy : dy + h, dx : dx + w] for dy, dx in windows)], dim=1)
 
 
 @torch.no_grad()

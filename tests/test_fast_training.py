@@ -491,6 +491,16 @@ def test_muon_steps_the_block_matrices_like_torch_muon_and_the_rest_like_adamw()
     assert clone._muon.state is clone.state and clone._muon.param_groups[0] is clone.param_groups[0]
 
 
+@pytest.mark.parametrize(("precision", "ns_dtype"), [("32-true", None), ("bf16-mixed", torch.bfloat16)])
+def test_muon_orthogonalises_in_bf16_where_the_run_trains_in_bf16(tmp_path, precision, ns_dtype):
+    """A run in bf16 was chosen for a device with bf16 units, where the iteration is faster in bf16;
+    a float32 run may be on a CPU without them, where bf16 matmuls are slow."""
+    module = ImageClassifier(model_name="vit_nano_patch4_16", num_classes=10, optimizer={"name": "muon", "lr": 1e-3})
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=1, limit_val_batches=0, precision=precision)
+    trainer.fit(module, DigitsDataModule(batch_size=32, num_workers=0))
+    assert trainer.optimizers[0]._muon.ns_dtype is ns_dtype
+
+
 def test_muon_orthogonalises_in_float32_on_the_cpu():
     """The default on CPU tensors: float32 (bfloat16 matmuls are ~30x slower on CPUs without bf16 units)."""
     g = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))

@@ -28,7 +28,7 @@ CIFAR_VIT = dict(
 
 def cifar_vit(**options: object) -> torch.nn.Module:
     torch.manual_seed(0)
-    return create_model("vit_micro_patch4_32", num_classes=10, **CIFAR_VIT, **options)
+    return create_model("vit_micro_patch4_32", num_classes=10, **{**CIFAR_VIT, **options})
 
 
 def count(model: torch.nn.Module) -> int:
@@ -222,3 +222,13 @@ def test_timm_has_neither_option_so_a_config_with_one_is_not_handed_to_timm():
             ValueError, match=r"timm's VisionTransformer has no equivalent of \{'(shifted_patches|attn_layer)"
         ):
             timm_kwargs(ViTConfig(**options))
+
+
+@pytest.mark.parametrize("block_fn", ["parallel_scaling", "parallel_things"])
+def test_lsa_masks_each_tokens_own_score_in_the_parallel_blocks_too(block_fn):
+    vit = cifar_vit(attn_layer="lsa", block_fn=block_fn, patch_drop_rate=0.0).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        fused, (explicit, attns) = vit(images), vit.forward_with_attn(images)
+    assert len(attns) == 3 and all(torch.all(w.diagonal(dim1=-2, dim2=-1) == 0) for w in attns)
+    assert torch.allclose(fused, explicit, atol=1e-5)

@@ -20,7 +20,8 @@ class Muon(torch.optim.Muon):
 
     torch runs the iteration in bfloat16, which suits GPUs but not CPUs without bfloat16 units: on
     an AVX2 CPU it made the whole ViT step ~5x slower (66 img/s where AdamW trains at ~300).
-    `ns_dtype=None` picks bfloat16 for CUDA tensors and float32 elsewhere.
+    `ns_dtype=None` picks bfloat16 for CUDA tensors and float32 elsewhere; a task trained in
+    bf16-mixed passes bfloat16 (vit.training.TrainingTask.make_optimizer).
     """
 
     def __init__(self, params: Any, ns_dtype: torch.dtype | None = None, **kwargs: Any) -> None:

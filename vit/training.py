@@ -306,7 +306,11 @@ class TrainingTask(L.LightningModule):
                     "model.optimizer.name", "muon", f"adamw or sgd: {self.hparams.model_name} trains no weight matrix "
                     "of transformer blocks for Muon to orthogonalise (it has none, or they are frozen)",
                 )  # fmt: skip
-            return MuonAdamW(split_muon_groups(groups, hidden), lr, options.betas, fused=can_fuse(self.trainer))
+            # Newton-Schulz in bf16 where the run chose bf16 (GPUs, CPUs with bf16 units): on an
+            # AVX512-BF16 CPU the CIFAR ViT's optimizer step took 7.3 ms against 11.3 in float32.
+            ns_dtype = torch.bfloat16 if str(self.trainer.precision).startswith("bf16") else None
+            groups = split_muon_groups(groups, hidden)
+            return MuonAdamW(groups, lr, options.betas, fused=can_fuse(self.trainer), ns_dtype=ns_dtype)
         return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, nesterov=True)
 
     def lr_schedule(self, min_ratio: float) -> Callable[[int], float]:

@@ -202,6 +202,13 @@ def family(name: str) -> str:
     return name.split("-")[0]
 
 
+def shipped_top1(r: dict) -> float:
+    """Top-1 as the run's config evaluates: of its mirror-averaged logits where the config turns
+    `tta_flip` on (every run is scored both ways; the tables of seeds show both)."""
+    flip = ((r.get("recipe") or {}).get("model") or {}).get("init_args", {}).get("tta_flip")
+    return r["top1_flip"] if flip else r["top1"]
+
+
 def precision(r: dict) -> str:
     """bf16 or fp32, as the run trained (older rows record it only in their options)."""
     ran = (r.get("recipe") or {}).get("precision") or " ".join(r["overrides"])
@@ -253,7 +260,10 @@ def report(args: argparse.Namespace) -> str:
         head = headline_machine(final)
         lines += headline(final, head, number, plot_path.name)
         lines += summary(final, number, machines_plot.name)
-        lines += seed_tables([r for r in rows if r["machine"] == head and r["split"] == "val"], number, short=True)
+        tuned = [r for r in rows if r["split"] == "val"]
+        # The headline machine's levers, and the newest machine's where levers were tuned since
+        latest = max(tuned, key=lambda r: r.get("date", ""))["machine"] if tuned else head
+        lines += seed_tables([r for r in tuned if r["machine"] in (head, latest)], number, short=True)
     else:
         lines += ["No test-set runs yet.", ""]
     lines += [
@@ -277,7 +287,7 @@ def headline(final: list[dict], head: str, number: dict[str, int], plot_name: st
     body, recipes = [], []
     for f, by in newest(final, head).items():
         params = "/".join(dict.fromkeys(f"{r['params'] / 1e6:.2f}M" for _, r in sorted(by.items())))
-        body.append([f, params, *(f"{100 * by[b]['top1']:.2f}%" if b in by else "-" for b in budgets)])
+        body.append([f, params, *(f"{100 * shipped_top1(by[b]):.2f}%" if b in by else "-" for b in budgets)])
         ran: dict[str, list[str]] = {}
         for b, r in sorted(by.items()):
             changes = " ".join(o for o in _current_names(r["overrides"]) if o not in PRECISION)
@@ -301,6 +311,8 @@ def headline(final: list[dict], head: str, number: dict[str, int], plot_name: st
         "schedule ends with the budget. Final (test) runs train on all 50,000 images and are scored once on",
         "the 10,000 test images; tuning runs hold 5,000 training images out and are scored on them. The",
         "JPEG copy (quality 75) makes these numbers comparable with each other, not with papers' CIFAR-10 tables.",
+        "A config with `tta_flip: true` is scored as it evaluates, on the mean logits of each image and its",
+        "mirror image.",
         "",
     ]
 
@@ -315,7 +327,7 @@ def summary(final: list[dict], number: dict[str, int], plot_name: str | None = N
     budgets = sorted({r["minutes"] for r in final})
     machines = sorted({r["machine"] for r in final}, key=number.__getitem__)
     rows = [
-        (str(number[m]), f, *(f"{100 * by[b]['top1']:.2f}%" if b in by else "-" for b in budgets))
+        (str(number[m]), f, *(f"{100 * shipped_top1(by[b]):.2f}%" if b in by else "-" for b in budgets))
         for m in machines
         for f, by in newest(final, m).items()
     ]
@@ -457,7 +469,7 @@ def _draw(ax, mine: dict[str, dict[float, dict]], annotate: bool, say_precision:
     `say_precision`, each label names its precision (panels of machines that ran one differ)."""
     for f, by in mine.items():
         xs = sorted(by)
-        ys = [100 * by[x]["top1"] for x in xs]
+        ys = [100 * shipped_top1(by[x]) for x in xs]
         rows = [by[x] for x in xs]
         model = f.split(" (bf16)")[0].split(" (fp32)")[0]
         words = f"{model} ({precision(rows[0])})" if say_precision else f

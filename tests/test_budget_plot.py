@@ -36,3 +36,16 @@ def test_each_panel_says_whether_its_vit_is_the_shipped_recipe(tmp_path):
     shipped = run("vit", 10, 0.78, "bf16", 0.6e6, "2026-11-25 10:00")
     titles = budget.plot([earlier, shipped], tmp_path / "p.png", {"Old, 2 threads": 1, "M, 2 threads": 2})
     assert titles == ["machine 1: Old; ViT 1.20M, an earlier recipe", "machine 2: M; ViT 0.60M, as shipped"]
+
+
+def test_a_config_that_evaluates_with_flip_tta_is_scored_with_it_and_one_that_does_not_plainly():
+    """Every run is scored with and without flip averaging; the headline cell is the one its config
+    evaluates with, so a baseline that ships `tta_flip: true` is compared as it would be used."""
+    flips = run("resnet20", 10, 0.86, "bf16", 0.27e6, "2026-12-07 10:00") | {
+        "top1_flip": 0.87, "recipe": {"model": {"init_args": {"tta_flip": True}}}}  # fmt: skip
+    plain = run("vit", 10, 0.80, "bf16", 0.6e6, "2026-12-07 11:00") | {
+        "top1_flip": 0.81, "recipe": {"model": {"init_args": {"tta_flip": False}}}}  # fmt: skip
+    older = run("vit", 30, 0.83, "bf16", 0.6e6, "2026-11-25 11:00")  # no recipe recorded: plain
+    lines = budget.headline([flips, plain, older], "M, 2 threads", {"M, 2 threads": 1}, "p.png")
+    assert "| ResNet-20 | 0.27M | 87.00% | - |" in lines
+    assert "| ViT | 0.60M | 80.00% | 83.00% |" in lines

@@ -230,3 +230,26 @@ def test_a_lever_is_compared_with_the_config_of_its_day():
     vs = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[-1].removesuffix(" |") for line in lines
           if line.startswith("| vit")}  # fmt: skip
     assert vs == {"vit (0.60M)": "-", "vit-wd0 (0.60M)": "-0.75", "vit (1.20M)": "-", "vit-ema (1.20M)": "-1.00"}
+
+
+def test_budget_report_shows_the_levers_of_the_headline_machine_and_of_the_newest_tuned_one(tmp_path):
+    def row(machine: str, name: str, seed: int, top1: float, date: str, split: str = "val") -> dict:
+        return {"split": split, "machine": machine, "name": name, "model_name": "m", "config": "c.yaml",
+                "overrides": [] if name == "vit" else ["--y", "1"], "params": 1e6, "minutes": 10, "seed": seed,
+                "epochs": 10.0, "img_per_s": 1000.0, "wall_minutes": 10.0, "top1": top1, "top1_flip": None,
+                "date": date}  # fmt: skip
+
+    rows = [
+        row("A", "vit", 0, 0.70, "2026-11-01 10:00"), row("A", "vit", 1, 0.70, "2026-11-01 10:10"),  # older
+        row("B", "vit", 0, 0.75, "2026-11-25 10:00"), row("B", "vit", 1, 0.75, "2026-11-25 10:10"),
+        row("B", "vit", 0, 0.76, "2026-11-25 11:00", "test"), row("B", "resnet20", 0, 0.80, "2026-11-25 12:00", "test"),
+        row("C", "vit", 0, 0.80, "2026-12-07 10:00"), row("C", "vit", 1, 0.81, "2026-12-07 10:10"),
+        row("C", "vit-spt", 0, 0.82, "2026-12-07 10:20"), row("C", "vit-spt", 1, 0.83, "2026-12-07 10:30"),
+    ]  # fmt: skip
+    results, out = tmp_path / "budget.jsonl", tmp_path / "b.md"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    budget.main(["report", "--results", str(results), "--out", str(out), "--plot", str(tmp_path / "b.png")])
+    titles = [line for line in out.read_text().splitlines() if line.startswith("## Each lever")]
+    assert titles == ["## Each lever at 10 minutes, two seeds or more (held-out validation, machine 2)",
+                      "## Each lever at 10 minutes, two seeds or more (held-out validation, machine 3)"]  # fmt: skip
+    assert "| vit-spt (1.00M) | `c.yaml` | --y 1 | 82.00, 83.00 | 82.50% |" in out.read_text()

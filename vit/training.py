@@ -307,7 +307,7 @@ class TrainingTask(L.LightningModule):
                     "of transformer blocks for Muon to orthogonalise (it has none, or they are frozen)",
                 )  # fmt: skip
             # Newton-Schulz in bf16 where the run chose bf16 (GPUs, CPUs with bf16 units): on an
-            # AVX512-BF16 CPU the CIFAR ViT's optimizer step took 7.3 ms against 11.3 in float32.
+            # AVX512-BF16 CPU the CIFAR ViT's step is 0.65x float32's (benchmarks/muon_step.py).
             ns_dtype = torch.bfloat16 if str(self.trainer.precision).startswith("bf16") else None
             groups = split_muon_groups(groups, hidden)
             return MuonAdamW(groups, lr, options.betas, fused=can_fuse(self.trainer), ns_dtype=ns_dtype)

@@ -234,7 +234,7 @@ def test_a_lever_is_compared_with_the_config_of_its_day():
 
 def test_budget_report_shows_the_levers_of_the_headline_machine_and_of_the_newest_tuned_one(tmp_path):
     def row(machine: str, name: str, seed: int, top1: float, date: str, split: str = "val") -> dict:
-        return {"split": split, "machine": machine, "name": name, "model_name": "m", "config": "c.yaml",
+        return {"split": split, "machine": f"{machine}, 2 threads", "name": name, "model_name": "m", "config": "c.yaml",
                 "overrides": [] if name == "vit" else ["--y", "1"], "params": 1e6, "minutes": 10, "seed": seed,
                 "epochs": 10.0, "img_per_s": 1000.0, "wall_minutes": 10.0, "top1": top1, "top1_flip": None,
                 "date": date}  # fmt: skip

@@ -24,7 +24,7 @@ from vit.layers import whiten_patch_embed_
 from vit.lit import ImageClassifier
 from vit.optim import MuonAdamW, orthogonalize, split_muon_groups
 from vit.registry import create_model
-from vit.schedule import WallClockBudget, warmup_cosine
+from vit.schedule import WallClockBudget, warmup_decay
 
 
 def _images(n: int = 8, size: int = 8) -> torch.Tensor:
@@ -381,11 +381,14 @@ def test_patch_drop_schedule_needs_a_vit_and_rates_below_one():
 # -- the schedule on the clock ---------------------------------------------------------------------
 
 
-def test_warmup_cosine_by_progress():
-    assert warmup_cosine(0.05, 0.1, 0.0) == pytest.approx(0.5)
-    assert warmup_cosine(0.1, 0.1, 0.0) == pytest.approx(1.0)
-    assert warmup_cosine(0.55, 0.1, 0.0) == pytest.approx(0.5)
-    assert warmup_cosine(1.0, 0.1, 0.01) == pytest.approx(0.01)
+def test_warmup_then_cosine_or_linear_decay_by_progress():
+    assert warmup_decay(0.05, 0.1, 0.0) == pytest.approx(0.5)
+    assert warmup_decay(0.1, 0.1, 0.0) == pytest.approx(1.0)
+    assert warmup_decay(0.55, 0.1, 0.0) == pytest.approx(0.5)
+    assert warmup_decay(1.0, 0.1, 0.01) == pytest.approx(0.01)
+    assert warmup_decay(0.325, 0.1, 0.0) == pytest.approx(0.8535534)  # a quarter of the decay, on the cosine
+    assert warmup_decay(0.325, 0.1, 0.0, "linear") == pytest.approx(0.75)
+    assert warmup_decay(1.0, 0.1, 0.01, "linear") == pytest.approx(0.01)
 
 
 def test_wall_clock_budget_stops_the_run_says_so_and_the_lr_ends_on_time(tmp_path, caplog):
@@ -395,7 +398,7 @@ def test_wall_clock_budget_stops_the_run_says_so_and_the_lr_ends_on_time(tmp_pat
     class Spy(L.Callback):
         def on_train_batch_start(self, trainer, *args):
             lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
-            expected.append(1e-3 * warmup_cosine(budget.progress(), 0.2, 0.0))
+            expected.append(1e-3 * warmup_decay(budget.progress(), 0.2, 0.0))
 
     module = ImageClassifier(num_classes=10, optimizer={"lr": 1e-3}, schedule={"warmup_fraction": 0.2})
     trainer = quiet_trainer(tmp_path, max_epochs=10_000, limit_val_batches=0, callbacks=[budget, Spy()])

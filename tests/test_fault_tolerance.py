@@ -237,7 +237,7 @@ def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_wo
     """Weights turn NaN after step 5 of 8 (checkpoints every step): the step-5 save is refused,
     the run exits 1 naming last.ckpt (step 4, finite) as the one to resume from; resuming with
     --model.optimizer.lr halved really trains at half the rate, and says so."""
-    from vit.schedule import warmup_cosine_steps
+    from vit.schedule import warmup_decay_steps
 
     args = ["fit", "--config", str(ROOT / "configs/default.yaml"), "--trainer.default_root_dir", str(tmp_path),
             *QUIET, *DIGITS, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "8",
@@ -262,7 +262,7 @@ def test_nan_weights_are_never_saved_and_the_advice_to_resume_with_a_lower_lr_wo
     assert "resuming with peak lr 0.001 instead of the checkpoint's 0.002" in caplog.text
     lrs = next(cb for cb in resumed.trainer.callbacks if hasattr(cb, "lrs")).lrs
     # the schedule of default.yaml over these 8 steps (warmup cut to 4), peak 1e-3, min_lr 1e-5
-    expected = {step: 1e-3 * warmup_cosine_steps(step, 4, 8, 1e-5 / 1e-3) for step in range(4, 8)}
+    expected = {step: 1e-3 * warmup_decay_steps(step, 4, 8, 1e-5 / 1e-3) for step in range(4, 8)}
     assert lrs == pytest.approx(expected, rel=1e-9)
 
 

@@ -58,6 +58,7 @@ MODEL_CASES = [
     ("schedule.min_lr", "-1", "the rate at the end, from 0 to the peak lr"),
     ("schedule.min_lr", "1", "at most model.optimizer.lr 0.002: the rate decays to it"),  # found as the run starts
     ("schedule.decay_steps", "-5", "a whole number of at least 1"),
+    ("schedule.decay", "step", "expected cosine or linear"),
     ("schedule.warmup_fraction", "-0.1", "the share of the run spent warming up, in \\[0, 1\\)"),
     ("schedule.warmup_epochs", "-1", "epochs of warmup, at least 0"),
     ("finetune.layer_decay", "-1", "a decay in \\(0, 1\\]"),

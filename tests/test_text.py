@@ -20,7 +20,7 @@ from vit.cli import TrainCLI, main
 from vit.data import CharTokenizer, TextDataModule
 from vit.language_model import LanguageModel
 from vit.layers import Block
-from vit.schedule import warmup_cosine_steps
+from vit.schedule import warmup_decay_steps
 from vit.tools.sample import sample
 
 GPT_CONFIGS = sorted((ROOT / "configs" / "gpt").glob("*.yaml"))
@@ -368,7 +368,7 @@ def test_a_run_resumed_with_another_lr_trains_at_it(text_file, tmp_path, caplog)
                   "--model.optimizer.lr", "1.5e-3", "--trainer.callbacks+=tests.faults.RecordLR", *common)  # fmt: skip
     assert "resuming with peak lr 0.0015 instead of the checkpoint's 0.003" in caplog.text
     lrs = next(cb for cb in cli.trainer.callbacks if hasattr(cb, "lrs")).lrs
-    assert lrs == pytest.approx({step: 1.5e-3 * warmup_cosine_steps(step, 2, 6, 0.0) for step in (3, 4, 5)}, rel=1e-9)
+    assert lrs == pytest.approx({step: 1.5e-3 * warmup_decay_steps(step, 2, 6, 0.0) for step in (3, 4, 5)}, rel=1e-9)
 
 
 def test_a_mixture_of_experts_gpt_trains_with_its_load_balancing_loss(text_file, tmp_path):

@@ -23,7 +23,7 @@ from vit.data import DigitsDataModule
 from vit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from vit.fault_tolerance import NonFiniteLossError
 from vit.lit import ImageClassifier
-from vit.schedule import warmup_cosine_steps
+from vit.schedule import warmup_decay_steps
 from vit.training import param_groups
 
 CONFIGS = sorted([*(ROOT / "configs").glob("*.yaml"), *(ROOT / "configs/finetune").glob("*.yaml")])
@@ -289,10 +289,17 @@ def test_resnet_baseline_trains_through_the_same_pipeline(tmp_path):
 
 
 def test_warmup_then_cosine_schedule():
-    lrs = [warmup_cosine_steps(s, warmup_steps=4, total_steps=14, min_ratio=0.1) for s in range(15)]
+    lrs = [warmup_decay_steps(s, warmup_steps=4, total_steps=14, min_ratio=0.1) for s in range(15)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == 1.0 and lrs[9] == pytest.approx(0.55) and lrs[14] == pytest.approx(0.1)
     assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
+
+
+def test_warmup_then_linear_schedule_falls_by_equal_steps_to_min_lr():
+    lrs = [warmup_decay_steps(s, 4, 14, 0.1, decay="linear") for s in range(15)]
+    assert lrs[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lrs[6] == pytest.approx(0.82) and lrs[14] == pytest.approx(0.1)  # cosine: 0.914 at step 6
+    assert [a - b for a, b in itertools.pairwise(lrs[4:])] == pytest.approx([0.09] * 10)
 
 
 def test_no_weight_decay_on_norms_biases_pos_embed_and_cls_token():
@@ -305,7 +312,8 @@ def test_no_weight_decay_on_norms_biases_pos_embed_and_cls_token():
     assert not {names[id(p)] for p in decay["params"]} & no_decay_names and no_decay["weight_decay"] == 0.0
 
 
-def test_lr_is_scaled_by_the_global_batch_and_follows_the_schedule(tmp_path):
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_lr_is_scaled_by_the_global_batch_and_follows_the_schedule(tmp_path, decay):
     seen = []
 
     class RecordLR(Callback):
@@ -315,14 +323,14 @@ def test_lr_is_scaled_by_the_global_batch_and_follows_the_schedule(tmp_path):
     module = ImageClassifier(
         "vit_nano_patch4_16",
         optimizer={"lr": 1e-3, "lr_base_batch_size": 32},
-        schedule={"warmup_epochs": 1, "min_lr": 0.0},
+        schedule={"warmup_epochs": 1, "min_lr": 0.0, "decay": decay},
     )
     data = DigitsDataModule(batch_size=64, num_workers=0)
     trainer = quiet_trainer(tmp_path, max_epochs=2, callbacks=[RecordLR()])
     trainer.fit(module, data)
     steps = trainer.global_step  # 22 per epoch
     peak = 1e-3 * 64 / 32
-    expected = [peak * warmup_cosine_steps(s, steps // 2, steps, 0.0) for s in range(steps)]
+    expected = [peak * warmup_decay_steps(s, steps // 2, steps, 0.0, decay) for s in range(steps)]
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(expected), rtol=1e-6, atol=1e-12)
 
 

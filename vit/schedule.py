@@ -97,22 +97,33 @@ def stepwise(schedule: list[tuple[float, float]], progress: float) -> float:
     return next((value for start, value in reversed(schedule) if progress >= start), schedule[0][1])
 
 
-def warmup_cosine(progress: float, warmup: float, min_ratio: float) -> float:
+DECAYS = ("cosine", "linear")
+
+
+def warmup_decay(progress: float, warmup: float, min_ratio: float, decay: str = "cosine") -> float:
     """Learning-rate multiplier at `progress` in [0, 1]: linear warmup over the first `warmup`
-    fraction, then cosine from 1 down to min_ratio at the end."""
+    fraction, then `decay` (DECAYS) from 1 down to min_ratio at the end."""
     if progress < warmup:
         return max(progress / warmup, 1e-3)
-    return cosine_decay((progress - warmup) / max(1e-12, 1.0 - warmup), min_ratio)
+    return decay_from_peak((progress - warmup) / max(1e-12, 1.0 - warmup), min_ratio, decay)
 
 
-def warmup_cosine_steps(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+def warmup_decay_steps(
+    step: int, warmup_steps: int, total_steps: int, min_ratio: float, decay: str = "cosine"
+) -> float:
     """Learning-rate multiplier at optimizer step `step`: linear from ~0 to 1 over warmup_steps,
-    then cosine down to min_ratio at total_steps."""
+    then `decay` (DECAYS) down to min_ratio at total_steps."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    return cosine_decay((step - warmup_steps) / max(1, total_steps - warmup_steps), min_ratio)
+    return decay_from_peak((step - warmup_steps) / max(1, total_steps - warmup_steps), min_ratio, decay)
 
 
-def cosine_decay(fraction: float, min_ratio: float) -> float:
-    """From 1 at fraction 0 down to min_ratio at fraction 1 (and after), along half a cosine."""
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, fraction)))
+def decay_from_peak(fraction: float, min_ratio: float, decay: str = "cosine") -> float:
+    """From 1 at fraction 0 down to min_ratio at fraction 1 (and after), along half a cosine or a
+    straight line."""
+    fraction = min(1.0, fraction)
+    if decay == "linear":
+        return 1.0 - (1.0 - min_ratio) * fraction
+    if decay != "cosine":
+        raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * fraction))

@@ -40,7 +40,7 @@ from vit.fault_tolerance import (
 from vit.heads import is_head
 from vit.optim import MuonAdamW, split_muon_groups
 from vit.options import OptionError, is_number, number, require, upgrade, whole
-from vit.schedule import find_budget, warmup_cosine, warmup_cosine_steps
+from vit.schedule import DECAYS, find_budget, warmup_decay, warmup_decay_steps
 from vit.seeds import Purpose, RunSeed, global_seed, step_seed
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ class Optimizer:
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The learning rate's shape over the run (`model.schedule`): linear warmup from ~0 to the
-    peak, then cosine decay to min_lr at the run's end (by steps, or by a
-    vit.schedule.WallClockBudget's time).
+    peak, then decay to min_lr at the run's end (by steps, or by a vit.schedule.WallClockBudget's
+    time).
 
     Args:
         warmup_epochs: warmup length in epochs (fractions allowed); warmup_steps, when given,
@@ -97,8 +97,9 @@ class Schedule:
             run (of its steps, or of its budget), so it scales with max_epochs or the budget. A
             warmup longer than half the run is cut to half, with a warning.
         min_lr: the rate at the end.
-        decay_steps: end the cosine at this step instead of the run's last (nanoGPT's
+        decay_steps: end the decay at this step instead of the run's last (nanoGPT's
             lr_decay_iters); min_lr after it.
+        decay: the decay's shape, "cosine" (half a cosine) or "linear" (a straight line to min_lr).
     """
 
     warmup_epochs: float = 0.0
@@ -106,9 +107,11 @@ class Schedule:
     warmup_fraction: float | None = None
     min_lr: float = 0.0
     decay_steps: int | None = None
+    decay: str = "cosine"
 
     def __post_init__(self) -> None:
         name = "model.schedule."
+        require(self.decay in DECAYS, name + "decay", self.decay, " or ".join(DECAYS))
         number(self.warmup_epochs, name + "warmup_epochs", "epochs of warmup, at least 0", 0, math.inf)
         if self.warmup_steps is not None:
             whole(self.warmup_steps, 0, name + "warmup_steps", "optimizer steps of warmup")
@@ -117,7 +120,7 @@ class Schedule:
                    0, 1, open_high=True)  # fmt: skip
         number(self.min_lr, name + "min_lr", "the rate at the end, from 0 to the peak lr", 0, math.inf)
         if self.decay_steps is not None:
-            whole(self.decay_steps, 1, name + "decay_steps", "the step the cosine ends at")
+            whole(self.decay_steps, 1, name + "decay_steps", "the step the decay ends at")
 
 
 class TrainingTask(L.LightningModule):
@@ -315,7 +318,7 @@ class TrainingTask(L.LightningModule):
 
     def lr_schedule(self, min_ratio: float) -> Callable[[int], float]:
         """The multiplier of the peak rate at each optimizer step, ending at min_ratio: warmup then
-        cosine over the run's steps (or to schedule.decay_steps), or, with a WallClockBudget, over
+        the decay over the run's steps (or to schedule.decay_steps), or, with a WallClockBudget, over
         its time."""
         schedule = self.schedule
         budget = find_budget(self.trainer)
@@ -326,7 +329,7 @@ class TrainingTask(L.LightningModule):
                     "and no decay_steps"
                 )
             warmup = self._cap_warmup(schedule.warmup_fraction or 0.0, 1.0)
-            return lambda step: warmup_cosine(budget.progress(), warmup, min_ratio)
+            return lambda step: warmup_decay(budget.progress(), warmup, min_ratio, schedule.decay)
         run = self.trainer.estimated_stepping_batches
         total = schedule.decay_steps or int(run)
         warmup = schedule.warmup_steps
@@ -336,12 +339,12 @@ class TrainingTask(L.LightningModule):
             warmup = round(schedule.warmup_epochs * self._steps_per_epoch())
         warmup = self._cap_warmup(warmup, total)
         if schedule.decay_steps is not None and math.isfinite(run) and 0 < run < schedule.decay_steps:
-            end = warmup_cosine_steps(int(run) - 1, warmup, total, min_ratio)
+            end = warmup_decay_steps(int(run) - 1, warmup, total, min_ratio, schedule.decay)
             rank_zero_warn(
                 f"model.schedule.decay_steps ({schedule.decay_steps}) is past the run's last step ({int(run)}): "
                 f"the rate ends at {end:.3g} of the peak, not at min_lr"
             )
-        return lambda step: warmup_cosine_steps(step, warmup, total, min_ratio)
+        return lambda step: warmup_decay_steps(step, warmup, total, min_ratio, schedule.decay)
 
     def _steps_per_epoch(self) -> int:
         """Optimizer steps in one epoch. A run bounded by max_steps alone (max_epochs -1) has not

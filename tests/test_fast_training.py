@@ -604,6 +604,22 @@ def test_conv_stem_makes_a_hybrid_with_the_same_token_grid():
         create_model("vit_micro_patch4_32", stem_channels=(48, 96, 192))
 
 
+def test_a_pooled_conv_stem_convolves_every_pixel_then_pools_to_the_same_grid():
+    torch.manual_seed(0)
+    model = create_model("vit_micro_patch4_32", num_classes=10, stem_channels=(16, 32), stem_pool=True).eval()
+    maps = []
+    for layer in model.patch_embed.backbone:
+        if isinstance(layer, torch.nn.Conv2d):
+            layer.register_forward_hook(lambda m, i, out: maps.append((m.stride, tuple(out.shape[-2:]))))
+    tokens = model.patch_embed(torch.randn(2, 3, 32, 32))
+    assert tokens.shape == (2, 64, 192)  # the 4x4 patch grid of the plain ViT
+    assert maps == [((1, 1), (32, 32)), ((1, 1), (16, 16))]  # stride-1 convs, each map halved by its pool
+    strided = create_model("vit_micro_patch4_32", num_classes=10, stem_channels=(16, 32))
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in strided.parameters())
+    with pytest.raises(ValueError, match="stem_pool pools after the convs of a conv stem: give stem_channels"):
+        create_model("vit_micro_patch4_32", stem_pool=True)
+
+
 def test_channels_last_stores_convolutions_nhwc_and_gives_the_same_logits():
     torch.manual_seed(0)
     plain = ImageClassifier(model_name="resnet20", num_classes=10).eval()

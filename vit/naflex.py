@@ -63,7 +63,8 @@ class NaFlexConfig(ViTConfig):
         if self.pos_embed_grid_size is not None:
             self.pos_embed_grid_size = _pair(self.pos_embed_grid_size)
         vit_only = dict(posemb="none", distilled=False, no_embed_class=False, embed_norm=False, stem_channels=None,
-                        backbone=None, rel_pos_type="", window_size=0, shifted_patches=False)  # fmt: skip
+                        stem_pool=False, backbone=None, rel_pos_type="", window_size=0,
+                        shifted_patches=False)  # fmt: skip
         changed = [name for name, off in vit_only.items() if getattr(self, name) != off]
         if changed:
             raise ValueError(f"NaFlexVit's embedding has no {', '.join(changed)} (its positions: pos_embed)")

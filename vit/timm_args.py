@@ -324,7 +324,7 @@ def timm_kwargs(config: ViTConfig) -> dict:
     others = ("rel_pos_type", "window_size", "global_attn_indexes")  # timm's relpos and SAM ViTs have them
     unmatched = {
         name: getattr(config, name)
-        for name in ("num_experts", "stem_channels", "shifted_patches", *eva_options, *others)
+        for name in ("num_experts", "stem_channels", "stem_pool", "shifted_patches", *eva_options, *others)
         if getattr(config, name) != getattr(default, name)
     }
     if config.attn_layer == "lsa":

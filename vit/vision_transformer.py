@@ -85,6 +85,8 @@ class ViTConfig(BlockConfig):
     fix_init: bool = False  # each block's attn.proj and mlp.fc2 start divided by sqrt(2 x its number, from 1) (timm)
     # Channels of a convolutional stem (vit.layers.PatchEmbed) replacing the patchify conv: a hybrid.
     stem_channels: tuple[int, ...] | None = None
+    # The stem's convs at stride 1, each followed by a 3x3 stride-2 max pool (CCT's tokenizer).
+    stem_pool: bool = False
     # Shifted Patch Tokenization (Lee et al. 2021, small datasets): the patches of the image and of 4 copies
     # shifted diagonally by half a patch, normed (`patch_embed.patch_norm`) then projected (vit.layers.PatchEmbed).
     shifted_patches: bool = False
@@ -176,7 +178,7 @@ class VisionTransformer(nn.Module):
         else:
             self.patch_embed = PatchEmbed(
                 c.img_size, c.patch_size, c.in_chans, c.embed_dim, c.stem_channels, not c.pre_norm, c.dynamic_img_pad,
-                c.norm if c.embed_norm else None, c.norm_eps, c.shifted_patches, c.norm,
+                c.norm if c.embed_norm else None, c.norm_eps, c.shifted_patches, c.norm, c.stem_pool,
             )  # fmt: skip
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.distilled else None

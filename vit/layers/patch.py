@@ -20,7 +20,10 @@ class PatchEmbed(nn.Module):
     With `stem_channels` it is instead a convolutional stem (Xiao et al. 2021, "Early convolutions
     help transformers see better"): one 3x3 stride-2 conv + BatchNorm + ReLU per entry, as many as
     halve the image down to the patch grid (so the patch size must be a power of two), then a 1x1
-    conv to the width (`proj`). The model is then a hybrid, not a plain patchify ViT.
+    conv to the width (`proj`). The model is then a hybrid, not a plain patchify ViT. With
+    `stem_pool` each conv keeps stride 1 and a 3x3 stride-2 max pool halves the map after it
+    (CCT's convolutional tokenizer, Hassani et al. 2021): every pixel is convolved, at 4x the
+    first conv's cost.
 
     With `shifted_patches` it is Shifted Patch Tokenization (Lee, Lee & Song 2021, "Vision
     Transformer for Small-Size Datasets"): the image and 4 copies shifted diagonally by half a patch
@@ -43,8 +46,11 @@ class PatchEmbed(nn.Module):
         norm_eps: float = 1e-6,
         shifted_patches: bool = False,
         patch_norm: str = "layernorm",
+        stem_pool: bool = False,
     ) -> None:
         super().__init__()
+        if stem_pool and not stem_channels:
+            raise ValueError("stem_pool pools after the convs of a conv stem: give stem_channels too")
         if shifted_patches and stem_channels:
             raise ValueError("shifted_patches (Shifted Patch Tokenization) and stem_channels (a conv stem) are "
                              "two patch embeddings: give one of them")  # fmt: skip
@@ -65,8 +71,10 @@ class PatchEmbed(nn.Module):
                 )
             layers: list[nn.Module] = []
             for c_in, c_out in zip((in_chans, *stem_channels[:-1]), stem_channels, strict=True):
-                layers += [nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(c_out)]
+                stride = 1 if stem_pool else 2
+                layers += [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(c_out)]
                 layers.append(nn.ReLU(inplace=True))
+                layers += [nn.MaxPool2d(3, stride=2, padding=1)] if stem_pool else []
             self.backbone = nn.Sequential(*layers)
             self.proj = nn.Conv2d(stem_channels[-1], embed_dim, kernel_size=1)
         else:

@@ -98,7 +98,7 @@ def test_configs_laid_over_the_vit_change_only_what_they_say(capsys):
     changed = {k for k, v in hybrid["model"]["init_args"].items() if vit["model"]["init_args"][k] != v}
     assert changed == {"model_kwargs"}  # the ViT's blocks, its stem in place of the patchify conv
     kwargs = vit["model"]["init_args"]["model_kwargs"]
-    assert hybrid["model"]["init_args"]["model_kwargs"] == kwargs | {"stem_channels": [32, 64]}
+    assert hybrid["model"]["init_args"]["model_kwargs"] == kwargs | {"stem_channels": [32, 64], "stem_pool": True}
 
 
 def test_a_config_that_only_changes_options_run_alone_says_what_it_lays_over(capsys):

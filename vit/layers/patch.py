@@ -22,8 +22,8 @@ class PatchEmbed(nn.Module):
     halve the image down to the patch grid (so the patch size must be a power of two), then a 1x1
     conv to the width (`proj`). The model is then a hybrid, not a plain patchify ViT. With
     `stem_pool` each conv keeps stride 1 and a 3x3 stride-2 max pool halves the map after it
-    (CCT's convolutional tokenizer, Hassani et al. 2021): every pixel is convolved, at 4x the
-    first conv's cost.
+    (CCT's convolutional tokenizer, Hassani et al. 2021): every pixel is convolved, at 4x each
+    conv's cost.
 
     With `shifted_patches` it is Shifted Patch Tokenization (Lee, Lee & Song 2021, "Vision
     Transformer for Small-Size Datasets"): the image and 4 copies shifted diagonally by half a patch

@@ -82,7 +82,7 @@ def test_each_group_checks_its_own_values():
         Optimizer(name="adam")
     with pytest.raises(ValueError, match=r"^model\.distillation\.kind: got 'warm', expected hard or soft$"):
         Distillation("teacher.ckpt", kind="warm")
-    with pytest.raises(ValueError, match="Schedule has no option warmup; its options: decay_steps, min_lr, warmup_e"):
+    with pytest.raises(ValueError, match="Schedule has no option warmup; its options: decay, decay_steps, min_lr, w"):
         ImageClassifier(num_classes=10, schedule={"warmup": 3})
 
 

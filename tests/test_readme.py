@@ -85,6 +85,15 @@ def test_the_readme_quotes_the_budget_reports_headline_table():
         assert f"{words} {quoted}" in row, (model, quoted, row)
     hybrid = table["ViT + conv stem (hybrid)"]
     assert f"conv-stem hybrid {float(hybrid[1].rstrip('%')):.1f}% at 30 min" in row
+    # "today's configs at 10 min": the 10-minute cells of the newest machine in the every-machine table
+    every = (ROOT / "benchmarks" / "budget.md").read_text().split("## Every machine")[1].split("## ")[0]
+    cells = [line.strip("| ").split(" | ") for line in every.splitlines() if line.startswith("| ") and "%" in line]
+    newest = max(int(c[0]) for c in cells)
+    ten = {c[1]: f"{float(c[2].rstrip('%')):.1f}%" for c in cells if int(c[0]) == newest}
+    today = row.split("today's configs at 10 min")[1]
+    for model, words in (("ViT", "ViT"), ("ViT + conv stem (hybrid)", "hybrid (CCT's tokenizer)"),
+                         ("ResNet-20", "ResNet-20")):  # fmt: skip
+        assert f"{words} {ten[model]}" in today, (model, ten[model], today)
 
 
 def test_the_readme_counts_the_timm_names_that_build():

@@ -620,12 +620,18 @@ def test_a_pooled_conv_stem_convolves_every_pixel_then_pools_to_the_same_grid():
         create_model("vit_micro_patch4_32", stem_pool=True)
 
 
-def test_channels_last_stores_convolutions_nhwc_and_gives_the_same_logits():
+@pytest.mark.parametrize(
+    "model_name, model_kwargs",
+    [("resnet20", {}), ("vit_micro_patch4_32", {"stem_channels": [8, 16], "stem_pool": True})],
+    ids=["resnet20", "vit-pooled-stem"],
+)
+def test_channels_last_stores_convolutions_nhwc_and_gives_the_same_logits(model_name, model_kwargs):
     torch.manual_seed(0)
-    plain = ImageClassifier(model_name="resnet20", num_classes=10).eval()
-    nhwc = ImageClassifier(model_name="resnet20", num_classes=10, speed={"channels_last": True}).eval()
+    plain = ImageClassifier(model_name=model_name, model_kwargs=model_kwargs, num_classes=10).eval()
+    nhwc = ImageClassifier(model_name=model_name, model_kwargs=model_kwargs, num_classes=10,
+                           speed={"channels_last": True}).eval()  # fmt: skip
     nhwc.model.load_state_dict(plain.model.state_dict())
-    conv = nhwc.model.conv1.weight
+    conv = next(m.weight for m in nhwc.model.modules() if isinstance(m, torch.nn.Conv2d))
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     x = torch.randn(4, 3, 32, 32)
     torch.testing.assert_close(nhwc(x), plain(x), atol=1e-5, rtol=1e-5)

@@ -96,7 +96,8 @@ def test_configs_laid_over_the_vit_change_only_what_they_say(capsys):
         "mixup": {"mixup_alpha": 0.0, "cutmix_alpha": 1.0, "prob": 0.5, "switch_prob": 0.5}}  # fmt: skip
     assert long["model"] == vit["model"]  # the long runs' model is the config's (3 blocks)
     changed = {k for k, v in hybrid["model"]["init_args"].items() if vit["model"]["init_args"][k] != v}
-    assert changed == {"model_kwargs"}  # the ViT's blocks, its stem in place of the patchify conv
+    assert changed == {"model_kwargs", "speed"}  # the ViT's blocks, its stem in place of the patchify conv
+    assert hybrid["model"]["init_args"]["speed"] == vit["model"]["init_args"]["speed"] | {"channels_last": True}
     kwargs = vit["model"]["init_args"]["model_kwargs"]
     assert hybrid["model"]["init_args"]["model_kwargs"] == kwargs | {"stem_channels": [32, 64], "stem_pool": True}
 

@@ -96,10 +96,11 @@ def test_configs_laid_over_the_vit_change_only_what_they_say(capsys):
         "mixup": {"mixup_alpha": 0.0, "cutmix_alpha": 1.0, "prob": 0.5, "switch_prob": 0.5}}  # fmt: skip
     assert long["model"] == vit["model"]  # the long runs' model is the config's (3 blocks)
     changed = {k for k, v in hybrid["model"]["init_args"].items() if vit["model"]["init_args"][k] != v}
-    assert changed == {"model_kwargs", "speed"}  # the ViT's blocks, its stem in place of the patchify conv
+    assert changed == {"model_kwargs", "speed"}  # 2 of the ViT's blocks after a conv stem, in NHWC
     assert hybrid["model"]["init_args"]["speed"] == vit["model"]["init_args"]["speed"] | {"channels_last": True}
     kwargs = vit["model"]["init_args"]["model_kwargs"]
-    assert hybrid["model"]["init_args"]["model_kwargs"] == kwargs | {"stem_channels": [32, 64], "stem_pool": True}
+    stem = {"stem_channels": [32, 64], "stem_pool": True}
+    assert hybrid["model"]["init_args"]["model_kwargs"] == kwargs | stem | {"depth": 2}
 
 
 def test_a_config_that_only_changes_options_run_alone_says_what_it_lays_over(capsys):

@@ -11,6 +11,7 @@ ViT has one patchify conv and gains nothing. Same results either way (tests/test
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ def model_args(configs: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=10, help="steps timed per round")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=128)
     args = parser.parse_args(argv)
     labels = torch.randint(0, 10, (args.batch_size,))
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---:|---:|---:|")
     for label, configs in CONFIGS.items():
         init = model_args(configs)
-        ms = {}
+        steps = {}
         for layout in (torch.contiguous_format, torch.channels_last):
             torch.manual_seed(0)
             model = create_model(init["model_name"], num_classes=10, **(init.get("model_kwargs") or {}))
@@ -59,7 +61,13 @@ def main(argv: list[str] | None = None) -> None:
                     loss = torch.nn.functional.cross_entropy(model(images), labels)
                 loss.backward()
 
-            ms[layout] = median_ms(forward_backward, args.repeats)
+            steps[layout] = forward_backward
+        # the layouts take turns, so a machine that drifts in speed moves both alike
+        rounds = {layout: [] for layout in steps}
+        for _ in range(args.rounds):
+            for layout, step in steps.items():
+                rounds[layout].append(median_ms(step, args.repeats))
+        ms = {layout: statistics.median(times) for layout, times in rounds.items()}
         nchw, nhwc = ms[torch.contiguous_format], ms[torch.channels_last]
         config_sets = "yes" if (init.get("speed") or {}).get("channels_last") else "no"
         print(f"| {label} | {config_sets} | {nchw:.1f} | {nhwc:.1f} | {nchw / nhwc:.2f}x |")

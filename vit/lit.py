@@ -143,7 +143,7 @@ class Speed:
     Args:
         compile: run the model through torch.compile (the checkpoint keeps the plain weights).
         channels_last: keep conv weights and input batches in NHWC memory order, which oneDNN and
-            cuDNN convolutions run faster (ResNet-20 training on an AVX2 CPU: +9%); same results.
+            cuDNN convolutions and max pools run faster (benchmarks/conv_layout.py); same results.
         grad_checkpointing: recompute block activations in backward (ViT-L/H at larger batches).
     """
 

@@ -12,29 +12,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
-from typing import Any
 
 import torch
-import yaml
 
-from benchmarks.muon_step import median_ms
+from benchmarks.muon_step import median_ms, model_args
 from vit.registry import create_model
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "ResNet-20": ["configs/cifar10_resnet.yaml"],
     "ViT": ["configs/cifar10_vit.yaml"],
     "hybrid (pooled conv stem)": ["configs/cifar10_vit.yaml", "configs/cifar10_hybrid.yaml"],
 }
-
-
-def model_args(configs: list[str]) -> dict[str, Any]:
-    """The model's init_args of configs laid over each other (each key given whole, as the CLI does)."""
-    args: dict[str, Any] = {}
-    for config in configs:
-        args.update(yaml.safe_load((ROOT / config).read_text())["model"].get("init_args", {}))
-    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -27,8 +28,16 @@ from vit.training import param_groups
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def model_args(configs: list[str]) -> dict[str, Any]:
+    """The model's init_args of configs laid over each other (each key given whole, as the CLI does)."""
+    args: dict[str, Any] = {}
+    for config in configs:
+        args.update(yaml.safe_load((ROOT / config).read_text())["model"].get("init_args", {}))
+    return args
+
+
 def cifar_vit() -> torch.nn.Module:
-    config = yaml.safe_load((ROOT / "configs/cifar10_vit.yaml").read_text())["model"]["init_args"]
+    config = model_args(["configs/cifar10_vit.yaml"])
     torch.manual_seed(0)
     return create_model(config["model_name"], num_classes=10, **config["model_kwargs"])
 

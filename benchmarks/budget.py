@@ -33,6 +33,7 @@ from lightning.pytorch import LightningDataModule, Trainer
 from benchmarks.report import NOTES_MARKER, data_root, machine, markdown_table, write_report
 from vit.cli import TrainCLI, show_our_logs
 from vit.data import ImageDataModule
+from vit.fault_tolerance import EXIT_CODES, stop_signal
 from vit.lit import ImageClassifier
 from vit.options import StillWorks, written
 from vit.schedule import find_budget
@@ -87,7 +88,18 @@ def run(args: argparse.Namespace) -> dict:
     used = cli.config.as_dict()
     recipe = {"model": used["model"], "data": used["data"], "precision": used["trainer"]["precision"]}
     budget = find_budget(trainer)
-    trainer.fit(model, data)
+    try:
+        trainer.fit(model, data)
+    except (KeyboardInterrupt, SystemExit) as e:  # Lightning's SIGTERM is a SystemExit with status 0
+        name = stop_signal(e)
+        if name is None:
+            raise
+        print(
+            f"budget run {args.name!r} stopped by {name} after {budget.elapsed() / 60:.1f} of {args.minutes:g} "
+            f"minutes (step {trainer.global_step}): not scored, nothing written to {args.results}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        sys.exit(EXIT_CODES[name])
     wall = budget.elapsed()
     steps = trainer.global_step
     images = steps * data.batch_size * trainer.world_size

@@ -96,6 +96,28 @@ def test_budget_run_stops_on_time_scores_once_and_reports(tmp_path):
     assert plot.stat().st_size > 1000 and (tmp_path / "budget_machines.png").stat().st_size > 1000
 
 
+def test_a_budget_run_stopped_by_sigterm_exits_143_says_so_and_writes_no_row(tmp_path, capsys):
+    """A run cut short (a scheduler's SIGTERM after step 2 of a 1-minute budget) is not a result:
+    scored, it would enter the tables as a budget it never had."""
+    write_image_folder(tmp_path / "data", classes=3, train=40, val=20, val_dir="test", ext="jpg")
+    results = tmp_path / "budget.jsonl"
+    with pytest.raises(SystemExit) as stopped:
+        budget.main([
+            "run", "--name", "resnet20", "--config", "configs/cifar10_resnet.yaml", "--minutes", "1",
+            "--data-root", str(tmp_path / "data"), "--workdir", str(tmp_path / "runs"), "--results", str(results),
+            "--", "--data.batch_size", "16", "--trainer.callbacks+=tests.faults.SignalAt",
+            "--trainer.callbacks.step=2", "--trainer.callbacks.signals=[SIGTERM]",
+        ])  # fmt: skip
+    assert stopped.value.code == 143
+    assert not results.exists()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"budget run 'resnet20' stopped by SIGTERM after 0\.\d of 1 minutes \(step 2\): not scored, "
+        rf"nothing written to {re.escape(str(results))}",
+        line,
+    ), line
+
+
 @pytest.fixture
 def keep_threads():
     """ablate.py sets the thread count (one by default); other tests must not inherit it."""

@@ -96,11 +96,12 @@ def test_configs_laid_over_the_vit_change_only_what_they_say(capsys):
         "mixup": {"mixup_alpha": 0.0, "cutmix_alpha": 1.0, "prob": 0.5, "switch_prob": 0.5}}  # fmt: skip
     assert long["model"] == vit["model"]  # the long runs' model is the config's (3 blocks)
     changed = {k for k, v in hybrid["model"]["init_args"].items() if vit["model"]["init_args"][k] != v}
-    assert changed == {"model_kwargs", "speed"}  # 2 of the ViT's blocks after a conv stem, in NHWC
+    assert changed == {"model_kwargs", "speed", "patch_drop_schedule"}  # 2 of the ViT's blocks after a conv stem
     assert hybrid["model"]["init_args"]["speed"] == vit["model"]["init_args"]["speed"] | {"channels_last": True}
     kwargs = vit["model"]["init_args"]["model_kwargs"]
     stem = {"stem_channels": [32, 64], "stem_pool": True}
-    assert hybrid["model"]["init_args"]["model_kwargs"] == kwargs | stem | {"depth": 2}
+    assert hybrid["model"]["init_args"]["model_kwargs"] == kwargs | stem | {"depth": 2, "patch_drop_rate": 0.65}
+    assert hybrid["model"]["init_args"]["patch_drop_schedule"] == [[0, 0.65], [0.8, 0.0]]  # then every token
 
 
 def test_a_config_that_only_changes_options_run_alone_says_what_it_lays_over(capsys):

@@ -546,6 +546,41 @@ class _SaidLate(RuntimeError):
         return self.args[0]
 
 
+def test_a_worker_killed_while_sending_a_batch_is_named_not_left_as_a_broken_pipe():
+    """kill -9 of a loader worker mid-send broke the data process's pipe (ConnectionResetError) a moment
+    before the worker was a zombie torch could name, and that error went to the run as a traceback."""
+    from vit.data.process import _Server
+
+    calls = []
+
+    def torch_handler(signum, frame):  # the worker is seen dead from the handler's second look on
+        calls.append(signum)
+        if len(calls) >= 2:
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")
+
+    class Loader:
+        def __iter__(self):
+            yield (torch.zeros(2, 3),)
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    previous = signal.signal(signal.SIGCHLD, torch_handler)
+    try:
+        import queue
+
+        orders, free, ready = queue.Queue(), queue.Queue(), queue.Queue()
+        free.put(0)
+        server = _Server(Loader(), torch.device("cpu"), 1, 2, orders, free, ready, None)
+        assert server.run_epoch(1, None) is None
+        error = [ready.get_nowait() for _ in range(ready.qsize())][-1][2]
+        assert isinstance(error, DataProcessFailed), error
+        assert str(error).startswith(
+            f"a loader worker (pid 4242) of the data process (pid {os.getpid()}) was killed by SIGKILL"
+        )
+        assert len(calls) == 2 and server.death is None
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 def test_a_worker_death_raised_by_torchs_sigchld_handler_inside_the_report_is_said_once():
     """torch's SIGCHLD handler raises a loader worker's death wherever the data process is. When it
     landed inside the except clause reporting the loader's own error for that death, it escaped the

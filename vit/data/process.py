@@ -422,6 +422,18 @@ class _Server:
         held.held_by = self  # type: ignore[attr-defined]
         signal.signal(signal.SIGCHLD, held)
 
+    def _await_death(self, seconds: float = 1.0) -> None:
+        """Asks torch's (held) SIGCHLD handler for up to `seconds` whether a loader worker died: one
+        killed while it sends a batch breaks the pipe (ConnectionResetError) before it is a zombie
+        that the loader or the handler can see, and the error alone would not name it."""
+        handler = signal.getsignal(signal.SIGCHLD)
+        if getattr(handler, "held_by", None) is not self:
+            return
+        end = time.monotonic() + seconds
+        while self.death is None and time.monotonic() < end:
+            handler(signal.SIGCHLD, None)  # type: ignore[operator]
+            time.sleep(0.05)
+
     def new_order(self) -> tuple[Any, ...] | None:
         with contextlib.suppress(queue.Empty):
             return self.orders.get_nowait()
@@ -458,6 +470,8 @@ class _Server:
                 if order is not None:
                     return order
         except Exception as e:  # raised in the training process where the batch is taken
+            if isinstance(e, ConnectionError | EOFError) and self.death is None:
+                self._await_death()
             error = _reported(e)
             if self.death is not None:  # torch's handler has said the same death, naming the signal
                 error, self.death = _reported(self.death), None

@@ -546,11 +546,23 @@ class _SaidLate(RuntimeError):
         return self.args[0]
 
 
+def _one_epoch(loader):
+    """A data process's server (in this process) run through one epoch of `loader`: the server, its
+    order queue and the messages it sent."""
+    import queue
+
+    from vit.data.process import _Server
+
+    orders, free, ready = queue.Queue(), queue.Queue(), queue.Queue()
+    free.put(0)
+    server = _Server(loader, torch.device("cpu"), 1, 2, orders, free, ready, None)
+    assert server.run_epoch(1, None) is None
+    return server, orders, [ready.get_nowait() for _ in range(ready.qsize())]
+
+
 def test_a_worker_killed_while_sending_a_batch_is_named_not_left_as_a_broken_pipe():
     """kill -9 of a loader worker mid-send broke the data process's pipe (ConnectionResetError) a moment
     before the worker was a zombie torch could name, and that error went to the run as a traceback."""
-    from vit.data.process import _Server
-
     calls = []
 
     def torch_handler(signum, frame):  # the worker is seen dead from the handler's second look on
@@ -565,13 +577,8 @@ def test_a_worker_killed_while_sending_a_batch_is_named_not_left_as_a_broken_pip
 
     previous = signal.signal(signal.SIGCHLD, torch_handler)
     try:
-        import queue
-
-        orders, free, ready = queue.Queue(), queue.Queue(), queue.Queue()
-        free.put(0)
-        server = _Server(Loader(), torch.device("cpu"), 1, 2, orders, free, ready, None)
-        assert server.run_epoch(1, None) is None
-        error = [ready.get_nowait() for _ in range(ready.qsize())][-1][2]
+        server, _, messages = _one_epoch(Loader())
+        error = messages[-1][2]
         assert isinstance(error, DataProcessFailed), error
         assert str(error).startswith(
             f"a loader worker (pid 4242) of the data process (pid {os.getpid()}) was killed by SIGKILL"
@@ -585,7 +592,6 @@ def test_a_worker_death_raised_by_torchs_sigchld_handler_inside_the_report_is_sa
     """torch's SIGCHLD handler raises a loader worker's death wherever the data process is. When it
     landed inside the except clause reporting the loader's own error for that death, it escaped the
     data process as a second traceback instead of the one line naming the signal."""
-    from vit.data.process import _Server
 
     def torch_handler(signum, frame):
         raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")
@@ -597,13 +603,7 @@ def test_a_worker_death_raised_by_torchs_sigchld_handler_inside_the_report_is_sa
 
     previous = signal.signal(signal.SIGCHLD, torch_handler)
     try:
-        import queue
-
-        orders, free, ready = queue.Queue(), queue.Queue(), queue.Queue()
-        free.put(0)
-        server = _Server(Loader(), torch.device("cpu"), 1, 2, orders, free, ready, None)
-        assert server.run_epoch(1, None) is None
-        messages = [ready.get_nowait() for _ in range(ready.qsize())]
+        server, orders, messages = _one_epoch(Loader())
         assert [m[0] for m in messages] == ["ring", "batch", "error"]
         error = messages[-1][2]
         assert isinstance(error, DataProcessFailed)
